@@ -1,0 +1,205 @@
+"""What autopar plans for: a 2-D device mesh (nodes × devices per node) and its costs.
+
+A ``Cluster`` is plain, frozen data. The planner reads it; nothing in it needs the devices to exist,
+so a 1024-GPU cluster is planned on a laptop. ``Cluster.local(n)`` is this machine as n CPU ranks
+over gloo; ``Cluster.preset(name, nodes=N)`` describes real GPU clusters (see ``presets.py`` for the
+source of every number); ``Cluster.profile(...)`` measures the machine it runs on (issue 5).
+
+Units: seconds, bytes, bytes/s, FLOP/s. Bandwidths are per device and unidirectional, the figure a
+ring collective's bandwidth term divides by.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import ClusterError
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveFit:
+    """A fitted α-β line for one collective on one link class and group size: t(m) = alpha + m * beta.
+
+    m is the per-device message size in bytes as ``cost_models.communication`` defines it for that
+    collective (the input of an all-reduce, the output of an all-gather, ...).
+    """
+
+    alpha: float
+    beta: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + nbytes * self.beta
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Link:
+    """One class of interconnect (inside a node, or between nodes).
+
+    latency: α, seconds per collective (or per send).  bandwidth: bytes/s one device can push.
+    fits: measured α-β lines keyed ``"<collective>/<group size>"`` (e.g. ``"all_reduce/4"``); when a key
+    is present the cost model uses it instead of the analytic ring formula on latency/bandwidth.
+    """
+
+    latency: float
+    bandwidth: float
+    fits: dict[str, CollectiveFit] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """A homogeneous cluster: ``nodes`` machines of ``devices_per_node`` devices each.
+
+    mesh_shape: the logical 2-D mesh used when the whole cluster runs one intra-op stage; defaults to
+      (nodes, devices_per_node). Its product must equal the device count.
+    peak_flops: dense matmul FLOP/s per device, by dtype name ("float32", "float16", "bfloat16").
+    matmul_efficiency: fraction of peak_flops that large matmuls reach (a roofline ceiling, not 1.0).
+    memory_bandwidth: bytes/s per device for ops bound by memory traffic (elementwise, norms, ...).
+    memory_per_device: bytes available to training state on each device.
+    intra_node / inter_node: the two link classes; inter_node.bandwidth is per node (one NIC shared by
+      the node's devices), intra_node.bandwidth per device.
+    backend / device_type: how the runtime talks ("gloo"/"cpu" locally, "nccl"/"cuda" on GPUs).
+    source: where the numbers come from (a preset's citation, or "profiled on <host> <date>").
+    """
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    peak_flops: dict[str, float]
+    matmul_efficiency: float
+    memory_bandwidth: float
+    memory_per_device: float
+    intra_node: Link
+    inter_node: Link
+    mesh_shape: tuple[int, int] | None = None
+    backend: str = "nccl"
+    device_type: str = "cuda"
+    source: str = ""
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise ClusterError(f"cluster {self.name!r}: nodes ({self.nodes}) and devices_per_node "
+                               f"({self.devices_per_node}) must be positive integers")
+        shape = tuple(self.mesh_shape) if self.mesh_shape is not None else (self.nodes, self.devices_per_node)
+        if len(shape) != 2 or math.prod(shape) != self.num_devices or min(shape) < 1:
+            raise ClusterError(f"cluster {self.name!r}: mesh_shape {shape} does not tile {self.num_devices} devices; "
+                               f"give two positive sizes whose product is {self.num_devices}, e.g. "
+                               f"(1, {self.num_devices})")
+        object.__setattr__(self, "mesh_shape", shape)
+        for field in ("matmul_efficiency", "memory_bandwidth", "memory_per_device"):
+            if not getattr(self, field) > 0:
+                raise ClusterError(f"cluster {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+        if not self.peak_flops or min(self.peak_flops.values()) <= 0:
+            raise ClusterError(f"cluster {self.name!r}: peak_flops needs a positive FLOP/s per dtype, "
+                               f"got {self.peak_flops}")
+        for link_name in ("intra_node", "inter_node"):
+            link = getattr(self, link_name)
+            if link.latency < 0 or link.bandwidth <= 0:
+                raise ClusterError(f"cluster {self.name!r}: {link_name} needs latency >= 0 and bandwidth > 0, "
+                                   f"got latency={link.latency}, bandwidth={link.bandwidth}")
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_mesh(self, mesh_shape: tuple[int, int]) -> "Cluster":
+        """The same cluster viewed as another logical 2-D mesh (same devices, same links)."""
+        return dataclasses.replace(self, mesh_shape=tuple(mesh_shape))
+
+    def with_memory(self, memory_per_device: float) -> "Cluster":
+        """The same cluster with another per-device memory budget (bytes)."""
+        return dataclasses.replace(self, memory_per_device=float(memory_per_device))
+
+    def flops(self, dtype_name: str) -> float:
+        """Achievable matmul FLOP/s per device for a dtype (falls back to float32, then the max known)."""
+        peak = self.peak_flops.get(dtype_name) or self.peak_flops.get("float32") or max(self.peak_flops.values())
+        return peak * self.matmul_efficiency
+
+    # ---- constructors ------------------------------------------------------------------------
+    @staticmethod
+    def local(n: int, mesh_shape: tuple[int, int] | None = None, memory_per_device: float | None = None) -> "Cluster":
+        """This machine as ``n`` CPU ranks over gloo (see ``presets.local_cpu`` for the constants)."""
+        from autopar.presets import local_cpu
+
+        return local_cpu(n, mesh_shape=mesh_shape, memory_per_device=memory_per_device)
+
+    @staticmethod
+    def preset(name: str, nodes: int = 1, mesh_shape: tuple[int, int] | None = None) -> "Cluster":
+        """A described GPU cluster: "p3.16xlarge", "dgx-a100", "dgx-h100" (see ``presets.PRESETS``)."""
+        from autopar.presets import preset
+
+        return preset(name, nodes=nodes, mesh_shape=mesh_shape)
+
+    @staticmethod
+    def profile(*args, **kwargs) -> "Cluster":
+        """Measure the cluster this process group runs on; see ``autopar.profiler.profile_cluster``."""
+        from autopar.profiler import profile_cluster
+
+        return profile_cluster(*args, **kwargs)
+
+    # ---- JSON --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path: str | os.PathLike | None = None) -> str:
+        """JSON text of the cluster; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Cluster":
+        return _cluster_from_dict(d)
+
+    @staticmethod
+    def from_json(source: str | os.PathLike) -> "Cluster":
+        """Load a cluster from JSON text or from a path to a JSON file."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            path = Path(source)
+            if not path.exists():
+                raise ClusterError(f"cluster file {str(path)!r} does not exist; write one with "
+                                   f"`autopar profile --out {path}` or Cluster.to_json({str(path)!r})")
+            text = path.read_text()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"cluster JSON is malformed ({e}); regenerate it with `autopar profile`") from None
+        return _cluster_from_dict(d)
+
+
+_REQUIRED = ("name", "nodes", "devices_per_node", "peak_flops", "matmul_efficiency", "memory_bandwidth",
+             "memory_per_device", "intra_node", "inter_node")
+
+
+def _link_from_dict(d: dict[str, Any], where: str) -> Link:
+    if not isinstance(d, dict) or "latency" not in d or "bandwidth" not in d:
+        raise ClusterError(f"cluster JSON: {where} needs 'latency' (s) and 'bandwidth' (bytes/s), got {d!r}")
+    fits = {k: CollectiveFit(**v) for k, v in (d.get("fits") or {}).items()}
+    return Link(latency=float(d["latency"]), bandwidth=float(d["bandwidth"]), fits=fits)
+
+
+def _cluster_from_dict(d: dict[str, Any]) -> Cluster:
+    if not isinstance(d, dict):
+        raise ClusterError(f"cluster JSON must be an object, got {type(d).__name__}")
+    missing = [k for k in _REQUIRED if k not in d]
+    if missing:
+        raise ClusterError(f"cluster JSON is missing {missing}; every cluster file needs {list(_REQUIRED)} "
+                           f"(write one with `autopar profile --out cluster.json`)")
+    kwargs = dict(d)
+    kwargs["intra_node"] = _link_from_dict(d["intra_node"], "intra_node")
+    kwargs["inter_node"] = _link_from_dict(d["inter_node"], "inter_node")
+    if kwargs.get("mesh_shape") is not None:
+        kwargs["mesh_shape"] = tuple(kwargs["mesh_shape"])
+    unknown = set(kwargs) - {f.name for f in dataclasses.fields(Cluster)}
+    if unknown:
+        raise ClusterError(f"cluster JSON has unknown fields {sorted(unknown)}")
+    try:
+        return Cluster(**kwargs)
+    except TypeError as e:
+        raise ClusterError(f"cluster JSON has a field of the wrong type: {e}") from None

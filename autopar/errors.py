@@ -1,0 +1,33 @@
+"""The errors autopar raises for bad input. Each message names the cause (expected vs got) and the fix.
+
+All derive from ``AutoparError``, itself a ``ValueError``: they are about what the user passed in.
+Internal invariants use ``assert`` instead.
+"""
+
+
+class AutoparError(ValueError):
+    """Base class of every user-facing autopar error."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be captured as a graph by torch.export."""
+
+
+class ClusterError(AutoparError):
+    """A cluster description is malformed or does not match the running process group."""
+
+
+class PlanError(AutoparError):
+    """A plan is malformed, or belongs to another model, inputs or cluster."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits the per-device memory budget."""
+
+
+class InputError(AutoparError):
+    """Inputs passed at run time differ from the example inputs the plan was made for."""
+
+
+class CommunicationError(RuntimeError):
+    """A collective failed or timed out, typically because another rank died."""

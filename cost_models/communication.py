@@ -1,0 +1,139 @@
+"""Communication cost: α-β per mesh axis, and the price of a redistribution (forward + backward).
+
+Collective times on an axis of n devices with link latency α and per-device bandwidth β (bytes/s),
+ring algorithms (Thakur et al. 2005; NCCL's bus-bandwidth convention):
+
+    all_reduce(m)      = α + 2(n-1)/n · m / β        m = the full tensor on each device
+    all_gather(m)      = α +  (n-1)/n · m / β        m = the gathered (output) size
+    reduce_scatter(m)  = α +  (n-1)/n · m / β        m = the input size
+    all_to_all(m)      = α +  (n-1)/n · m / β        m = the local size
+    send(m)            = α +            m / β
+
+When the cluster carries a measured fit for "<collective>/<n>" on that link class, t = α_fit + m·β_fit
+replaces the formula (the profiler defines m the same way).
+
+Axis links: the logical mesh's devices are numbered row-major over (nodes × devices per node). An axis
+whose groups stay inside a node uses the intra-node link; one whose groups span nodes uses the
+inter-node link, whose per-node bandwidth is shared by the c groups that cross the same node's NIC at
+once (β = inter_bw / c).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from torch.distributed.tensor import Shard
+
+from autopar.cluster import Cluster, Link
+from autopar.placement import P, R, Spec, local_shape
+from autopar.redistribute import Step, redistribute_steps
+
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "send": lambda n: 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisLink:
+    """The link one mesh axis communicates over: n devices per group, latency, bandwidth, fits."""
+
+    size: int
+    latency: float
+    bandwidth: float
+    link: Link
+
+    def time(self, kind: str, nbytes: float) -> float:
+        if self.size <= 1 or nbytes <= 0:
+            return 0.0
+        fit = self.link.fits.get(f"{kind}/{self.size}")
+        if fit is not None:
+            return fit.time(nbytes)
+        return self.latency + RING_FACTOR[kind](self.size) * nbytes / self.bandwidth
+
+
+def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
+    """Links for each axis of a logical mesh laid row-major on nodes of ``devices_per_node`` devices.
+
+    devices_per_node defaults to the cluster's; a submesh inside one node passes its own width.
+    """
+    m = devices_per_node or cluster.devices_per_node
+    total = math.prod(mesh_shape)
+    ids = np.arange(total).reshape(mesh_shape)
+    node_of = ids // m
+    links = []
+    for axis, size in enumerate(mesh_shape):
+        groups = np.moveaxis(node_of, axis, -1).reshape(-1, size)
+        spans = any(len(set(g)) > 1 for g in groups)
+        if not spans:
+            link = cluster.intra_node
+            links.append(AxisLink(size, link.latency, link.bandwidth, link))
+            continue
+        per_node = {}
+        for g in groups:
+            for node in set(g):
+                per_node[node] = per_node.get(node, 0) + 1
+        concurrent = max(per_node.values())
+        link = cluster.inter_node
+        links.append(AxisLink(size, link.latency, link.bandwidth / concurrent, link))
+    return tuple(links)
+
+
+_BACKWARD = {"all_gather": None, "split": "all_gather", "all_reduce": None, "reduce_scatter": "all_gather",
+             "all_to_all": "all_to_all", "to_partial": "all_reduce", "sync_grad": "all_reduce"}
+
+
+def _step_message(step: Step, shape: tuple[int, ...], spec: list, mesh_shape) -> tuple[str, float]:
+    """(collective, message elements) of a forward step given the local shape before it."""
+    local = math.prod(local_shape(shape, tuple(spec), mesh_shape))
+    n = mesh_shape[step.axis]
+    if step.kind == "all_gather":
+        return "all_gather", local * n
+    if step.kind in ("all_reduce",):
+        return "all_reduce", local
+    if step.kind == "reduce_scatter":
+        return "reduce_scatter", local
+    if step.kind == "all_to_all":
+        return "all_to_all", local
+    return step.kind, local
+
+
+def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
+                      links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst``.
+
+    Backward follows the table in ``autopar.redistribute``; it is 0 when ``needs_grad`` is False.
+    """
+    fwd = bwd = 0.0
+    spec = list(src)
+    for step in redistribute_steps(src, dst, grad_axes if needs_grad else ()):
+        kind, elems = _step_message(step, shape, spec, mesh_shape)
+        link = links[step.axis]
+        if kind in RING_FACTOR:
+            fwd += link.time(kind, elems * itemsize)
+        if needs_grad:
+            bwd += _backward_time(step, kind, elems, itemsize, link)
+        spec[step.axis] = _after(step, spec[step.axis], dst)
+    return fwd, bwd
+
+
+def _backward_time(step: Step, kind: str, elems: float, itemsize: int, link: AxisLink) -> float:
+    if step.kind == "all_gather":
+        return link.time("reduce_scatter", elems * itemsize) if step.rs_backward else 0.0
+    if step.kind == "all_reduce":
+        return link.time("all_reduce", elems * itemsize) if step.ar_backward else 0.0
+    back = _BACKWARD[step.kind]  # every other backward moves the pre-step local size (``elems``)
+    return link.time(back, elems * itemsize) if back else 0.0
+
+
+def _after(step: Step, before, dst: Spec):
+    if step.kind in ("all_gather", "all_reduce", "sync_grad"):
+        return R if step.kind != "sync_grad" else before
+    if step.kind in ("split", "reduce_scatter"):
+        return Shard(step.dim)
+    if step.kind == "all_to_all":
+        return Shard(step.dim2)
+    if step.kind == "to_partial":
+        return P
+    return before

@@ -1,0 +1,117 @@
+"""Compute cost of one op under one strategy: FLOPs and bytes -> seconds by a roofline.
+
+    t(node, strategy) = max( flops · work_fraction / F ,  bytes_local / B )      (forward + backward)
+
+F is the cluster's achievable matmul FLOP/s for the dtype, B its memory bandwidth. FLOPs come from
+``torch.utils.flop_counter`` run on ``meta`` tensors of the node's global shapes (forward, then
+backward when any float input needs a gradient); ops it does not count (elementwise, norms) have
+0 FLOPs and are priced by bytes. bytes_local = (inputs + outputs, local shapes) × (1 forward +
+2 backward when differentiable): backward reads the output gradient and the saved inputs and writes
+input gradients. Pure views move no data and cost 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.placement import local_shape
+
+aten = torch.ops.aten
+
+FREE_VIEWS = {
+    aten.view, aten._unsafe_view, aten.expand, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
+    aten.squeeze, aten.select, aten.slice, aten.split, aten.split_with_sizes, aten.chunk, aten.unbind,
+    aten.alias, aten.detach, aten.lift_fresh_copy, aten.numpy_T, aten.narrow, aten.tensor_split,
+}
+
+
+def is_free_view(node: fx.Node) -> bool:
+    import operator
+
+    if node.target is operator.getitem:
+        return True
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in FREE_VIEWS
+
+
+def _meta_like(val: Any, requires_grad: bool) -> Any:
+    if isinstance(val, torch.Tensor):
+        t = torch.empty(val.shape, dtype=val.dtype, device="meta")
+        if requires_grad and val.dtype.is_floating_point:
+            t.requires_grad_(True)
+        return t
+    return val
+
+
+def _signature(node: fx.Node) -> str:
+    def describe(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            return ("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("N", a.name)
+        return a
+
+    return f"{node.target}|{pytree.tree_map(describe, (node.args, node.kwargs))}"
+
+
+def node_flops(node: fx.Node) -> tuple[float, float]:
+    """(forward FLOPs, backward FLOPs) of a call_function node at its global shapes."""
+    if node.op != "call_function" or is_free_view(node):
+        return 0.0, 0.0
+    return _flops_cached(_signature(node), node)
+
+
+_FLOPS: dict[str, tuple[float, float]] = {}  # signature -> (fwd, bwd); ops repeat across identical layers
+
+
+def _flops_cached(signature: str, node: fx.Node) -> tuple[float, float]:
+    if signature not in _FLOPS:
+        _FLOPS[signature] = _measure_flops(node)
+    return _FLOPS[signature]
+
+
+def _measure_flops(node: fx.Node) -> tuple[float, float]:
+    if not hasattr(node.target, "_schema"):
+        return 0.0, 0.0
+    args, kwargs = pytree.tree_map(
+        lambda a: _meta_like(a.meta.get("val"), True) if isinstance(a, fx.Node) else a, (node.args, node.kwargs))
+    try:
+        with FlopCounterMode(display=False) as counter:
+            out = node.target(*args, **kwargs)
+            fwd = counter.get_total_flops()
+            outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            total = counter.get_total_flops()
+    except Exception:  # an op meta cannot run (data-dependent output shape): price it by bytes only
+        return 0.0, 0.0
+    return float(fwd), float(total - fwd)
+
+
+def tensor_bytes(val: Any) -> int:
+    return math.prod(val.shape) * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def local_bytes(val: Any, spec, mesh_shape) -> float:
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    return math.prod(local_shape(tuple(val.shape), spec, mesh_shape)) * val.element_size()
+
+
+def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_shape, cluster,
+                 differentiable: bool) -> float:
+    """Roofline seconds for forward (+ backward when ``differentiable``) of ``node`` under ``strategy``."""
+    if node.op != "call_function" or is_free_view(node):
+        return 0.0
+    fwd_flops, bwd_flops = node_flops(node)
+    flops = (fwd_flops + (bwd_flops if differentiable else 0.0)) * strategy.work_fraction
+    moved = sum(local_bytes(v, s, mesh_shape) for v, s in zip(in_vals, strategy.in_specs))
+    moved += sum(local_bytes(v, strategy.out_spec, mesh_shape) for v in out_vals)
+    moved *= 3.0 if differentiable else 1.0
+    dtype = next((v.dtype for v in in_vals + out_vals if isinstance(v, torch.Tensor)), torch.float32)
+    name = str(dtype).replace("torch.", "")
+    return max(flops / cluster.flops(name), moved / cluster.memory_bandwidth)

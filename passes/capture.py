@@ -1,0 +1,212 @@
+"""Pass 1, capture: nn.Module + example inputs -> ``ModelGraph`` (an fx graph of ATen ops).
+
+Input:  an ``nn.Module`` and a tuple of example inputs (real tensors, or tensors on ``meta``).
+Output: ``ModelGraph`` whose ``gm`` is the lifted training-IR graph from non-strict ``torch.export``:
+  * one placeholder per parameter, buffer, lifted constant and user input, in the signature's order;
+  * every call_function node carries ``meta["val"]`` (a fake tensor, or a tuple of them) with shapes
+    and dtypes; runtime assertion nodes (``aten._assert_tensor_metadata`` and friends) are removed,
+    since they pin global shapes that local shards do not have;
+  * ``placeholders`` describes each placeholder (kind, fully qualified name, shape, dtype).
+
+Why torch.export and not fx.symbolic_trace: symbolic_trace fails on Hugging Face GPT-2/Llama/BERT; non-strict
+export captures them (DESIGN.md). A model export rejects gets one ``CaptureError`` naming the user line.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
+
+from autopar.errors import CaptureError
+
+_ASSERT_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaceholderInfo:
+    """One graph input: ``kind`` is "parameter", "buffer", "constant" or "input"; ``fqn`` the state-dict
+    key (parameters/buffers), the constant's name, or ``"input.<i>"`` for the i-th user input."""
+
+    name: str
+    kind: str
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class ModelGraph:
+    """The captured model: the graph plus what codegen and the runtime need to run it.
+
+    param_aliases maps every state-dict key of a parameter (tied weights included) to the key of the
+    placeholder that carries it; ``constants`` holds lifted tensor constants by fqn.
+    """
+
+    gm: fx.GraphModule
+    placeholders: list[PlaceholderInfo]
+    out_spec: pytree.TreeSpec
+    param_aliases: dict[str, str]
+    buffer_keys: list[str]
+    constants: dict[str, torch.Tensor]
+    input_signature: list[tuple[tuple[int, ...], str]]
+
+    @property
+    def nodes(self) -> list[fx.Node]:
+        return list(self.gm.graph.nodes)
+
+    def placeholder(self, name: str) -> PlaceholderInfo:
+        return self._by_name[name]
+
+    def __post_init__(self):
+        self._by_name = {p.name: p for p in self.placeholders}
+
+    def fingerprint(self) -> str:
+        """A hash of the graph's structure (ops, wiring, shapes, dtypes): equal for the same model and
+        input shapes, different otherwise; plans record it to refuse being applied to another model."""
+        h = hashlib.sha256()
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+            h.update(f"{node.op}|{node.name}|{node.target}|{_arg_names(node.args)}|{shape}\n".encode())
+        return h.hexdigest()[:16]
+
+
+def _arg_names(args: Any) -> str:
+    return str(pytree.tree_map(lambda a: a.name if isinstance(a, fx.Node) else a, args))
+
+
+def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:
+    """Export ``model`` on ``example_inputs`` (non-strict) and return the cleaned ``ModelGraph``."""
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"autopar expects a torch.nn.Module, got {type(model).__name__}; wrap your "
+                           f"function in a Module whose forward returns the loss")
+    example_inputs = normalize_inputs(example_inputs)
+    ep = _export(model, example_inputs)
+    gm = ep.graph_module
+    _strip_assertions(gm)
+    placeholders = _describe_placeholders(ep, gm)
+    aliases = _param_aliases(model, ep)
+    buffers = [k for k, _ in model.named_buffers()]
+    signature = [(tuple(t.shape), str(t.dtype)) for t in example_inputs]
+    return ModelGraph(gm=gm, placeholders=placeholders, out_spec=ep.call_spec.out_spec,
+                      param_aliases=aliases, buffer_keys=buffers, constants=dict(ep.constants),
+                      input_signature=signature)
+
+
+def normalize_inputs(example_inputs) -> tuple:
+    """Accept a tensor or a tuple/list of tensors; anything else is a clear error."""
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise CaptureError(f"example_inputs must be a tuple of tensors (the positional arguments of "
+                           f"forward), got {type(example_inputs).__name__}")
+    for i, t in enumerate(example_inputs):
+        if not isinstance(t, torch.Tensor):
+            raise CaptureError(f"example_inputs[{i}] is a {type(t).__name__}; autopar needs tensors as "
+                               f"positional inputs (bind other arguments with functools.partial or in the Module)")
+    return tuple(example_inputs)
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
+    """torch.export non-strict, with torch's own multi-page error turned into one line + the user's line."""
+    quiet = io.StringIO()
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            return torch.export.export(model, example_inputs, strict=False)
+    except Exception as e:  # torch.export raises many unrelated types; all mean "cannot capture"
+        raise CaptureError(_describe_export_failure(model, e)) from None
+    finally:
+        logger.setLevel(level)
+
+
+def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
+    frame = _user_frame(e)
+    where = f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    name = type(e).__name__
+    if "data-dependent" in str(e) or "DataDependent" in name:
+        cause = "Python control flow or a Python number depends on a tensor's values"
+        fix = ("make it shape-only, use torch.where / torch.cond, or compute it outside forward "
+               "and pass it in")
+    else:
+        cause = f"{name}: {first}"
+        fix = "rewrite that construct so torch.export (non-strict) can trace it, or move it out of forward"
+    return (f"cannot capture {type(model).__name__} with torch.export{where}: {cause}. Fix: {fix}.")
+
+
+def _user_frame(e: BaseException):
+    """The innermost traceback frame outside torch and autopar: the user's model code."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = traceback.extract_tb(e.__traceback__)
+    user = [f for f in frames if not f.filename.startswith(torch_dir) and not f.filename.startswith(here)
+            and "site-packages/torch" not in f.filename and "<" not in f.filename]
+    return user[-1] if user else None
+
+
+def _strip_assertions(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERT_OPS and not node.users:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _describe_placeholders(ep: torch.export.ExportedProgram, gm: fx.GraphModule) -> list[PlaceholderInfo]:
+    kind_of = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+               InputKind.CONSTANT_TENSOR: "constant", InputKind.USER_INPUT: "input"}
+    specs = ep.graph_signature.input_specs
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(specs) == len(nodes), "export signature and graph placeholders disagree"
+    out, user_index = [], 0
+    for spec, node in zip(specs, nodes):
+        kind = kind_of.get(spec.kind)
+        if kind is None:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} for {node.name}")
+        if kind == "input":
+            fqn, user_index = f"input.{user_index}", user_index + 1
+        else:
+            fqn = spec.target
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            raise CaptureError(f"graph input {node.name} is a {type(val).__name__}, not a tensor; "
+                               f"autopar takes tensor inputs only")
+        out.append(PlaceholderInfo(node.name, kind, fqn, tuple(val.shape), val.dtype))
+    return out
+
+
+def _param_aliases(model: torch.nn.Module, ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """Every parameter key (tied duplicates included) -> the key whose placeholder the graph uses.
+
+    Export may keep a placeholder per tied name but wire only one of them (HF GPT-2 keeps both
+    ``wte.weight`` and ``lm_head.weight``); the used one is canonical, so every alias trains it.
+    """
+    specs = [s for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER]
+    used = {n.name for n in ep.graph.nodes if n.op == "placeholder" and n.users}
+    used_keys = {s.target for s in specs if s.arg.name in used}
+    kept = {s.target for s in specs}
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    aliases = {}
+    for names in groups.values():
+        canonical = next((n for n in names if n in used_keys), next((n for n in names if n in kept), names[0]))
+        aliases.update({n: canonical for n in names})
+    return aliases

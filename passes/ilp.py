@@ -1,0 +1,156 @@
+r"""The sharding ILP (Alpa §4.2), over *classes*: groups of nodes that share one strategy choice.
+
+Given classes c with strategy counts |S_c|, a cost vector t_c (seconds), a memory vector m_c (bytes)
+and, per pair of connected classes, a resharding matrix R_{cd} (seconds):
+
+    minimize    Σ_c t_c · x_c  +  Σ_{(c,d)} Σ_{ij} R_{cd}[i,j] · y_{cd}[i,j]
+    subject to  Σ_i x_c[i] = 1                          ∀c        (one strategy)        _one_strategy
+                Σ_j y_{cd}[i,j] = x_c[i]                ∀(c,d),i  (edge ↔ source)       _edge_marginals
+                Σ_i y_{cd}[i,j] = x_d[j]                ∀(c,d),j  (edge ↔ destination)  _edge_marginals
+                Σ_c m_c · x_c ≤ M                                  (memory)              _memory_row
+                x_c ∈ {0,1},  y_{cd} ∈ [0,1]
+
+y needs no integrality: with x one-hot, the marginals leave exactly one feasible y (the product of the
+two one-hot vectors). Classes with a single strategy get no variables; their edges fold into linear
+terms on the other side. Solver: HiGHS through PuLP when highspy is installed, else the CBC that PuLP
+bundles; always with a time limit, returning the best integer solution found when it hits the limit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pulp
+
+from autopar.errors import InfeasibleError
+
+
+@dataclasses.dataclass
+class IlpProblem:
+    """cost[c], mem[c]: vectors over class c's strategies; edges[(c, d)]: |S_c|×|S_d| matrices, c != d."""
+
+    cost: list[np.ndarray]
+    mem: list[np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    budget: float | None = None
+
+    @property
+    def n_classes(self) -> int:
+        return len(self.cost)
+
+
+@dataclasses.dataclass
+class IlpResult:
+    choice: list[int]
+    objective: float
+    status: str
+    seconds: float
+    n_variables: int
+
+
+def solver(time_limit: float):
+    """HiGHS when available (faster), else PuLP's bundled CBC; both with ``time_limit`` seconds."""
+    if "HiGHS" in pulp.listSolvers(onlyAvailable=True):
+        return pulp.HiGHS(msg=False, timeLimit=time_limit)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
+
+
+def solve_ilp(problem: IlpProblem, time_limit: float = 60.0) -> IlpResult:
+    """Solve the ILP; raises InfeasibleError (naming the smallest feasible budget) if memory cannot fit."""
+    start = time.perf_counter()
+    if problem.budget is not None:
+        floor = min_memory(problem)
+        if floor > problem.budget * (1 + 1e-9):
+            raise InfeasibleError(_infeasible_message(problem.budget, floor))
+    model = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
+    x = _one_strategy(model, problem)
+    objective = [pulp.lpDot(problem.cost[c].tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
+    constant = sum(float(problem.cost[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1)
+    n_y, terms, constant_edges = _edge_marginals(model, problem, x)
+    model += pulp.lpSum(objective + terms) + constant + constant_edges
+    _memory_row(model, problem, x)
+    status = model.solve(solver(time_limit))
+    if pulp.LpStatus[status] not in ("Optimal", "Not Solved") or not _has_solution(x):
+        raise InfeasibleError(f"the sharding ILP found no solution ({pulp.LpStatus[status]}) within "
+                              f"{time_limit:.0f} s; raise the solver time limit or the memory budget")
+    choice = [_argmax(xc) for xc in x]
+    objective_value = evaluate(problem, choice)
+    n_vars = sum(len(xc) for xc in x if len(xc) > 1) + n_y
+    return IlpResult(choice, objective_value, pulp.LpStatus[status], time.perf_counter() - start, n_vars)
+
+
+def _one_strategy(model, problem: IlpProblem) -> list[list]:
+    x = []
+    for c in range(problem.n_classes):
+        n = len(problem.cost[c])
+        if n == 1:
+            x.append([1])
+            continue
+        xc = [pulp.LpVariable(f"x_{c}_{i}", cat="Binary") for i in range(n)]
+        model += pulp.lpSum(xc) == 1
+        x.append(xc)
+    return x
+
+
+def _edge_marginals(model, problem: IlpProblem, x) -> tuple[int, list, float]:
+    terms, constant, n_y = [], 0.0, 0
+    for (c, d), matrix in problem.edges.items():
+        if len(x[c]) == 1 and len(x[d]) == 1:
+            constant += float(matrix[0, 0])
+        elif len(x[c]) == 1:
+            terms.append(pulp.lpDot(matrix[0].tolist(), x[d]))
+        elif len(x[d]) == 1:
+            terms.append(pulp.lpDot(matrix[:, 0].tolist(), x[c]))
+        else:
+            y = [[pulp.LpVariable(f"y_{c}_{d}_{i}_{j}", lowBound=0, upBound=1) for j in range(len(x[d]))]
+                 for i in range(len(x[c]))]
+            n_y += len(x[c]) * len(x[d])
+            for i in range(len(x[c])):
+                model += pulp.lpSum(y[i]) == x[c][i]
+            for j in range(len(x[d])):
+                model += pulp.lpSum(y[i][j] for i in range(len(x[c]))) == x[d][j]
+            terms.append(pulp.lpSum(float(matrix[i, j]) * y[i][j]
+                                    for i in range(len(x[c])) for j in range(len(x[d])) if matrix[i, j]))
+    return n_y, terms, constant
+
+
+def _memory_row(model, problem: IlpProblem, x) -> None:
+    if problem.budget is None:
+        return
+    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1)
+    variable = [pulp.lpDot(problem.mem[c].tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
+    model += pulp.lpSum(variable) + fixed <= problem.budget
+
+
+def _has_solution(x) -> bool:
+    return all(len(xc) == 1 or any((v.value() or 0) > 0.5 for v in xc) for xc in x)
+
+
+def _argmax(xc) -> int:
+    if len(xc) == 1:
+        return 0
+    return int(np.argmax([v.value() or 0.0 for v in xc]))
+
+
+def evaluate(problem: IlpProblem, choice: list[int]) -> float:
+    """The objective of a given choice (used to report, and to check the solver's answer)."""
+    total = sum(float(problem.cost[c][choice[c]]) for c in range(problem.n_classes))
+    total += sum(float(m[choice[c], choice[d]]) for (c, d), m in problem.edges.items())
+    return total
+
+
+def memory_of(problem: IlpProblem, choice: list[int]) -> float:
+    return sum(float(problem.mem[c][choice[c]]) for c in range(problem.n_classes))
+
+
+def min_memory(problem: IlpProblem) -> float:
+    """The least memory any choice needs: the memory row has no coupling, so it is a sum of minima."""
+    return sum(float(m.min()) for m in problem.mem)
+
+
+def _infeasible_message(budget: float, floor: float) -> str:
+    gib = 2 ** 30
+    return (f"no sharding fits the memory budget: {budget / gib:.3f} GiB per device, but the smallest plan "
+            f"needs {floor / gib:.3f} GiB ({floor:.0f} bytes). Fix: give each device at least that much "
+            f"(memory_per_device), use more devices, or add pipeline stages.")

@@ -1,0 +1,136 @@
+"""Pass 2, strategies: for every node, the valid ways to shard it on a 2-D mesh.
+
+Input:  a ``ModelGraph`` (every node has ``meta["val"]``) and a logical mesh shape (M0, M1).
+Output: ``{node name: [Strategy, ...]}``; every list is non-empty and its first entry is the fully
+replicated strategy, which is always valid. Invariants of every strategy:
+  * shards divide evenly (``placement.divides``) on every input and output;
+  * axes of size 1 are Replicate;
+  * Partial appears only where the rule proves the op linear in that operand.
+
+Rules live one file per op family (``matmul``, ``pointwise``, ``views``, ``reductions``, ``norms``,
+``attention``, ``embedding``, ``loss``, ``creation``) and register 1-D ``AxisRule``s per ATen op. An op
+without a rule runs replicated, with one warning naming it: slower, never wrong.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from autopar.placement import R, Spec, divides
+from autopar.passes.strategies.base import AxisRule, OpView, Strategy, all_replicated_rule, shape_of
+
+RuleFn = Callable[[OpView], list[AxisRule]]
+_RULES: dict[object, RuleFn] = {}
+
+
+def register(*targets) -> Callable[[RuleFn], RuleFn]:
+    """Register a rule for ATen op packets (``torch.ops.aten.mm``) or plain callables (operator.getitem)."""
+
+    def deco(fn: RuleFn) -> RuleFn:
+        for t in targets:
+            _RULES[t] = fn
+        return fn
+
+    return deco
+
+
+def rule_for(target) -> RuleFn | None:
+    if target in _RULES:
+        return _RULES[target]
+    packet = getattr(target, "overloadpacket", None)
+    return _RULES.get(packet)
+
+
+def has_rule(node: fx.Node) -> bool:
+    return node.op != "call_function" or rule_for(node.target) is not None
+
+
+# Import the rule families so they register themselves.
+from autopar.passes.strategies import (attention, creation, embedding, loss, matmul, norms, pointwise,  # noqa: E402,F401
+                               reductions, views)
+
+
+def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
+    """Strategies for every node of ``graph.gm`` on ``mesh_shape`` (see module docstring)."""
+    out: dict[str, list[Strategy]] = {}
+    missing: set[str] = set()
+    for node in graph.gm.graph.nodes:
+        if node.op == "placeholder":
+            out[node.name] = placeholder_strategies(node, mesh_shape)
+        elif node.op == "call_function":
+            fn = rule_for(node.target)
+            if fn is None:
+                missing.add(str(node.target))
+            out[node.name] = node_strategies(node, mesh_shape, fn)
+        elif node.op == "output":
+            out[node.name] = [output_strategy(node, len(mesh_shape))]
+    for name in sorted(missing):
+        warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (slower, never wrong). "
+                      f"Add a rule in passes/strategies/ to shard it.", stacklevel=2)
+    return out
+
+
+def node_strategies(node: fx.Node, mesh_shape: tuple[int, int], fn: RuleFn | None) -> list[Strategy]:
+    view = OpView(node)
+    base = all_replicated_rule(view)
+    per_axis_rules = [base] + (fn(view) if fn is not None else [])
+    return combine(view, per_axis_rules, mesh_shape)
+
+
+def combine(view: OpView, rules: list[AxisRule], mesh_shape: tuple[int, int]) -> list[Strategy]:
+    """Product of 1-D rules over mesh axes, keeping only even shards; the all-R strategy comes first."""
+    per_axis = [rules if size > 1 else rules[:1] for size in mesh_shape]
+    seen, out = set(), []
+    for choice in itertools.product(*per_axis):
+        in_specs = tuple(tuple(r.inputs[i] for r in choice) for i in range(view.n_in))
+        out_spec = tuple(r.output for r in choice)
+        if not _even(view, in_specs, out_spec, mesh_shape):
+            continue
+        key = (in_specs, out_spec)
+        if key in seen:
+            continue
+        seen.add(key)
+        work = 1.0
+        for axis, r in enumerate(choice):
+            if r is not rules[0]:
+                work /= mesh_shape[axis]
+        kernels = tuple((axis, r.kernel) for axis, r in enumerate(choice) if r.kernel)
+        out.append(Strategy(in_specs, out_spec, work, kernels))
+    assert out and all(p.is_replicate() for p in out[0].out_spec), "replicated strategy must come first"
+    return out
+
+
+def _even(view: OpView, in_specs, out_spec, mesh_shape) -> bool:
+    for spec, shape in zip(in_specs, view.in_shapes):
+        if shape is not None and not divides(spec, shape, mesh_shape):
+            return False
+    return all(divides(out_spec, shape_of(v), mesh_shape) for v in view.out_vals)
+
+
+def placeholder_strategies(node: fx.Node, mesh_shape: tuple[int, int]) -> list[Strategy]:
+    """A graph input may take any even spec: Replicate, or Shard(d) of any dim, on each axis."""
+    shape = shape_of(node.meta.get("val")) or ()
+    options = [R] + [torch.distributed.tensor.Shard(d) for d in range(len(shape)) if shape[d] > 1]
+    per_axis = [options if size > 1 else [R] for size in mesh_shape]
+    out = []
+    for spec in itertools.product(*per_axis):
+        if divides(spec, shape, mesh_shape):
+            frac = 1.0
+            for axis, p in enumerate(spec):
+                if not p.is_replicate():
+                    frac /= mesh_shape[axis]
+            out.append(Strategy((), tuple(spec), frac))
+    return out
+
+
+def output_strategy(node: fx.Node, n_axes: int) -> Strategy:
+    """The graph output is returned whole on every rank: every tensor output is Replicate."""
+    view = OpView(node)
+    return Strategy(tuple((R,) * n_axes for _ in range(view.n_in)), (R,) * n_axes)
+
+
+__all__ = ["generate_strategies", "register", "Strategy", "AxisRule", "OpView", "has_rule", "Spec"]

@@ -1,0 +1,39 @@
+"""Scaled dot-product attention: q [..., L, E], k [..., S, E], v [..., S, Ev] -> out [..., L, Ev].
+
+Per mesh axis, any leading dim (batch, heads) may be sharded on q, k, v and the output alike (heads
+are independent: this is Megatron's attention split); the mask follows where it is not broadcast. The
+query length L may be sharded with k and v replicated, but only without ``is_causal`` (a causal mask
+is positional, and a local query block would see the wrong offsets). E and S are never sharded: the
+softmax runs over S and the scores contract E.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.placement import R
+from autopar.passes.strategies import register
+from autopar.passes.strategies.base import AxisRule, OpView
+
+aten = torch.ops.aten
+
+
+@register(aten.scaled_dot_product_attention)
+def sdpa_rule(view: OpView) -> list[AxisRule]:
+    q, k, v = view.in_shapes[:3]
+    mask = view.in_shapes[3] if view.n_in > 3 else None
+    nd = len(q)
+    rules = []
+    for d in range(nd - 2):
+        if q[d] > 1 and k[d] == q[d] and v[d] == q[d]:
+            rules.append(AxisRule((Shard(d),) * 3 + _mask_placement(mask, nd, d, q[d]), Shard(d)))
+    if not view.kwarg("is_causal", False) and q[nd - 2] > 1:
+        rules.append(AxisRule((Shard(nd - 2), R, R) + _mask_placement(mask, nd, nd - 2, q[nd - 2]), Shard(nd - 2)))
+    return rules
+
+
+def _mask_placement(mask: tuple[int, ...] | None, nd: int, d: int, size: int) -> tuple:
+    if mask is None:
+        return ()
+    j = d - (nd - len(mask))
+    return (Shard(j),) if 0 <= j < len(mask) and mask[j] == size else (R,)
