@@ -1,1 +1,13 @@
-"""autopar: auto-parallelize PyTorch models (intra-op sharding by ILP, pipeline stages by DP)."""
+"""autopar: a graph compiler that auto-parallelizes PyTorch models for training.
+
+    plan = autopar.plan(model, cluster, example_inputs)      # inspect: plan.summary(), plan.to_json()
+    pm = autopar.compile(model, cluster, example_inputs)     # on every rank: pm.train_step(*batch)
+"""
+from autopar.api import compile, plan
+from autopar.cluster import Cluster
+from autopar.errors import AutoparError
+from autopar.launch import launch
+from autopar.plan import Plan
+
+__all__ = ["plan", "compile", "launch", "Cluster", "Plan", "AutoparError"]
+__version__ = "0.1.0"

@@ -10,7 +10,8 @@ Forward steps (``kind``) and what their backward does to the gradient:
                                                         a Partial gradient
     reduce_scatter  Partial -> Shard(d)                 all_gather
     all_to_all      Shard(d) -> Shard(d2)               all_to_all back
-    to_partial      Replicate -> Partial, scale by 1/W  all_reduce
+    to_partial      Replicate -> Partial, scale by 1/W  identity (the gradient of a Partial is replicated,
+                                                        so the W paths of weight 1/W sum to it locally)
     sync_grad       Replicate -> Replicate (identity)   all_reduce (Megatron's f)
 
 Gradient convention (the invariant that makes the backward column right): the gradient arriving at a

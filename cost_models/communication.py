@@ -81,7 +81,7 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: 
 
 
 _BACKWARD = {"all_gather": None, "split": "all_gather", "all_reduce": None, "reduce_scatter": "all_gather",
-             "all_to_all": "all_to_all", "to_partial": "all_reduce", "sync_grad": "all_reduce"}
+             "all_to_all": "all_to_all", "to_partial": None, "sync_grad": "all_reduce"}
 
 
 def _step_message(step: Step, shape: tuple[int, ...], spec: list, mesh_shape) -> tuple[str, float]:
@@ -99,32 +99,47 @@ def _step_message(step: Step, shape: tuple[int, ...], spec: list, mesh_shape) ->
     return step.kind, local
 
 
-def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
-                      links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst``.
+def redistribute_messages(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
+                          grad_axes=(), needs_grad: bool = True) -> list[tuple[str, int, float, str]]:
+    """The collectives of moving a tensor from ``src`` to ``dst``: (collective, axis, bytes, phase).
 
-    Backward follows the table in ``autopar.redistribute``; it is 0 when ``needs_grad`` is False.
+    Backward messages follow the table in ``autopar.redistribute``; there are none when ``needs_grad``
+    is False. Local steps (split, to_partial, forward of sync_grad) send nothing and are left out.
     """
-    fwd = bwd = 0.0
+    out = []
     spec = list(src)
     for step in redistribute_steps(src, dst, grad_axes if needs_grad else ()):
         kind, elems = _step_message(step, shape, spec, mesh_shape)
-        link = links[step.axis]
         if kind in RING_FACTOR:
-            fwd += link.time(kind, elems * itemsize)
-        if needs_grad:
-            bwd += _backward_time(step, kind, elems, itemsize, link)
+            out.append((kind, step.axis, elems * itemsize, "forward"))
+        back = _backward_kind(step) if needs_grad else None
+        if back:
+            out.append((back, step.axis, elems * itemsize, "backward"))
         spec[step.axis] = _after(step, spec[step.axis], dst)
+    return out
+
+
+def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
+                      links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst``."""
+    fwd = bwd = 0.0
+    for kind, axis, nbytes, phase in redistribute_messages(shape, itemsize, src, dst, mesh_shape, grad_axes,
+                                                           needs_grad):
+        t = links[axis].time(kind, nbytes)
+        if phase == "forward":
+            fwd += t
+        else:
+            bwd += t
     return fwd, bwd
 
 
-def _backward_time(step: Step, kind: str, elems: float, itemsize: int, link: AxisLink) -> float:
+def _backward_kind(step: Step) -> str | None:
+    """The collective the backward of ``step`` runs; every one moves the pre-step local size."""
     if step.kind == "all_gather":
-        return link.time("reduce_scatter", elems * itemsize) if step.rs_backward else 0.0
+        return "reduce_scatter" if step.rs_backward else None
     if step.kind == "all_reduce":
-        return link.time("all_reduce", elems * itemsize) if step.ar_backward else 0.0
-    back = _BACKWARD[step.kind]  # every other backward moves the pre-step local size (``elems``)
-    return link.time(back, elems * itemsize) if back else 0.0
+        return "all_reduce" if step.ar_backward else None
+    return _BACKWARD[step.kind]
 
 
 def _after(step: Step, before, dst: Spec):

@@ -27,6 +27,7 @@ FREE_VIEWS = {
     aten.view, aten._unsafe_view, aten.expand, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
     aten.squeeze, aten.select, aten.slice, aten.split, aten.split_with_sizes, aten.chunk, aten.unbind,
     aten.alias, aten.detach, aten.lift_fresh_copy, aten.numpy_T, aten.narrow, aten.tensor_split,
+    aten.broadcast_tensors,
 }
 
 

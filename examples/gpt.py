@@ -42,9 +42,9 @@ class GPTConfig:
 
     @property
     def n_params(self) -> int:
-        """Parameter count: embeddings + 12·h² + 13·h per block (q,k,v,o,fc,proj with biases, 2 LNs) + head."""
+        """Parameter count: embeddings + 12·h² + 12·h per block (q,v,o,fc,proj biases, 2 LNs) + head."""
         h = self.n_embd
-        per_block = 12 * h * h + 13 * h
+        per_block = 12 * h * h + 12 * h
         return (self.vocab_size + self.seq_len) * h + self.n_layer * per_block + 2 * h + self.vocab_size * h
 
 
@@ -70,7 +70,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.head_dim = cfg.n_embd // cfg.n_head
         self.q = nn.Linear(cfg.n_embd, cfg.n_embd)
-        self.k = nn.Linear(cfg.n_embd, cfg.n_embd)
+        # No key bias: softmax ignores a per-query constant, so a key bias has zero gradient (as in Whisper).
+        self.k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.o = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout

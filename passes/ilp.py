@@ -150,7 +150,8 @@ def min_memory(problem: IlpProblem) -> float:
 
 
 def _infeasible_message(budget: float, floor: float) -> str:
-    gib = 2 ** 30
-    return (f"no sharding fits the memory budget: {budget / gib:.3f} GiB per device, but the smallest plan "
-            f"needs {floor / gib:.3f} GiB ({floor:.0f} bytes). Fix: give each device at least that much "
+    from autopar.report import fmt_bytes
+
+    return (f"no sharding fits the memory budget: {fmt_bytes(budget)} per device, but the smallest plan "
+            f"needs {fmt_bytes(floor)} ({floor:.0f} bytes). Fix: give each device at least that much "
             f"(memory_per_device), use more devices, or add pipeline stages.")

@@ -8,6 +8,9 @@ Per mesh axis:
     max and sum of exponentials, and the target logit, are all-reduced over the axis inside the op
     (``ce_class``); every device then holds the full loss (Replicate).
 Class weights and label smoothing keep the op replicated.
+
+Elementwise regression losses (mse, l1, smooth_l1, huber) may shard any dim of their equal-shape inputs:
+"none" stays sharded, "sum" is Partial, "mean" is Partial scaled by 1/W (``mean_partial``, equal shards).
 """
 from __future__ import annotations
 
@@ -52,3 +55,21 @@ def nll_loss_rule(view: OpView) -> list[AxisRule]:
     if not _plain(view) or view.target.overloadpacket is aten.nll_loss_forward:
         return []
     return [_batch_rule(view)] if view.in_shapes[0][0] > 1 else []
+
+
+@register(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, aten.huber_loss)
+def elementwise_loss_rule(view: OpView) -> list[AxisRule]:
+    shape = view.in_shapes[0]
+    if any(s != shape for s in view.in_shapes):
+        return []
+    reduction = view.kwarg("reduction", REDUCTION_MEAN)
+    rules = []
+    for d in range(len(shape)):
+        if shape[d] <= 1:
+            continue
+        shards = (Shard(d),) * view.n_in
+        if reduction == REDUCTION_NONE:
+            rules.append(AxisRule(shards, Shard(d)))
+        else:
+            rules.append(AxisRule(shards, P, "mean_partial" if reduction == REDUCTION_MEAN else None))
+    return rules

@@ -181,6 +181,14 @@ def stack_rule(view: OpView) -> list[AxisRule]:
     return rules + [AxisRule(tuple(P for _ in range(view.n_in)), P)]
 
 
+@register(aten.broadcast_tensors)
+def broadcast_tensors_rule(view: OpView) -> list[AxisRule]:
+    """Every output has the broadcast shape: shard it where an input is not broadcast."""
+    from autopar.passes.strategies.pointwise import broadcast_rules
+
+    return broadcast_rules(view) + [AxisRule(tuple(P for _ in range(view.n_in)), P)]
+
+
 @register(aten.pad, aten.constant_pad_nd)
 def pad_rule(view: OpView) -> list[AxisRule]:
     src, dst = view.in_shapes[0], view.out_shape

@@ -1,0 +1,87 @@
+"""The public API: ``plan`` (inspect without running) and ``compile`` (run on every rank)."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from autopar.cluster import Cluster
+from autopar.driver import PlanOptions, plan_model
+from autopar.errors import ClusterError, PlanError
+from autopar.passes.capture import capture
+from autopar.plan import Plan
+from autopar.runtime.build import build_parallel_module
+from autopar.runtime.module import ParallelModule
+
+_PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)  # rank 0 may plan for a while
+
+
+def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) -> Plan:
+    """Plan ``model`` for ``cluster`` without running it (works on the meta device). See PlanOptions."""
+    _check_cluster(cluster)
+    return plan_model(model, cluster, example_inputs, PlanOptions(**options))
+
+
+def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
+            timeout: float | None = None, **options) -> ParallelModule:
+    """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
+
+    Call on every rank of an initialized process group whose world size is the cluster's device count.
+    timeout: seconds any collective of the compiled module may wait (default: the ``timeout`` given to
+    ``autopar.launch``, else 300 s); a dead peer then raises instead of hanging.
+    """
+    _check_cluster(cluster)
+    if not dist.is_initialized():
+        raise ClusterError("autopar.compile needs an initialized process group; run it under autopar.launch(fn, n) "
+                           "or torchrun, or use autopar.plan to plan without running")
+    world = dist.get_world_size()
+    if world != cluster.num_devices:
+        raise ClusterError(f"cluster {cluster.name!r} has {cluster.num_devices} devices but the process group has "
+                           f"{world} ranks; launch {cluster.num_devices} processes or describe the cluster you run "
+                           f"on (e.g. Cluster.local({world}))")
+    _check_real_weights(model)
+    graph = capture(model, example_inputs)
+    chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
+    chosen.validate(graph, world_size=world)
+    return build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+
+
+def _check_cluster(cluster) -> None:
+    if not isinstance(cluster, Cluster):
+        raise ClusterError(f"cluster must be an autopar.Cluster (Cluster.local(n), Cluster.preset(name), "
+                           f"Cluster.from_json(path)), got {type(cluster).__name__}")
+
+
+def _check_real_weights(model: torch.nn.Module) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.device.type == "meta":
+            raise ClusterError(f"parameter {name!r} is on the meta device: autopar.plan works on meta models, "
+                               f"but compile needs real weights; build the model on CPU (or load a checkpoint)")
+
+
+def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict) -> Plan:
+    """Rank 0 plans (or takes ``given``) and broadcasts the JSON; every rank checks the same digest."""
+    control = dist.new_group(backend="gloo", timeout=_PLAN_EXCHANGE_TIMEOUT)
+    text = [None]
+    if dist.get_rank() == 0:
+        chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
+        text[0] = chosen.to_json()
+    dist.broadcast_object_list(text, src=0, group=control)
+    chosen = Plan.from_json(text[0])
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, chosen.digest(), group=control)
+    if len(set(digests)) != 1:
+        raise PlanError(f"ranks hold different plans (digests {sorted(set(digests))}); every rank must run "
+                        f"the same autopar version on the same model")
+    if given is not None and given.digest() != chosen.digest():
+        raise PlanError("the plan given on this rank differs from rank 0's; pass the same plan on every rank")
+    dist.destroy_process_group(control)
+    return chosen
+
+
+def _collective_timeout(seconds: float | None) -> datetime.timedelta:
+    if seconds is None:
+        seconds = float(os.environ.get("AUTOPAR_TIMEOUT", 300))
+    return datetime.timedelta(seconds=seconds)

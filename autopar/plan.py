@@ -1,0 +1,203 @@
+"""``autopar.Plan``: everything codegen and the runtime need, as plain data with an exact JSON round-trip.
+
+A plan is a list of stages (one without pipelining). Each stage owns a contiguous set of graph nodes, a
+submesh of global ranks laid out as a logical 2-D mesh, and one ``NodeSharding`` per node: the output
+spec, a spec per tensor input (what the op reads; codegen inserts the collectives in between) and the
+local kernels. Specs are written as text ("S(0)R", see ``autopar.placement``).
+
+Invariants checked by ``Plan.validate``: every node of the graph has a sharding in exactly one stage;
+input specs are as many as the node's tensor inputs; the stages' ranks tile the cluster; the graph
+fingerprint matches the model the plan is applied to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from typing import Any
+
+from autopar.errors import PlanError
+
+PLAN_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSharding:
+    """out: output spec; ins: one spec per tensor input; kernels: [axis, tag] local rewrites."""
+
+    out: str
+    ins: tuple[str, ...] = ()
+    kernels: tuple[tuple[int, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One communication step the plan inserts: on edge ``src -> dst`` (node names), in forward or backward."""
+
+    src: str
+    dst: str
+    kind: str
+    axis: int
+    nbytes: float
+    phase: str = "forward"
+
+
+@dataclasses.dataclass
+class Stage:
+    """One pipeline stage (the whole model when there is no pipelining).
+
+    ranks: global ranks of the submesh, row-major over ``mesh_shape``; submesh: its physical shape
+    (nodes, devices per node); layers: [first, last] layer index (inclusive), or None.
+    predicted: seconds and bytes the cost model expects (keys: latency, compute, comm, memory, ...).
+    """
+
+    index: int
+    ranks: list[int]
+    mesh_shape: tuple[int, int]
+    submesh: tuple[int, int]
+    nodes: list[str]
+    shardings: dict[str, NodeSharding]
+    collectives: list[Collective] = dataclasses.field(default_factory=list)
+    layers: tuple[int, int] | None = None
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Plan:
+    """A parallelization plan (see module docstring). Compare plans with ``==``; save with ``to_json``."""
+
+    model: str
+    graph_fingerprint: str
+    input_signature: list[tuple[tuple[int, ...], str]]
+    cluster: dict[str, Any]
+    stages: list[Stage]
+    microbatches: int = 1
+    schedule: str = "none"
+    optimizer: str = "adamw"
+    predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    planner: dict[str, Any] = dataclasses.field(default_factory=dict)
+    repeated_blocks: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
+    node_ops: dict[str, str] = dataclasses.field(default_factory=dict)
+    version: int = PLAN_VERSION
+
+    # ---- lookups -------------------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        return sum(len(s.ranks) for s in self.stages)
+
+    def stage_of_rank(self, rank: int) -> Stage:
+        for stage in self.stages:
+            if rank in stage.ranks:
+                return stage
+        raise PlanError(f"rank {rank} is in no stage of this plan ({self.num_devices} devices)")
+
+    def sharding(self, node: str) -> NodeSharding:
+        for stage in self.stages:
+            if node in stage.shardings:
+                return stage.shardings[node]
+        raise PlanError(f"node {node!r} has no sharding in this plan")
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, path=None) -> str:
+        """Deterministic JSON (sorted keys): equal plans give byte-identical text."""
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    def digest(self) -> str:
+        """SHA-256 of the JSON text; ranks compare it before running a plan."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    @staticmethod
+    def from_json(source) -> "Plan":
+        """Parse a plan from JSON text or a file path; any malformation is one PlanError."""
+        text = str(source)
+        if not text.lstrip().startswith("{"):
+            try:
+                with open(source) as f:
+                    text = f.read()
+            except OSError as e:
+                raise PlanError(f"cannot read plan file {source!r}: {e.strerror}") from None
+        try:
+            return _plan_from_dict(json.loads(text))
+        except PlanError:
+            raise
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"malformed plan JSON ({type(e).__name__}: {e}); regenerate it with "
+                            f"autopar.plan(...).to_json() or `autopar plan`") from None
+
+    # ---- checks --------------------------------------------------------------------------------
+    def validate(self, graph=None, world_size: int | None = None) -> None:
+        """Check the invariants in the module docstring; raise PlanError naming the first violation."""
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"plan version {self.version} is not supported (expected {PLAN_VERSION}); re-plan")
+        ranks = sorted(r for s in self.stages for r in s.ranks)
+        if ranks != list(range(len(ranks))):
+            raise PlanError(f"plan stages must tile ranks 0..{len(ranks) - 1}, got {ranks}")
+        for s in self.stages:
+            if math.prod(s.mesh_shape) != len(s.ranks):
+                raise PlanError(f"stage {s.index}: mesh {s.mesh_shape} does not hold its {len(s.ranks)} ranks")
+        if world_size is not None and world_size != len(ranks):
+            raise PlanError(f"plan is for {len(ranks)} devices but the process group has {world_size} ranks; "
+                            f"launch {len(ranks)} processes or re-plan for this cluster")
+        if graph is not None:
+            self._validate_against(graph)
+
+    def _validate_against(self, graph) -> None:
+        fp = graph.fingerprint()
+        if fp != self.graph_fingerprint:
+            raise PlanError(f"this plan was made for another model or other input shapes (graph fingerprint "
+                            f"{self.graph_fingerprint}, this model has {fp}); re-plan with autopar.plan(model, "
+                            f"cluster, example_inputs)")
+        names = [n.name for n in graph.gm.graph.nodes]
+        owned = [n for s in self.stages for n in s.shardings]
+        missing = sorted(set(names) - set(owned))
+        if missing or len(owned) != len(set(owned)):
+            raise PlanError(f"plan does not assign every node exactly once (missing {missing[:5]}); re-plan")
+
+    # ---- presentation --------------------------------------------------------------------------
+    def summary(self, max_rows: int = 60) -> str:
+        from autopar.report import plan_summary
+
+        return plan_summary(self, max_rows=max_rows)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _tuple2(x) -> tuple[int, int]:
+    return tuple(int(v) for v in x)
+
+
+def _stage_from_dict(d: dict[str, Any]) -> Stage:
+    shardings = {k: NodeSharding(v["out"], tuple(v["ins"]), tuple((int(a), str(t)) for a, t in v["kernels"]))
+                 for k, v in d["shardings"].items()}
+    collectives = [Collective(**c) for c in d.get("collectives", [])]
+    layers = tuple(d["layers"]) if d.get("layers") is not None else None
+    return Stage(index=int(d["index"]), ranks=[int(r) for r in d["ranks"]], mesh_shape=_tuple2(d["mesh_shape"]),
+                 submesh=_tuple2(d["submesh"]), nodes=list(d["nodes"]), shardings=shardings,
+                 collectives=collectives, layers=layers, predicted=dict(d.get("predicted", {})))
+
+
+def _plan_from_dict(d: dict[str, Any]) -> Plan:
+    if not isinstance(d, dict):
+        raise PlanError(f"plan JSON must be an object, got {type(d).__name__}")
+    missing = [k for k in ("model", "graph_fingerprint", "input_signature", "cluster", "stages") if k not in d]
+    if missing:
+        raise PlanError(f"plan JSON is missing {missing}; regenerate it with autopar.plan(...)")
+    plan = Plan(
+        model=d["model"], graph_fingerprint=d["graph_fingerprint"],
+        input_signature=[(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in d["input_signature"]],
+        cluster=d["cluster"], stages=[_stage_from_dict(s) for s in d["stages"]],
+        microbatches=int(d.get("microbatches", 1)), schedule=d.get("schedule", "none"),
+        optimizer=d.get("optimizer", "adamw"), predicted=dict(d.get("predicted", {})),
+        planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
+        node_ops=d.get("node_ops", {}), version=int(d.get("version", PLAN_VERSION)))
+    plan.validate()
+    return plan

@@ -1,0 +1,98 @@
+"""Text views of a Plan: ``plan.summary()`` (a table per stage of op shardings and inserted collectives).
+
+Instances of a repeated block after the first are folded into one line, since their shardings are the
+first instance's (the ILP shares their variables).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+def fmt_bytes(b: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _header(plan) -> list[str]:
+    c, p = plan.cluster, plan.predicted
+    lines = [f"autopar plan: {plan.model} on {c['name']} ({plan.num_devices} devices, "
+             f"{c['nodes']}×{c['devices_per_node']}), {len(plan.stages)} stage(s), "
+             f"{plan.microbatches} microbatch(es), schedule {plan.schedule}"]
+    if p:
+        lines.append(f"predicted step time {fmt_seconds(p.get('step_time', 0))} (compute "
+                     f"{fmt_seconds(p.get('compute', 0))}, communication {fmt_seconds(p.get('comm', 0))}, "
+                     f"bubble {fmt_seconds(p.get('bubble', 0))}); peak memory per device "
+                     f"{fmt_bytes(p.get('peak_memory', 0))} of {fmt_bytes(c['memory_per_device'])}")
+    if plan.planner:
+        q = plan.planner
+        lines.append(f"planner: {q.get('ilp_variables', '?')} ILP variables, {q.get('ilp_status', '?')} "
+                     f"({q.get('solver', '?')}), planned in {q.get('seconds', 0):.2f} s")
+    return lines
+
+
+def _folded_nodes(plan) -> dict[str, str]:
+    """Nodes of repeated-block instances after the first -> the class they belong to."""
+    folded = {}
+    for cid, instances in plan.repeated_blocks.items():
+        for inst in instances[1:]:
+            for name in inst:
+                folded[name] = cid
+    return folded
+
+
+def _stage_table(plan, stage, max_rows: int) -> list[str]:
+    p = stage.predicted
+    layers = f", layers {stage.layers[0]}..{stage.layers[1]}" if stage.layers else ""
+    lines = [f"", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
+             f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
+             f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
+    folded = _folded_nodes(plan)
+    skipped: Counter = Counter()
+    rows = []
+    for name in stage.nodes:
+        if name in folded:
+            skipped[folded[name]] += 1
+            continue
+        s = stage.shardings[name]
+        if not s.ins and s.out.replace("R", "") == "":
+            continue  # replicated placeholders: not worth a row
+        op = plan.node_ops.get(name, "")
+        kern = " ".join(f"{t}@{a}" for a, t in s.kernels)
+        rows.append(f"  {name:<34} {op:<34} {s.out:<10} {','.join(s.ins):<24} {kern}")
+    lines.append(f"  {'node':<34} {'op':<34} {'output':<10} {'inputs':<24} kernels")
+    lines += rows[:max_rows]
+    if len(rows) > max_rows:
+        lines.append(f"  ... {len(rows) - max_rows} more rows")
+    for cid, n in skipped.items():
+        lines.append(f"  ({n} ops of later {cid} instances: same shardings as the first instance)")
+    lines += _collective_lines(stage)
+    return lines
+
+
+def _collective_lines(stage) -> list[str]:
+    if not stage.collectives:
+        return ["  collectives: none"]
+    by_kind: Counter = Counter()
+    volume: Counter = Counter()
+    for c in stage.collectives:
+        by_kind[(c.kind, c.phase)] += 1
+        volume[(c.kind, c.phase)] += c.nbytes
+    parts = [f"{n}× {kind} ({phase}, {fmt_bytes(volume[(kind, phase)])})" for (kind, phase), n in sorted(by_kind.items())]
+    return ["  collectives per microbatch: " + "; ".join(parts)]
+
+
+def plan_summary(plan, max_rows: int = 60) -> str:
+    lines = _header(plan)
+    for stage in plan.stages:
+        lines += _stage_table(plan, stage, max_rows)
+    return "\n".join(lines)

@@ -1,0 +1,101 @@
+"""``ParallelModule``: what ``autopar.compile`` returns on each rank.
+
+Contract (tests outside this repository rely on it):
+  * ``pm(*inputs)`` runs forward on the global batch every rank passes and returns the full output on
+    every rank;
+  * ``pm.train_step(*inputs)`` runs forward and backward of the model's loss, leaves each local shard's
+    gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns the
+    loss, identical on every rank;
+  * ``pm.parameters()`` are this rank's shards, so any torch optimizer steps them;
+  * ``pm.full_state_dict()`` has the keys and shapes of ``model.state_dict()``;
+  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.utils._pytree as pytree
+
+from autopar.errors import InputError
+from autopar.placement import parse_spec
+from autopar.runtime.collectives import gather_full
+
+
+class ParallelModule(torch.nn.Module):
+    def __init__(self, plan, graph, runner, state_keys: list[str], unused: dict[str, torch.Tensor]):
+        super().__init__()
+        self.plan = plan
+        self.runner = runner
+        self._graph = graph
+        self._state_keys = state_keys
+        self._unused = unused
+        self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
+
+    # ---- running -------------------------------------------------------------------------------
+    def forward(self, *inputs):
+        self._check_inputs(inputs)
+        flat = self.runner.forward(inputs)
+        return pytree.tree_unflatten(list(flat), self._graph.out_spec)
+
+    def train_step(self, *inputs) -> torch.Tensor:
+        """Forward + backward of the loss on the global batch; returns the loss (same on every rank)."""
+        self._check_inputs(inputs)
+        if self._loss_index is None:
+            raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
+                             "ModelOutput with a 'loss' entry. Wrap the model so forward returns the loss.")
+        return self.runner.train_step(inputs, self._loss_index)
+
+    @property
+    def code(self) -> str:
+        """The generated Python of this rank's module(s)."""
+        return self.runner.code
+
+    # ---- state ---------------------------------------------------------------------------------
+    def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
+        """Full tensors for every key of the original ``model.state_dict()`` (a collective: call on all ranks)."""
+        full = {}
+        for info in self._graph.placeholders:
+            if info.kind in ("parameter", "buffer"):
+                local, spec, mesh_index = self.runner.local_state(info.name)
+                if local is not None:
+                    full[info.fqn] = gather_full(local, parse_spec(spec), mesh_index).detach().clone()
+        full.update(self.runner.remote_state(full))
+        out = OrderedDict()
+        for key in self._state_keys:
+            canonical = self._graph.param_aliases.get(key, key)
+            if canonical in full:
+                out[key] = full[canonical]
+            elif key in self._unused:
+                out[key] = self._unused[key]
+            else:
+                raise KeyError(f"no value for state key {key!r}")
+        return out
+
+    def _check_inputs(self, inputs) -> None:
+        want = self.plan.input_signature
+        got = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
+               for t in inputs]
+        if len(got) != len(want) or any(tuple(g[0] or ()) != tuple(w[0]) or g[1] != w[1] for g, w in zip(got, want)):
+            raise InputError(f"inputs {got} differ from the example inputs the plan was made for {want}; "
+                             f"pass the same shapes and dtypes (every rank passes the global batch), or "
+                             f"re-plan with these inputs")
+
+
+def _find_loss_index(out_spec, gm) -> int | None:
+    """Index of the loss among the flat outputs: the only output, or the 'loss' entry of a dict-like."""
+    n = out_spec.num_leaves
+    tree = pytree.tree_unflatten(list(range(n)), out_spec)
+    if isinstance(tree, int):
+        index = tree
+    elif hasattr(tree, "keys") and "loss" in tree.keys():
+        index = tree["loss"]
+    elif isinstance(tree, (tuple, list)) and len(tree) == 1 and isinstance(tree[0], int):
+        index = tree[0]
+    else:
+        return None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    val = pytree.tree_leaves(output.args[0])[index].meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 0 or not val.dtype.is_floating_point:
+        return None
+    return index

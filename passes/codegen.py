@@ -1,0 +1,257 @@
+"""Pass 6, codegen: (graph, one stage of a Plan, this rank's mesh coordinate) -> a local-shard GraphModule.
+
+Input:  ``ModelGraph``; a ``Stage`` whose ``shardings`` cover the nodes to emit; the rank's coordinate in
+        the stage mesh; the full values of parameters/buffers (sliced here to this rank's shards).
+Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the stage outputs:
+  * parameters and buffers are attributes holding this rank's shard (named like their placeholders);
+  * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm;
+  * before each op, each tensor input is moved from its producer's spec to the spec the op reads by
+    the steps of ``autopar.redistribute`` (collectives from ``autopar.runtime.collectives``);
+  * shape arguments (view, reshape, expand, unflatten) are rewritten to local shapes;
+  * rule kernels are applied (bias scaled by 1/W, mean scaled by 1/W, vocab-parallel embedding and
+    cross-entropy replaced by ``autopar.runtime.kernels``).
+The generated code is plain Python (``gm.code``) and autograd differentiates it as usual.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Callable
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.errors import PlanError
+from autopar.placement import R, Spec, local_shape, local_slice, parse_spec
+from autopar.redistribute import Step, grad_partial_axes, redistribute_steps
+from autopar.runtime import collectives as C
+from autopar.runtime import kernels as K
+from autopar.runtime.groups import group_key
+from autopar.passes.strategies.base import OpView
+
+aten = torch.ops.aten
+
+SHAPE_ARG = {aten.view: 1, aten.reshape: 1, aten._unsafe_view: 1, aten.expand: 1}
+
+
+def shard_input(x: torch.Tensor, pieces: tuple) -> torch.Tensor:
+    """This rank's block of a whole input: ``pieces`` = ((dim, parts, index), ...) applied in order."""
+    for dim, parts, index in pieces:
+        x = x.chunk(parts, dim=dim)[index]
+    return x.contiguous()
+
+
+@dataclasses.dataclass
+class StageIO:
+    """What crosses the stage boundary: inputs produced by earlier stages (name -> spec they arrive in)
+    and the values later stages read (sent in the producer's spec). Empty for a single-stage plan."""
+
+    external_inputs: dict[str, Spec] = dataclasses.field(default_factory=dict)
+    outputs: list[str] = dataclasses.field(default_factory=list)
+
+
+class _Emitter:
+    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str]):
+        self.graph, self.stage, self.coord, self.mesh_index = graph, stage, coord, mesh_index
+        self.mesh_shape = tuple(stage.mesh_shape)
+        self.requires_grad = requires_grad
+        self.new = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.specs: dict[str, Spec] = {}
+        self.root = torch.nn.Module()
+
+    def group(self, axis: int) -> str:
+        return group_key(self.mesh_index, axis)
+
+    # ---- values --------------------------------------------------------------------------------
+    def spec_of(self, name: str) -> Spec:
+        if name not in self.specs:
+            self.specs[name] = parse_spec(self.stage.shardings[name].out)
+        return self.specs[name]
+
+    def redistribute(self, value: fx.Node, src: Spec, dst: Spec, grad_axes=()) -> fx.Node:
+        for step in redistribute_steps(src, dst, grad_axes):
+            value = self.new.call_function(*_collective_call(step, self.group(step.axis), value))
+        return value
+
+    # ---- placeholders --------------------------------------------------------------------------
+    def emit_placeholder(self, node: fx.Node, tensors: dict[str, torch.Tensor]) -> None:
+        info = self.graph.placeholder(node.name)
+        spec = self.spec_of(node.name)
+        if info.kind == "input":
+            x = self.new.placeholder(node.name)
+            pieces = tuple((p.dim, self.mesh_shape[a], self.coord[a]) for a, p in enumerate(spec) if p.is_shard())
+            self.env[node.name] = self.new.call_function(shard_input, (x, pieces)) if pieces else x
+            return
+        if not node.users:
+            return  # e.g. the unused placeholder of a tied weight; full_state_dict reads its alias
+        full = tensors[info.fqn]
+        local = local_slice(full.detach(), spec, self.mesh_shape, self.coord).clone().contiguous()
+        if info.kind == "parameter":
+            self.root.register_parameter(node.name, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+        else:
+            self.root.register_buffer(node.name, local)
+        self.env[node.name] = self.new.get_attr(node.name)
+
+    def emit_external_input(self, name: str, spec: Spec) -> None:
+        """A value computed by an earlier stage arrives as a placeholder already in ``spec``."""
+        self.env[name] = self.new.placeholder(name)
+        self.specs[name] = spec
+
+    # ---- ops -----------------------------------------------------------------------------------
+    def emit_call(self, node: fx.Node) -> None:
+        sharding = self.stage.shardings[node.name]
+        out_spec = self.spec_of(node.name)
+        view = OpView(node)
+        ins = [parse_spec(s) for s in sharding.ins]
+        if len(ins) != view.n_in:
+            raise PlanError(f"plan gives {len(ins)} input specs for {node.name}, which has {view.n_in} tensor "
+                            f"inputs; the plan does not match this model: re-plan")
+        local_args = [self._input(node, arg, dst, out_spec) for arg, dst in zip(view.tensor_args, ins)]
+        if node.target is operator.getitem:
+            self.env[node.name] = local_args[0]
+            return
+        kernels = [(int(a), t) for a, t in sharding.kernels]
+        args, kwargs = _substitute(node, view, local_args)
+        args = self._localize_shapes(node, out_spec, args)
+        target, args, kwargs = self._apply_kernels(node, view, ins, kernels, target=node.target, args=args, kwargs=kwargs)
+        out = self.new.call_function(target, tuple(args), kwargs)
+        self.env[node.name] = self._post_kernels(out, kernels)
+
+    def _input(self, node: fx.Node, arg: fx.Node, dst: Spec, out_spec: Spec) -> fx.Node:
+        value = self.env[arg.name]
+        if node.target is operator.getitem:
+            value = self.new.call_function(operator.getitem, (value, node.args[1]))
+        needs_grad = arg.name in self.requires_grad and node.name in self.requires_grad
+        grad_axes = grad_partial_axes(dst, out_spec) if needs_grad and node.op != "output" else ()
+        return self.redistribute(value, self.spec_of(arg.name), dst, grad_axes)
+
+    def _localize_shapes(self, node: fx.Node, out_spec: Spec, args: list) -> list:
+        packet = getattr(node.target, "overloadpacket", None)
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return args
+        local = list(local_shape(tuple(val.shape), out_spec, self.mesh_shape))
+        if packet in SHAPE_ARG:
+            args[SHAPE_ARG[packet]] = local
+        elif packet is aten.unflatten:
+            dim = args[1] % len(node.args[0].meta["val"].shape)
+            args[2] = local[dim:dim + len(args[2])]
+        return args
+
+    def _apply_kernels(self, node, view, ins, kernels, target, args, kwargs):
+        if not kernels:
+            return target, args, kwargs
+        tags = {t for _, t in kernels}
+        axes = lambda tag: [a for a, t in kernels if t == tag]  # noqa: E731
+        if "scale_additive" in tags:
+            w = _prod(self.mesh_shape[a] for a in axes("scale_additive"))
+            pos = 0 if node.target.overloadpacket in (aten.addmm, aten.baddbmm) else 2
+            args[pos] = self.new.call_function(aten.mul.Tensor, (args[pos], 1.0 / w))
+        if "vocab_embedding" in tags:
+            start = _chunk_offset(ins[0], 0, view.in_shapes[0][0], self.mesh_shape, self.coord)
+            return K.vocab_parallel_embedding, [args[0], args[1], start], {}
+        if "ce_batch" in tags or "ce_class" in tags:
+            return self._loss_kernel(node, view, ins, axes, args)
+        return target, args, kwargs
+
+    def _loss_kernel(self, node, view, ins, axes, args):
+        common = dict(reduction=view.kwarg("reduction", 1), ignore_index=view.kwarg("ignore_index", -100),
+                      batch_groups=tuple(self.group(a) for a in axes("ce_batch")))
+        logits, target = args[0], args[1]
+        if node.target.overloadpacket is aten.cross_entropy_loss:
+            classes = axes("ce_class")
+            start = _chunk_offset(ins[0], 1, view.in_shapes[0][1], self.mesh_shape, self.coord) if classes else 0
+            return K.sharded_cross_entropy, [logits, target], dict(
+                common, class_groups=tuple(self.group(a) for a in classes), class_start=start)
+        return K.sharded_nll_loss, [logits, target], common
+
+    def _post_kernels(self, out: fx.Node, kernels) -> fx.Node:
+        mean_axes = [a for a, t in kernels if t == "mean_partial"]
+        if mean_axes:
+            out = self.new.call_function(aten.mul.Tensor, (out, 1.0 / _prod(self.mesh_shape[a] for a in mean_axes)))
+        return out
+
+    def emit_output(self, node: fx.Node) -> None:
+        flat, spec = pytree.tree_flatten(node.args[0])
+        outs = []
+        for value in flat:
+            if isinstance(value, fx.Node):
+                full = (R,) * len(self.mesh_shape)
+                outs.append(self.redistribute(self.env[value.name], self.spec_of(value.name), full))
+            else:
+                outs.append(value)
+        self.new.output(pytree.tree_unflatten(outs, spec))
+
+
+def _substitute(node: fx.Node, view: OpView, local_args: list) -> tuple[list, dict]:
+    """Replace the node's tensor arguments, in OpView order, by their local (redistributed) values."""
+    it = iter(local_args)
+    tensor_ids = {id(a) for a in view.tensor_args}
+
+    def swap(a):
+        return next(it) if isinstance(a, fx.Node) and id(a) in tensor_ids else a
+
+    args, kwargs = pytree.tree_map(swap, (list(node.args), dict(node.kwargs)))
+    return list(args), kwargs
+
+
+def _collective_call(step: Step, group: str, value: fx.Node) -> tuple[Callable, tuple]:
+    if step.kind == "all_gather":
+        fn = C.all_gather_fwd_reduce_scatter_bwd if step.rs_backward else C.all_gather_fwd_split_bwd
+        return fn, (value, step.dim, group)
+    if step.kind == "split":
+        return C.split_fwd_all_gather_bwd, (value, step.dim, group)
+    if step.kind == "all_reduce":
+        fn = C.all_reduce_fwd_all_reduce_bwd if step.ar_backward else C.all_reduce_fwd_identity_bwd
+        return fn, (value, group)
+    if step.kind == "reduce_scatter":
+        return C.reduce_scatter_fwd_all_gather_bwd, (value, step.dim, group)
+    if step.kind == "all_to_all":
+        return C.all_to_all_fwd_all_to_all_bwd, (value, step.dim, step.dim2, group)
+    if step.kind == "to_partial":
+        return C.scale_fwd_identity_bwd, (value, group)
+    if step.kind == "sync_grad":
+        return C.identity_fwd_all_reduce_bwd, (value, group)
+    raise AssertionError(step.kind)
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
+    """Index of this rank's first element along ``dim`` under ``spec`` (nested shards, axis 0 outermost)."""
+    start, length = 0, size
+    for axis, p in enumerate(spec):
+        if p.is_shard() and p.dim == dim:
+            length //= mesh_shape[axis]
+            start += coord[axis] * length
+    return start
+
+
+def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
+                          requires_grad: set[str], io: StageIO | None = None) -> fx.GraphModule:
+    """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring)."""
+    io = io or StageIO()
+    em = _Emitter(graph, stage, coord, mesh_index, requires_grad)
+    for name, spec in io.external_inputs.items():
+        em.emit_external_input(name, spec)
+    owned = set(stage.shardings)
+    for node in graph.gm.graph.nodes:
+        if node.name not in owned:
+            continue
+        if node.op == "placeholder":
+            em.emit_placeholder(node, tensors)
+        elif node.op == "call_function":
+            em.emit_call(node)
+        elif node.op == "output":
+            em.emit_output(node)
+    if io.outputs:
+        em.new.output(tuple(em.env[name] for name in io.outputs))
+    em.new.lint()
+    return fx.GraphModule(em.root, em.new, class_name=f"Stage{stage.index}Rank")

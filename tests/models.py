@@ -1,0 +1,59 @@
+"""Small models for the tests: an MLP, the GPT example, and Hugging Face GPT-2 built from a config.
+
+Each factory returns (model, example_inputs) with deterministic weights and data; every model's forward
+returns the scalar loss. Dropout is 0 everywhere, so a sharded run can match a single device exactly.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt import GPTConfig, make_gpt
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in=32, hidden=128, d_out=16):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, d_out)
+
+    def forward(self, x, y):
+        h = F.gelu(self.fc2(F.gelu(self.fc1(x))))
+        return F.mse_loss(self.fc3(h), y)
+
+
+def make_mlp(batch_size: int = 16, seed: int = 0):
+    torch.manual_seed(seed)
+    model = MLP()
+    g = torch.Generator().manual_seed(seed)
+    return model, (torch.randn(batch_size, 32, generator=g), torch.randn(batch_size, 16, generator=g))
+
+
+def make_small_gpt(batch_size: int = 8, seed: int = 0, **overrides):
+    return make_gpt(GPTConfig(**{"n_layer": 2, **overrides}), batch_size=batch_size, seed=seed)
+
+
+class HFLoss(nn.Module):
+    """A transformers causal LM whose forward returns ``.loss`` (the contract autopar trains)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+def make_hf_gpt2(batch_size: int = 8, seed: int = 0, n_layer: int = 2, n_embd: int = 64, seq: int = 32,
+                 vocab: int = 256):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab, n_positions=seq, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(seed)
+    model = HFLoss(GPT2LMHeadModel(cfg))
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=torch.Generator().manual_seed(seed))
+    return model, (ids, ids.clone())
+
+
+FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "hf_gpt2": make_hf_gpt2}
