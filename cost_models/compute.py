@@ -49,21 +49,29 @@ def _meta_like(val: Any, requires_grad: bool) -> Any:
     return val
 
 
-def _signature(node: fx.Node) -> str:
+def node_signature(node: fx.Node) -> str:
+    """Op and argument shapes/values: nodes with equal signatures have equal strategies and costs."""
     def describe(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
-            return ("T", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("N", a.name)
+            if isinstance(v, torch.Tensor):
+                return ("T", tuple(v.shape), str(v.dtype))
+            if isinstance(v, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in v):
+                return ("TT", tuple((tuple(x.shape), str(x.dtype)) for x in v))
+            return ("N", a.name)
         return a
 
-    return f"{node.target}|{pytree.tree_map(describe, (node.args, node.kwargs))}"
+    if node.op == "placeholder":
+        val = node.meta.get("val")
+        return f"placeholder|{tuple(val.shape) if isinstance(val, torch.Tensor) else None}|{getattr(val, 'dtype', None)}"
+    return f"{node.op}|{node.target}|{pytree.tree_map(describe, (node.args, node.kwargs))}"
 
 
 def node_flops(node: fx.Node) -> tuple[float, float]:
     """(forward FLOPs, backward FLOPs) of a call_function node at its global shapes."""
     if node.op != "call_function" or is_free_view(node):
         return 0.0, 0.0
-    return _flops_cached(_signature(node), node)
+    return _flops_cached(node_signature(node), node)
 
 
 _FLOPS: dict[str, tuple[float, float]] = {}  # signature -> (fwd, bwd); ops repeat across identical layers

@@ -31,7 +31,7 @@ from autopar.passes.strategies.base import OpView, Strategy
 from autopar.placement import R, local_shape
 from autopar.redistribute import grad_partial_axes
 from autopar.cost_models.communication import axis_links, redistribute_cost
-from autopar.cost_models.compute import compute_time, is_free_view, local_bytes
+from autopar.cost_models.compute import compute_time, is_free_view, local_bytes, node_signature
 from autopar.cost_models.memory import TrainingSpec, requires_grad_nodes, saved_nodes
 
 aten = torch.ops.aten
@@ -123,7 +123,11 @@ class _Builder:
         self.groups: list[Group] = []
         self.absorbed: dict[str, str] = {}
         self.views = {n.name: OpView(n) for n in graph.gm.graph.nodes if n.op != "placeholder"}
-        self._node_time: dict[tuple[str, int], tuple[float, float]] = {}
+        # Caches keyed by structural signatures, so identical layers are priced once.
+        self.sig = {n.name: node_signature(n) if n.op != "output" else "output" for n in graph.gm.graph.nodes}
+        self._node_time: dict[tuple, tuple[float, float]] = {}
+        self._edge_time: dict[tuple, tuple[float, float]] = {}
+        self._follow: dict[tuple, int] = {}
 
     # ---- grouping --------------------------------------------------------------------------------
     def build_groups(self) -> None:
@@ -169,8 +173,13 @@ class _Builder:
         group = self.groups[g]
         view = self.views[node.name]
         for i, pick in enumerate(group.pick):
-            costs = [self._local_cost(node, view, k, pick) for k in range(len(self.strategies[node.name]))]
-            pick[node.name] = int(np.argmin(costs))
+            srcs = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_in_pick(a.name, pick)
+                         for a in view.tensor_args)
+            key = (self.sig[node.name], srcs, self._grad_flags(node, view))
+            if key not in self._follow:
+                costs = [self._local_cost(node, view, k, srcs) for k in range(len(self.strategies[node.name]))]
+                self._follow[key] = int(np.argmin(costs))
+            pick[node.name] = self._follow[key]
         group.members.append(node.name)
         self.group_of[node.name] = g
         self._absorb_inputs(group, node, absorbed)
@@ -197,19 +206,21 @@ class _Builder:
         assert len(g.pick) == 1, f"{name} is outside the group and not fixed"
         return self.strategies[name][g.pick[0][name]].out_spec
 
-    def _local_cost(self, node, view, k, pick) -> float:
-        strat = self.strategies[node.name][k]
+    def _local_cost(self, node, view, k, srcs) -> float:
+        """Cost of strategy k given its inputs' specs (None: an absorbed placeholder, stored as read)."""
         total = self.node_time_k(node.name, k)[0]
-        for idx, arg in enumerate(view.tensor_args):
-            if self.absorbed.get(arg.name) == node.name:
-                continue  # stored exactly as this node reads it: no edge
-            per_mb, per_step = self.edge_time(arg, node, idx, self._spec_in_pick(arg.name, pick), strat)
-            total += per_mb + per_step
+        for idx, (arg, src) in enumerate(zip(view.tensor_args, srcs)):
+            if src is not None:
+                total += sum(self.edge_time_k(arg, node, idx, src, k))
         return total
+
+    def _grad_flags(self, node, view) -> tuple:
+        return (node.name in self.requires_grad,) + tuple(
+            (a.name in self.requires_grad, a.name in self.params) for a in view.tensor_args)
 
     # ---- prices ----------------------------------------------------------------------------------
     def node_time_k(self, name: str, k: int) -> tuple[float, float]:
-        key = (name, k)
+        key = (self.sig[name], k, name in self.requires_grad)
         if key not in self._node_time:
             node = self.nodes[name]
             view = self.views.get(name)
@@ -234,6 +245,15 @@ class _Builder:
         if tag == "ce_batch":
             return link.time("all_reduce", 8)
         return 0.0
+
+    def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:
+        """``edge_time`` for the node's k-th strategy, cached by structure (signature, input, specs, flags)."""
+        key = (self.sig[node.name], idx, src, k, arg.name in self.requires_grad, node.name in self.requires_grad,
+               arg.name in self.params)
+        hit = self._edge_time.get(key)
+        if hit is None:
+            hit = self._edge_time[key] = self.edge_time(arg, node, idx, src, self.strategies[node.name][k])
+        return hit
 
     def edge_time(self, arg: fx.Node, node: fx.Node, idx: int, src, strat: Strategy) -> tuple[float, float]:
         """(per-step seconds from per-microbatch traffic, per-step seconds of gradient sync) of one input."""
@@ -278,13 +298,17 @@ class _Builder:
                         continue
                     for idx, arg in enumerate(view.tensor_args):
                         if self.group_of[arg.name] == self.group_of[name] or len(self.groups[self.group_of[arg.name]].pick) == 1:
-                            mb, st = self.edge_time(arg, node, idx, self._spec_in_pick(arg.name, pick), strat)
+                            mb, st = self.edge_time_k(arg, node, idx, self._spec_in_pick(arg.name, pick), pick[name])
                             group.cost[i] += mb + st
                             group.comm[i] += mb + st
 
     def edge_matrices(self) -> dict[tuple[int, int], np.ndarray]:
-        """Resharding matrices between groups with variables: [src strategy, dst strategy]."""
+        """Resharding matrices between groups with variables: [src strategy, dst strategy].
+
+        A matrix depends only on the two groups' structure, so edges of identical layers share one.
+        """
         edges: dict[tuple[int, int], np.ndarray] = {}
+        cache: dict[tuple, np.ndarray] = {}
         for node in self.graph.gm.graph.nodes:
             if node.op == "placeholder":
                 continue
@@ -294,13 +318,23 @@ class _Builder:
                 gu = self.group_of[arg.name]
                 if gu == gv or len(self.groups[gu].pick) == 1:
                     continue
-                m = np.zeros((len(self.groups[gu].pick), len(self.groups[gv].pick)))
-                for i, pu in enumerate(self.groups[gu].pick):
-                    src = self.strategies[arg.name][pu[arg.name]].out_spec
-                    for j, pv in enumerate(self.groups[gv].pick):
-                        m[i, j] = sum(self.edge_time(arg, node, idx, src, self.strategies[node.name][pv[node.name]]))
+                src_picks = tuple(p[arg.name] for p in self.groups[gu].pick)
+                dst_picks = tuple(p[node.name] for p in self.groups[gv].pick)
+                key = (self.sig[arg.name], self.sig[node.name], idx, src_picks, dst_picks,
+                       self._grad_flags(node, view))
+                m = cache.get(key)
+                if m is None:
+                    m = cache[key] = self._edge_matrix(arg, node, idx, src_picks, dst_picks)
                 edges[(gu, gv)] = edges.get((gu, gv), 0) + m
         return edges
+
+    def _edge_matrix(self, arg, node, idx, src_picks, dst_picks) -> np.ndarray:
+        m = np.zeros((len(src_picks), len(dst_picks)))
+        for i, ku in enumerate(src_picks):
+            src = self.strategies[arg.name][ku].out_spec
+            for j, kv in enumerate(dst_picks):
+                m[i, j] = sum(self.edge_time_k(arg, node, idx, src, kv))
+        return m
 
 
 def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None):

@@ -56,9 +56,16 @@ from autopar.passes.strategies import (attention, creation, embedding, loss, mat
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
     """Strategies for every node of ``graph.gm`` on ``mesh_shape`` (see module docstring)."""
+    from autopar.cost_models.compute import node_signature
+
     out: dict[str, list[Strategy]] = {}
     missing: set[str] = set()
+    by_signature: dict[str, list[Strategy]] = {}  # identical layers share one list (and one object)
     for node in graph.gm.graph.nodes:
+        sig = node_signature(node) if node.op != "output" else None
+        if sig in by_signature:
+            out[node.name] = by_signature[sig]
+            continue
         if node.op == "placeholder":
             out[node.name] = placeholder_strategies(node, mesh_shape)
         elif node.op == "call_function":
@@ -68,6 +75,8 @@ def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[St
             out[node.name] = node_strategies(node, mesh_shape, fn)
         elif node.op == "output":
             out[node.name] = [output_strategy(node, len(mesh_shape))]
+        if sig is not None:
+            by_signature[sig] = out[node.name]
     for name in sorted(missing):
         warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (slower, never wrong). "
                       f"Add a rule in passes/strategies/ to shard it.", stacklevel=2)
