@@ -6,13 +6,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import torch
 
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
-from autopar.cost_models.compute import local_bytes
 from autopar.cost_models.memory import TrainingSpec
 from autopar.passes.capture import ModelGraph, capture
 from autopar.passes.cluster_layers import find_repeated_blocks
@@ -133,10 +133,8 @@ def make_stage(graph: ModelGraph, solution: IntraOpSolution, env: CostEnv, *, in
     stage = Stage(index=index, ranks=list(ranks), mesh_shape=tuple(env.mesh_shape), submesh=tuple(submesh),
                   nodes=names, shardings=shardings, layers=layers)
     stage.collectives = _collectives(graph, solution, env, set(names))
-    transient = _largest_local_output(graph, solution, env, set(names))
     stage.predicted = {"latency": solution.step_time, "compute": solution.compute_time,
-                       "comm": solution.comm_time, "memory": solution.memory,
-                       "peak_memory": solution.memory + transient}
+                       "comm": solution.comm_time, "memory": solution.memory, "peak_memory": solution.memory}
     return stage
 
 
@@ -164,20 +162,9 @@ def _collectives(graph: ModelGraph, solution: IntraOpSolution, env: CostEnv, nam
     return out
 
 
-def _largest_local_output(graph: ModelGraph, solution: IntraOpSolution, env: CostEnv, names: set[str]) -> float:
-    best = 0.0
-    for node in graph.gm.graph.nodes:
-        if node.name in names and node.op == "call_function":
-            val = node.meta.get("val")
-            vals = val if isinstance(val, (tuple, list)) else [val]
-            best = max(best, sum(local_bytes(v, solution.strategies[node.name].out_spec, env.mesh_shape)
-                                 for v in vals))
-    return best
-
-
 def assemble_plan(graph: ModelGraph, cluster: Cluster, stages: list[Stage], options: PlanOptions,
                   model_name: str, blocks, microbatches: int = 1, schedule: str = "none") -> Plan:
     return Plan(model=model_name, graph_fingerprint=graph.fingerprint(), input_signature=graph.input_signature,
-                cluster=cluster.to_dict(), stages=stages, microbatches=microbatches, schedule=schedule,
+                cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
                 optimizer=options.optimizer, repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in graph.gm.graph.nodes if n.op == "call_function"})

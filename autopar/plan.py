@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 from autopar.errors import PlanError
+from autopar.placement import parse_spec
 
 PLAN_VERSION = 1
 
@@ -118,7 +119,7 @@ class Plan:
     def from_json(source) -> "Plan":
         """Parse a plan from JSON text or a file path; any malformation is one PlanError."""
         text = str(source)
-        if not text.lstrip().startswith("{"):
+        if not text.lstrip().startswith(("{", "[")):
             try:
                 with open(source) as f:
                     text = f.read()
@@ -143,6 +144,13 @@ class Plan:
         for s in self.stages:
             if math.prod(s.mesh_shape) != len(s.ranks):
                 raise PlanError(f"stage {s.index}: mesh {s.mesh_shape} does not hold its {len(s.ranks)} ranks")
+        for s in self.stages:
+            for name, sh in s.shardings.items():
+                try:
+                    for text in (sh.out, *sh.ins):
+                        parse_spec(text)
+                except ValueError as e:
+                    raise PlanError(f"stage {s.index}, node {name}: {e}; the plan file is corrupted, re-plan") from None
         if world_size is not None and world_size != len(ranks):
             raise PlanError(f"plan is for {len(ranks)} devices but the process group has {world_size} ranks; "
                             f"launch {len(ranks)} processes or re-plan for this cluster")

@@ -25,8 +25,9 @@ def fmt_bytes(b: float) -> str:
 
 def _header(plan) -> list[str]:
     c, p = plan.cluster, plan.predicted
-    lines = [f"autopar plan: {plan.model} on {c['name']} ({plan.num_devices} devices, "
-             f"{c['nodes']}×{c['devices_per_node']}), {len(plan.stages)} stage(s), "
+    meshes = ", ".join(f"{s.mesh_shape[0]}×{s.mesh_shape[1]}" for s in plan.stages)
+    lines = [f"autopar plan: {plan.model} on {c['name']} ({plan.num_devices} devices in {c['nodes']} node(s) "
+             f"of {c['devices_per_node']}), mesh {meshes}, {len(plan.stages)} stage(s), "
              f"{plan.microbatches} microbatch(es), schedule {plan.schedule}"]
     if p:
         lines.append(f"predicted step time {fmt_seconds(p.get('step_time', 0))} (compute "

@@ -153,10 +153,13 @@ def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
 
 def _user_frame(e: BaseException):
     """The innermost traceback frame outside torch and autopar: the user's model code."""
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import autopar
+    import autopar.cost_models
+    import autopar.passes
+
+    ours = [os.path.dirname(m.__file__) + os.sep for m in (torch, autopar, autopar.passes, autopar.cost_models)]
     frames = traceback.extract_tb(e.__traceback__)
-    user = [f for f in frames if not f.filename.startswith(torch_dir) and not f.filename.startswith(here)
+    user = [f for f in frames if not any(f.filename.startswith(d) for d in ours)
             and "site-packages/torch" not in f.filename and "<" not in f.filename]
     return user[-1] if user else None
 

@@ -58,6 +58,7 @@ class _Emitter:
         self.requires_grad = requires_grad
         self.new = fx.Graph()
         self.env: dict[str, fx.Node] = {}
+        self.moved: dict[tuple, fx.Node] = {}  # one redistribution per (value, target spec, grad axes)
         self.specs: dict[str, Spec] = {}
         self.root = torch.nn.Module()
 
@@ -120,12 +121,18 @@ class _Emitter:
         self.env[node.name] = self._post_kernels(out, kernels)
 
     def _input(self, node: fx.Node, arg: fx.Node, dst: Spec, out_spec: Spec) -> fx.Node:
-        value = self.env[arg.name]
-        if node.target is operator.getitem:
-            value = self.new.call_function(operator.getitem, (value, node.args[1]))
+        """The local value ``node`` reads from ``arg``. Readers that need the same move share one:
+        collectives are linear, so one backward all-reduce of the summed gradient replaces several."""
         needs_grad = arg.name in self.requires_grad and node.name in self.requires_grad
         grad_axes = grad_partial_axes(dst, out_spec) if needs_grad and node.op != "output" else ()
-        return self.redistribute(value, self.spec_of(arg.name), dst, grad_axes)
+        item = node.args[1] if node.target is operator.getitem else None
+        key = (arg.name, item, dst, grad_axes)
+        if key not in self.moved:
+            value = self.env[arg.name]
+            if item is not None:
+                value = self.new.call_function(operator.getitem, (value, item))
+            self.moved[key] = self.redistribute(value, self.spec_of(arg.name), dst, grad_axes)
+        return self.moved[key]
 
     def _localize_shapes(self, node: fx.Node, out_spec: Spec, args: list) -> list:
         packet = getattr(node.target, "overloadpacket", None)

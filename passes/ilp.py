@@ -7,8 +7,13 @@ and, per pair of connected classes, a resharding matrix R_{cd} (seconds):
     subject to  Σ_i x_c[i] = 1                          ∀c        (one strategy)        _one_strategy
                 Σ_j y_{cd}[i,j] = x_c[i]                ∀(c,d),i  (edge ↔ source)       _edge_marginals
                 Σ_i y_{cd}[i,j] = x_d[j]                ∀(c,d),j  (edge ↔ destination)  _edge_marginals
-                Σ_c m_c · x_c ≤ M                                  (memory)              _memory_row
-                x_c ∈ {0,1},  y_{cd} ∈ [0,1]
+                Σ_c m_c · x_c + T ≤ M                              (memory)              _memory_row
+                T ≥ Σ_i p_c[i] · x_c[i]                 ∀c        (peak transient)      _memory_row
+                x_c ∈ {0,1},  y_{cd} ∈ [0,1],  T ≥ 0
+
+m_c is what stays allocated (parameter state, activations saved for backward); p_c the transient of the
+class (its largest local output and that output's gradient, alive together during backward), so T is
+the largest transient of the chosen plan and the memory row bounds the peak.
 
 y needs no integrality: with x one-hot, the marginals leave exactly one feasible y (the product of the
 two one-hot vectors). Classes with a single strategy get no variables; their edges fold into linear
@@ -25,15 +30,19 @@ import pulp
 
 from autopar.errors import InfeasibleError
 
+GIB = float(2 ** 30)  # the memory row is written in GiB and the objective in ms: raw bytes (up to 1e11)
+MS = 1e3              # beside seconds (down to 1e-9) put the solver's tolerances out of scale
+
 
 @dataclasses.dataclass
 class IlpProblem:
-    """cost[c], mem[c]: vectors over class c's strategies; edges[(c, d)]: |S_c|×|S_d| matrices, c != d."""
+    """cost[c], mem[c], peak[c]: vectors over class c's strategies; edges[(c, d)]: |S_c|×|S_d| matrices."""
 
     cost: list[np.ndarray]
     mem: list[np.ndarray]
     edges: dict[tuple[int, int], np.ndarray]
     budget: float | None = None
+    peak: list[np.ndarray] | None = None
 
     @property
     def n_classes(self) -> int:
@@ -59,14 +68,14 @@ def solver(time_limit: float):
 def solve_ilp(problem: IlpProblem, time_limit: float = 60.0) -> IlpResult:
     """Solve the ILP; raises InfeasibleError (naming the smallest feasible budget) if memory cannot fit."""
     start = time.perf_counter()
-    if problem.budget is not None:
+    if problem.budget is not None and _replicated_memory(problem) > problem.budget:
         floor = min_memory(problem)
         if floor > problem.budget * (1 + 1e-9):
             raise InfeasibleError(_infeasible_message(problem.budget, floor))
     model = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
     x = _one_strategy(model, problem)
-    objective = [pulp.lpDot(problem.cost[c].tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
-    constant = sum(float(problem.cost[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1)
+    objective = [pulp.lpDot((problem.cost[c] * MS).tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
+    constant = sum(float(problem.cost[c][0]) * MS for c in range(problem.n_classes) if len(x[c]) == 1)
     n_y, terms, constant_edges = _edge_marginals(model, problem, x)
     model += pulp.lpSum(objective + terms) + constant + constant_edges
     _memory_row(model, problem, x)
@@ -96,6 +105,7 @@ def _one_strategy(model, problem: IlpProblem) -> list[list]:
 def _edge_marginals(model, problem: IlpProblem, x) -> tuple[int, list, float]:
     terms, constant, n_y = [], 0.0, 0
     for (c, d), matrix in problem.edges.items():
+        matrix = matrix * MS
         if len(x[c]) == 1 and len(x[d]) == 1:
             constant += float(matrix[0, 0])
         elif len(x[c]) == 1:
@@ -118,9 +128,26 @@ def _edge_marginals(model, problem: IlpProblem, x) -> tuple[int, list, float]:
 def _memory_row(model, problem: IlpProblem, x) -> None:
     if problem.budget is None:
         return
-    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1)
-    variable = [pulp.lpDot(problem.mem[c].tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
-    model += pulp.lpSum(variable) + fixed <= problem.budget
+    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1) / GIB
+    variable = [pulp.lpDot((problem.mem[c] / GIB).tolist(), x[c]) for c in range(problem.n_classes)
+                if len(x[c]) > 1]
+    peak = pulp.LpVariable("peak_transient", lowBound=0)
+    _peak_rows(model, problem, x, peak)
+    model += pulp.lpSum(variable) + fixed + peak <= problem.budget / GIB
+
+
+def _peak_rows(model, problem: IlpProblem, x, peak) -> None:
+    for c in range(problem.n_classes) if problem.peak is not None else ():
+        if len(x[c]) == 1:
+            model += peak >= float(problem.peak[c][0]) / GIB
+        else:
+            model += peak >= pulp.lpDot((problem.peak[c] / GIB).tolist(), x[c])
+
+
+def _replicated_memory(problem: IlpProblem) -> float:
+    """A quick upper bound: the most memory any one strategy per class could take."""
+    state = sum(float(m.max()) for m in problem.mem)
+    return state + (max((float(p.max()) for p in problem.peak), default=0.0) if problem.peak is not None else 0.0)
 
 
 def _has_solution(x) -> bool:
@@ -141,12 +168,30 @@ def evaluate(problem: IlpProblem, choice: list[int]) -> float:
 
 
 def memory_of(problem: IlpProblem, choice: list[int]) -> float:
-    return sum(float(problem.mem[c][choice[c]]) for c in range(problem.n_classes))
+    """Peak bytes per device of a choice: allocated state plus the largest transient."""
+    state = sum(float(problem.mem[c][choice[c]]) for c in range(problem.n_classes))
+    return state + transient_of(problem, choice)
 
 
-def min_memory(problem: IlpProblem) -> float:
-    """The least memory any choice needs: the memory row has no coupling, so it is a sum of minima."""
-    return sum(float(m.min()) for m in problem.mem)
+def transient_of(problem: IlpProblem, choice: list[int]) -> float:
+    if problem.peak is None:
+        return 0.0
+    return max((float(problem.peak[c][choice[c]]) for c in range(problem.n_classes)), default=0.0)
+
+
+def min_memory(problem: IlpProblem, time_limit: float = 30.0) -> float:
+    """The least peak memory any choice needs: min Σ_c m_c·x_c + T, T ≥ p_c·x_c (no edges, so small)."""
+    if problem.peak is None:
+        return sum(float(m.min()) for m in problem.mem)
+    model = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
+    x = _one_strategy(model, problem)
+    state = [pulp.lpDot((problem.mem[c] / GIB).tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
+    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1) / GIB
+    peak = pulp.LpVariable("peak_transient", lowBound=0)
+    _peak_rows(model, problem, x, peak)
+    model += pulp.lpSum(state) + fixed + peak
+    model.solve(solver(time_limit))
+    return memory_of(problem, [_argmax(xc) for xc in x])
 
 
 def _infeasible_message(budget: float, floor: float) -> str:

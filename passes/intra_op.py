@@ -106,7 +106,8 @@ class Group:
     pick: list[dict[str, int]]          # per leader strategy: member name -> its strategy index
     cost: np.ndarray = None             # seconds per step, per leader strategy
     comm: np.ndarray = None             # the communication part of cost
-    mem: np.ndarray = None              # bytes, per leader strategy
+    mem: np.ndarray = None              # bytes that stay allocated, per leader strategy
+    peak: np.ndarray = None             # largest transient (an output and its gradient), per strategy
 
 
 class _Builder:
@@ -284,7 +285,7 @@ class _Builder:
     def price_groups(self) -> None:
         for group in self.groups:
             n = len(group.pick)
-            group.cost, group.comm, group.mem = np.zeros(n), np.zeros(n), np.zeros(n)
+            group.cost, group.comm, group.mem, group.peak = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
             for i, pick in enumerate(group.pick):
                 for name in group.members:
                     strat = self.strategies[name][pick[name]]
@@ -296,6 +297,8 @@ class _Builder:
                     group.mem[i] += self.node_memory(name, strat)
                     if view is None:
                         continue
+                    out_bytes = sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in view.out_vals)
+                    group.peak[i] = max(group.peak[i], 2.0 * out_bytes)
                     for idx, arg in enumerate(view.tensor_args):
                         if self.group_of[arg.name] == self.group_of[name] or len(self.groups[self.group_of[arg.name]].pick) == 1:
                             mb, st = self.edge_time_k(arg, node, idx, self._spec_in_pick(arg.name, pick), pick[name])
@@ -328,6 +331,49 @@ class _Builder:
                 edges[(gu, gv)] = edges.get((gu, gv), 0) + m
         return edges
 
+    def shared_sync_rebates(self) -> dict[tuple[int, int], np.ndarray]:
+        """Refunds for gradient all-reduces that codegen shares between readers of one value.
+
+        Readers of u that read it in the same spec with the same Partial-gradient axes share one
+        redistribution (``codegen._Emitter._input``): one backward all-reduce of their summed
+        gradients. Each edge was priced with its own all-reduce, so consecutive readers (c_m, c_m+1)
+        get an edge whose entry is minus one all-reduce when both strategies agree on (spec, axes).
+        """
+        rebates: dict[tuple[int, int], np.ndarray] = {}
+        for u in self.graph.gm.graph.nodes:
+            readers = [c for c in u.users if c.op == "call_function" and c.name in self.requires_grad]
+            if u.name not in self.requires_grad or len(readers) < 2 or u.name in self.absorbed:
+                continue
+            for c1, c2 in zip(readers, readers[1:]):
+                g1, g2 = self.group_of[c1.name], self.group_of[c2.name]
+                if g1 == g2 or len(self.groups[g1].pick) == 1 or len(self.groups[g2].pick) == 1:
+                    continue
+                m = self._rebate_matrix(u, c1, c2, g1, g2)
+                if m is not None:
+                    rebates[(g1, g2)] = rebates.get((g1, g2), 0) + m
+        return rebates
+
+    def _rebate_matrix(self, u, c1, c2, g1, g2) -> np.ndarray | None:
+        keys = []
+        for c, g in ((c1, g1), (c2, g2)):
+            idx = self.views[c.name].tensor_args.index(u)
+            strat_of = [self.strategies[c.name][p[c.name]] for p in self.groups[g].pick]
+            keys.append([(s.in_specs[idx], grad_partial_axes(s.in_specs[idx], s.out_spec)) for s in strat_of])
+        val = self.views[c1.name].in_vals[self.views[c1.name].tensor_args.index(u)]
+        m = np.zeros((len(keys[0]), len(keys[1])))
+        for i, (dst1, axes1) in enumerate(keys[0]):
+            if not axes1:
+                continue
+            refund = self._all_reduce_time(val, dst1, axes1)
+            for j, key2 in enumerate(keys[1]):
+                if key2 == (dst1, axes1):
+                    m[i, j] = -refund
+        return m if m.any() else None
+
+    def _all_reduce_time(self, val, spec, axes) -> float:
+        nbytes = local_bytes(val, spec, self.env.mesh_shape)
+        return self.env.microbatches * sum(self.env.links[a].time("all_reduce", nbytes) for a in axes)
+
     def _edge_matrix(self, arg, node, idx, src_picks, dst_picks) -> np.ndarray:
         m = np.zeros((len(src_picks), len(dst_picks)))
         for i, ku in enumerate(src_picks):
@@ -343,14 +389,18 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None)
     b.build_groups()
     b.price_groups()
     edges = b.edge_matrices()
+    for key, m in b.shared_sync_rebates().items():
+        edges[key] = edges.get(key, 0) + m
     class_of = _share_classes(b, blocks)
     n_classes = max(class_of) + 1
     cost = [None] * n_classes
     mem = [None] * n_classes
+    peak = [None] * n_classes
     for g, group in enumerate(b.groups):
         c = class_of[g]
         cost[c] = group.cost if cost[c] is None else cost[c] + group.cost
         mem[c] = group.mem if mem[c] is None else mem[c] + group.mem
+        peak[c] = group.peak if peak[c] is None else np.maximum(peak[c], group.peak)
     class_edges: dict[tuple[int, int], np.ndarray] = {}
     for (gu, gv), m in edges.items():
         cu, cv = class_of[gu], class_of[gv]
@@ -358,7 +408,7 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None)
             cost[cu] = cost[cu] + np.diag(m)
         else:
             class_edges[(cu, cv)] = class_edges.get((cu, cv), 0) + m
-    return b, IlpProblem(cost, mem, class_edges, budget), class_of
+    return b, IlpProblem(cost, mem, class_edges, budget, peak), class_of
 
 
 def _share_classes(b: _Builder, blocks) -> list[int]:

@@ -1,0 +1,63 @@
+"""Cluster descriptions: presets with their numbers, the local cluster, JSON round-trips, clear errors."""
+import json
+
+import pytest
+
+from autopar import Cluster
+from autopar.cost_models.communication import axis_links
+from autopar.errors import ClusterError
+
+
+@pytest.mark.parametrize("name,gpu_memory", [("p3.16xlarge", 16), ("dgx-a100", 80), ("dgx-h100", 80)])
+def test_presets(name, gpu_memory):
+    c = Cluster.preset(name, nodes=4)
+    assert c.num_devices == 32 and c.mesh_shape == (4, 8)
+    assert c.memory_per_device == gpu_memory * 2**30
+    assert c.inter_node.bandwidth < c.intra_node.bandwidth
+    assert c.source, "every preset cites its source"
+    assert Cluster.from_json(c.to_json()) == c
+
+
+def test_p3_inter_node_link_is_25_gbps():
+    c = Cluster.preset("p3.16xlarge", nodes=2)
+    assert c.inter_node.bandwidth == pytest.approx(25e9 / 8)
+    intra, inter = axis_links(c, (2, 8))[::-1]
+    assert intra.link is c.intra_node and inter.link is c.inter_node
+    assert inter.bandwidth == pytest.approx(25e9 / 8 / 8), "8 groups share one NIC"
+
+
+def test_local_cluster():
+    c = Cluster.local(4)
+    assert c.mesh_shape == (1, 4) and c.backend == "gloo" and c.device_type == "cpu"
+    assert Cluster.local(4, mesh_shape=(2, 2), memory_per_device=1e6).memory_per_device == 1e6
+
+
+def test_json_file_round_trip(tmp_path):
+    c = Cluster.local(2, mesh_shape=(2, 1))
+    path = tmp_path / "cluster.json"
+    c.to_json(path)
+    assert Cluster.from_json(path) == c
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: Cluster.preset("tpu-v5"), "known presets"),
+    (lambda: Cluster.preset("dgx-a100", nodes=0), "positive integer"),
+    (lambda: Cluster.local(0), "positive integer"),
+    (lambda: Cluster.local(4, mesh_shape=(3, 2)), "does not tile"),
+    (lambda: Cluster.from_json("/nonexistent/cluster.json"), "does not exist"),
+    (lambda: Cluster.from_json("{not json"), "malformed"),
+])
+def test_bad_cluster_descriptions(call, match):
+    with pytest.raises(ClusterError, match=match):
+        call()
+
+
+def test_missing_and_negative_fields():
+    d = json.loads(Cluster.local(2).to_json())
+    del d["memory_per_device"]
+    with pytest.raises(ClusterError, match="missing \\['memory_per_device'\\]"):
+        Cluster.from_json(json.dumps(d))
+    d = json.loads(Cluster.local(2).to_json())
+    d["intra_node"]["bandwidth"] = -1
+    with pytest.raises(ClusterError, match="intra_node.bandwidth must be a finite number > 0"):
+        Cluster.from_json(json.dumps(d))
