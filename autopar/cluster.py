@@ -63,6 +63,8 @@ class Cluster:
       the node's devices), intra_node.bandwidth per device.
     backend / device_type: how the runtime talks ("gloo"/"cpu" locally, "nccl"/"cuda" on GPUs).
     source: where the numbers come from (a preset's citation, or "profiled on <host> <date>").
+    matmul_curve: measured matmul throughput by dtype name, ``[[flops_per_call, achieved_flop_per_s], ...]``
+      sorted by flops_per_call (see ``matmul_flops``); empty for presets, which have only a peak.
     """
 
     name: str
@@ -78,6 +80,7 @@ class Cluster:
     backend: str = "nccl"
     device_type: str = "cuda"
     source: str = ""
+    matmul_curve: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -90,16 +93,15 @@ class Cluster:
                                f"(1, {self.num_devices})")
         object.__setattr__(self, "mesh_shape", shape)
         for field in ("matmul_efficiency", "memory_bandwidth", "memory_per_device"):
-            if not getattr(self, field) > 0:
-                raise ClusterError(f"cluster {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
-        if not self.peak_flops or min(self.peak_flops.values()) <= 0:
-            raise ClusterError(f"cluster {self.name!r}: peak_flops needs a positive FLOP/s per dtype, "
-                               f"got {self.peak_flops}")
+            _check_positive(self.name, field, getattr(self, field))
+        if not isinstance(self.peak_flops, dict) or not self.peak_flops:
+            raise ClusterError(f"cluster {self.name!r}: peak_flops must map dtype names to FLOP/s, e.g. "
+                               f"{{'float32': 1e12}}, got {self.peak_flops!r}{_FIX}")
+        for dtype_name, value in self.peak_flops.items():
+            _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
         for link_name in ("intra_node", "inter_node"):
-            link = getattr(self, link_name)
-            if link.latency < 0 or link.bandwidth <= 0:
-                raise ClusterError(f"cluster {self.name!r}: {link_name} needs latency >= 0 and bandwidth > 0, "
-                                   f"got latency={link.latency}, bandwidth={link.bandwidth}")
+            _check_link(self.name, link_name, getattr(self, link_name))
+        object.__setattr__(self, "matmul_curve", _checked_curve(self.name, self.matmul_curve))
 
     # ---- shape -------------------------------------------------------------------------------
     @property
@@ -119,6 +121,26 @@ class Cluster:
         peak = self.peak_flops.get(dtype_name) or self.peak_flops.get("float32") or max(self.peak_flops.values())
         return peak * self.matmul_efficiency
 
+    def matmul_flops(self, dtype_name: str, flops: float) -> float:
+        """Achieved FLOP/s per device of one matmul call doing ``flops`` FLOPs (2·m·k·n for an mm).
+
+        With a measured curve for the dtype, the rate is interpolated linearly in log(flops) between the
+        two neighbouring points and clamped to the first/last point outside the measured range (small
+        calls are slow, and nothing beyond the largest size measured is assumed faster). Without one it
+        is ``flops(dtype_name)``: peak × matmul_efficiency, whatever the size.
+        """
+        curve = self.matmul_curve.get(dtype_name)
+        if not curve:
+            return self.flops(dtype_name)
+        if flops <= curve[0][0]:
+            return curve[0][1]
+        if flops >= curve[-1][0]:
+            return curve[-1][1]
+        hi = next(i for i, (x, _) in enumerate(curve) if x >= flops)
+        (x0, y0), (x1, y1) = curve[hi - 1], curve[hi]
+        w = (math.log(flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + w * (y1 - y0)
+
     # ---- constructors ------------------------------------------------------------------------
     @staticmethod
     def local(n: int, mesh_shape: tuple[int, int] | None = None, memory_per_device: float | None = None) -> "Cluster":
@@ -136,7 +158,8 @@ class Cluster:
 
     @staticmethod
     def profile(*args, **kwargs) -> "Cluster":
-        """Measure the cluster this process group runs on; see ``autopar.profiler.profile_cluster``."""
+        """Measure this machine as n local gloo ranks (out=path also writes the JSON); see
+        ``autopar.profiler.profile_cluster``."""
         from autopar.profiler import profile_cluster
 
         return profile_cluster(*args, **kwargs)
@@ -177,29 +200,89 @@ _REQUIRED = ("name", "nodes", "devices_per_node", "peak_flops", "matmul_efficien
              "memory_per_device", "intra_node", "inter_node")
 
 
+_FIX = ("; fix the value in the cluster JSON or re-measure with `autopar profile --out cluster.json` "
+        "(Cluster.profile(out='cluster.json') in Python)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_positive(cluster: str, field: str, value, allow_zero: bool = False) -> None:
+    ok = _is_number(value) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ClusterError(f"cluster {cluster!r}: {field} must be a finite number {bound}, got {value!r}{_FIX}")
+
+
+def _check_link(cluster: str, link_name: str, link: Link) -> None:
+    """latency >= 0, bandwidth > 0, and every fit has alpha >= 0, beta > 0 under a "<collective>/<n>" key."""
+    _check_positive(cluster, f"{link_name}.latency", link.latency, allow_zero=True)
+    _check_positive(cluster, f"{link_name}.bandwidth", link.bandwidth)
+    for key, fit in link.fits.items():
+        kind, _, size = key.partition("/")
+        if not kind or not size.isdigit() or int(size) < 2:
+            raise ClusterError(f"cluster {cluster!r}: {link_name}.fits key {key!r} must read "
+                               f"'<collective>/<group size>', e.g. 'all_reduce/4'{_FIX}")
+        _check_positive(cluster, f"{link_name}.fits[{key!r}].alpha", fit.alpha, allow_zero=True)
+        _check_positive(cluster, f"{link_name}.fits[{key!r}].beta", fit.beta)
+
+
+def _checked_curve(cluster: str, curve) -> dict[str, list[list[float]]]:
+    """The matmul curve with every point [flops > 0, flop/s > 0] as floats, sorted by flops."""
+    if not isinstance(curve, dict):
+        raise ClusterError(f"cluster {cluster!r}: matmul_curve must map dtype names to "
+                           f"[[flops_per_call, flop_per_s], ...], got {type(curve).__name__}{_FIX}")
+    out = {}
+    for dtype_name, points in curve.items():
+        field = f"matmul_curve[{dtype_name!r}]"
+        if not isinstance(points, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                             for p in points):
+            raise ClusterError(f"cluster {cluster!r}: {field} must be a list of [flops_per_call, flop_per_s] "
+                               f"pairs, got {points!r}{_FIX}")
+        for flops, rate in points:
+            _check_positive(cluster, f"{field} flops_per_call", flops)
+            _check_positive(cluster, f"{field} flop_per_s", rate)
+        out[dtype_name] = sorted([float(f), float(r)] for f, r in points)
+    return out
+
+
+def _fit_from_dict(v: Any, where: str) -> CollectiveFit:
+    if not isinstance(v, dict) or set(v) != {"alpha", "beta"}:
+        raise ClusterError(f"cluster JSON: {where} must be {{'alpha': seconds, 'beta': seconds per byte}}, "
+                           f"got {v!r}{_FIX}")
+    return CollectiveFit(alpha=v["alpha"], beta=v["beta"])
+
+
 def _link_from_dict(d: dict[str, Any], where: str) -> Link:
     if not isinstance(d, dict) or "latency" not in d or "bandwidth" not in d:
-        raise ClusterError(f"cluster JSON: {where} needs 'latency' (s) and 'bandwidth' (bytes/s), got {d!r}")
-    fits = {k: CollectiveFit(**v) for k, v in (d.get("fits") or {}).items()}
-    return Link(latency=float(d["latency"]), bandwidth=float(d["bandwidth"]), fits=fits)
+        raise ClusterError(f"cluster JSON: {where} needs 'latency' (s) and 'bandwidth' (bytes/s), got {d!r}{_FIX}")
+    fits = d.get("fits") or {}
+    if not isinstance(fits, dict):
+        raise ClusterError(f"cluster JSON: {where}.fits must be an object keyed '<collective>/<group size>', "
+                           f"got {fits!r}{_FIX}")
+    fits = {k: _fit_from_dict(v, f"{where}.fits[{k!r}]") for k, v in fits.items()}
+    return Link(latency=d["latency"], bandwidth=d["bandwidth"], fits=fits)
 
 
 def _cluster_from_dict(d: dict[str, Any]) -> Cluster:
     if not isinstance(d, dict):
-        raise ClusterError(f"cluster JSON must be an object, got {type(d).__name__}")
+        raise ClusterError(f"cluster JSON must be an object, got {type(d).__name__}{_FIX}")
     missing = [k for k in _REQUIRED if k not in d]
     if missing:
         raise ClusterError(f"cluster JSON is missing {missing}; every cluster file needs {list(_REQUIRED)} "
-                           f"(write one with `autopar profile --out cluster.json`)")
+                           f"(write one with `autopar profile --out cluster.json`, Cluster.profile(out=...) "
+                           f"or Cluster.local(n).to_json(path))")
+    unknown = set(d) - {f.name for f in dataclasses.fields(Cluster)}
+    if unknown:
+        raise ClusterError(f"cluster JSON has unknown fields {sorted(unknown)}; known fields: "
+                           f"{sorted(f.name for f in dataclasses.fields(Cluster))}{_FIX}")
     kwargs = dict(d)
     kwargs["intra_node"] = _link_from_dict(d["intra_node"], "intra_node")
     kwargs["inter_node"] = _link_from_dict(d["inter_node"], "inter_node")
-    if kwargs.get("mesh_shape") is not None:
-        kwargs["mesh_shape"] = tuple(kwargs["mesh_shape"])
-    unknown = set(kwargs) - {f.name for f in dataclasses.fields(Cluster)}
-    if unknown:
-        raise ClusterError(f"cluster JSON has unknown fields {sorted(unknown)}")
     try:
+        if kwargs.get("mesh_shape") is not None:
+            kwargs["mesh_shape"] = tuple(kwargs["mesh_shape"])
         return Cluster(**kwargs)
     except TypeError as e:
-        raise ClusterError(f"cluster JSON has a field of the wrong type: {e}") from None
+        raise ClusterError(f"cluster JSON has a field of the wrong type: {e}{_FIX}") from None

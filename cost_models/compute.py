@@ -2,7 +2,9 @@
 
     t(node, strategy) = max( flops · work_fraction / F ,  bytes_local / B )      (forward + backward)
 
-F is the cluster's achievable matmul FLOP/s for the dtype, B its memory bandwidth. FLOPs come from
+F = cluster.matmul_flops(dtype, flops of one call): the measured rate at this call's size when the
+cluster has a matmul curve (one call = the forward's local FLOPs; a matmul's backward is two calls of
+that size), else peak × efficiency. B is the cluster's memory bandwidth. FLOPs come from
 ``torch.utils.flop_counter`` run on ``meta`` tensors of the node's global shapes (forward, then
 backward when any float input needs a gradient); ops it does not count (elementwise, norms) have
 0 FLOPs and are priced by bytes. bytes_local = (inputs + outputs, local shapes) × (1 forward +
@@ -123,4 +125,5 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     moved *= 3.0 if differentiable else 1.0
     dtype = next((v.dtype for v in in_vals + out_vals if isinstance(v, torch.Tensor)), torch.float32)
     name = str(dtype).replace("torch.", "")
-    return max(flops / cluster.flops(name), moved / cluster.memory_bandwidth)
+    rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
+    return max(flops / rate, moved / cluster.memory_bandwidth)

@@ -1,0 +1,358 @@
+"""Measure the machine autopar runs on and describe it as a ``Cluster`` (issue 5).
+
+    cluster = autopar.Cluster.profile(4, out="cluster.json")     # or: python -m autopar.profiler 4 --out cluster.json
+
+``profile_cluster(n)`` spawns n local gloo ranks with ``autopar.launch`` and measures with every rank busy
+at once, as in training (4 ranks on 2 cores each get about half a core, and the figures say so):
+
+* matmul: square ``torch.mm`` of side s (2·s³ FLOPs per call) per dtype; ``matmul_curve[dtype]`` is
+  ``[[2·s³, 2·s³ / t], ...]`` and ``peak_flops[dtype]`` its maximum, with ``matmul_efficiency`` = 1 (the
+  figures are achieved rates, not datasheet peaks). A dtype's ladder stops before a call slower than
+  ``max_matmul_call_s`` on some rank (float16 mm runs ~50× slower than float32 on CPUs without native
+  fp16 kernels), and the dtype is left out when its smallest size already is; ``Cluster.matmul_flops``
+  clamps larger calls to the last point.
+* memory bandwidth: ``torch.add(a, b, out=c)`` on float32 tensors larger than the caches;
+  bandwidth = 3·|a| bytes / t (read a, read b, write c: inputs + outputs, as ``cost_models.compute`` counts).
+* collectives, for every group size g > 1 dividing n (the axis sizes of the cluster's 2-D meshes): the
+  ranks split into n/g groups of consecutive ranks that all run the collective at once. m, the message
+  size, is per device exactly as ``cost_models.communication`` defines it: all_reduce the full tensor,
+  all_gather the gathered output (input m/g), reduce_scatter the input (output m/g), all_to_all the
+  local tensor (in = out = m). send is a ping-pong between ranks (2i, 2i+1), t = round trip / 2, stored
+  as "send/2".
+
+Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
+``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
+point is the median of that over ranks. Fit, per "<collective>/<g>":
+
+    t(m) = α + m·β,   minimizing Σ_i ((α + m_i·β − t_i) / t_i)²,   α ≥ 0,  β ≥ 1e-15 s/byte
+
+(relative residuals, so the 4 KiB points weigh as much as the 16 MiB ones). Link.latency/bandwidth restate
+the all_reduce fit of the largest group n in ring terms: latency = α, bandwidth = 2(n−1)/n / β, so the
+analytic ring formula reproduces that fit exactly. On one machine intra_node and inter_node are the same
+measured link (gloo over loopback).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from autopar.cluster import Cluster, CollectiveFit, Link
+from autopar.errors import ClusterError
+from autopar.launch import launch
+
+KiB, MiB = 2**10, 2**20
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MATMUL_DTYPES = ("float32", "bfloat16", "float16")
+MIN_BETA = 1e-15  # s/byte (1 PB/s): the floor of a fit whose times do not grow with m
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSettings:
+    """How much to measure; ``QUICK`` (tests, a few seconds) is coarser and noisier than ``FULL``.
+
+    message_bytes: per-device message sizes m of the collectives.  matmul_sizes: sides s of square mm.
+    warmup: untimed calls before each point.  windows × window_s: each point is timed as ``windows``
+      windows of back-to-back calls lasting about ``window_s`` each (at least one call).
+    max_matmul_call_s: a dtype's size ladder stops before a call would take longer (predicted as s³).
+    stream_bytes: bytes of each operand of the bandwidth probe (well above the last-level cache).
+    timeout_s: per-collective timeout of the profiling process group.
+    """
+
+    message_bytes: tuple[int, ...]
+    matmul_sizes: tuple[int, ...]
+    max_matmul_call_s: float
+    stream_bytes: int
+    warmup: int
+    windows: int
+    window_s: float
+    timeout_s: float = 120.0
+
+
+FULL = ProfileSettings(message_bytes=tuple(4 * KiB * 4**k for k in range(7)), matmul_sizes=(64, 128, 256, 512, 1024),
+                       max_matmul_call_s=0.25, stream_bytes=64 * MiB, warmup=2, windows=4, window_s=0.015)
+QUICK = ProfileSettings(message_bytes=(4 * KiB, 64 * KiB, 1 * MiB), matmul_sizes=(64, 128, 256),
+                        max_matmul_call_s=0.05, stream_bytes=8 * MiB, warmup=1, windows=3, window_s=0.005)
+MAX_CALLS_PER_WINDOW = 10_000
+
+
+def profile_cluster(nprocs: int | None = None, *, mesh_shape=None, quick: bool = False, progress: bool = True,
+                    out=None) -> Cluster:
+    """Measure this machine as ``nprocs`` gloo ranks (default: WORLD_SIZE under torchrun, else the core count).
+
+    mesh_shape: the returned cluster's default 2-D mesh (default (1, nprocs)); out: also write the JSON
+    there. Must run outside any process group: it starts its own ranks.
+    """
+    if dist.is_available() and dist.is_initialized():
+        raise ClusterError("profile_cluster starts its own gloo ranks, but a process group is already "
+                           "initialized here; call it before init_process_group / outside autopar.launch")
+    nprocs = _resolve_nprocs(nprocs)
+    base = Cluster.local(nprocs, mesh_shape=mesh_shape)  # validates mesh_shape before any rank starts
+    settings = QUICK if quick else FULL
+    per_rank = launch(_profile_rank, nprocs, settings, progress, timeout=settings.timeout_s)[0]
+    cluster = assemble_cluster(base, per_rank, quick=quick)
+    if out is not None and int(os.environ.get("RANK", "0")) == 0:
+        cluster.to_json(out)
+    return cluster
+
+
+def _resolve_nprocs(nprocs: int | None) -> int:
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    if world is not None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if nprocs is not None and nprocs != world:
+            raise ClusterError(f"profile_cluster(nprocs={nprocs}) under torchrun, which started {world} ranks; "
+                               f"leave nprocs out or pass {world}")
+        if local != world:
+            raise ClusterError(f"profile_cluster measures one machine, but torchrun started {world} ranks with "
+                               f"{local} per node; profile one node (torchrun --nnodes 1) and write the "
+                               f"inter_node link of the JSON by hand")
+        return world
+    nprocs = (os.cpu_count() or 1) if nprocs is None else nprocs
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise ClusterError(f"profile_cluster: nprocs must be a positive integer, got {nprocs!r}")
+    return nprocs
+
+
+def group_sizes(world: int) -> list[int]:
+    """The mesh-axis sizes of a world of n ranks: every divisor g > 1 of n."""
+    return [g for g in range(2, world + 1) if world % g == 0]
+
+
+# ---- on every rank -------------------------------------------------------------------------------
+def _profile_rank(rank: int, settings: ProfileSettings, progress: bool) -> list[dict]:
+    """This rank's measurements, then everyone's (all ranks return the same list, in rank order)."""
+    world = dist.get_world_size()
+    steps = len(MATMUL_DTYPES) * len(settings.matmul_sizes) + 1
+    steps += (len(COLLECTIVES) * len(group_sizes(world)) + (world >= 2)) * len(settings.message_bytes)
+    bar = tqdm(total=steps, desc=f"profiling {world} ranks", unit="step", file=sys.stderr,
+               disable=not (progress and rank == 0))
+    mine = {"matmul": _measure_matmuls(settings, bar), "stream": _measure_stream(settings, bar),
+            "collectives": _measure_collectives(world, settings, bar), "threads": torch.get_num_threads()}
+    bar.close()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _warm_up(call, times: int) -> float:
+    """Run ``call`` ``times`` times (at least once); the seconds of the last run."""
+    for _ in range(max(1, times)):
+        start = time.perf_counter()
+        call()
+    return time.perf_counter() - start
+
+
+def _slowest_rank(seconds: float) -> float:
+    """The maximum of ``seconds`` over the world (every rank must call this together)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _seconds_per_call(call, calls_per_window: int, windows: int) -> float:
+    """Median over ``windows`` windows of (window seconds / calls in it).
+
+    Windows rather than single calls: one small matmul is shorter than a scheduler time slice, so ranks
+    sharing a core would take turns instead of running at once; a window spans many slices and its mean
+    includes the stalls that training also sees.
+    """
+    per_call = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(calls_per_window):
+            call()
+        per_call.append((time.perf_counter() - start) / calls_per_window)
+    return statistics.median(per_call)
+
+
+def _calls_per_window(slowest_call_s: float, settings: ProfileSettings) -> int:
+    return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(settings.window_s / max(slowest_call_s, 1e-9))))
+
+
+def _measure_point(call, settings: ProfileSettings) -> float | None:
+    """Seconds per ``call`` (None where this rank idles, call=None); all ranks call this together."""
+    slowest = _slowest_rank(_warm_up(call, settings.warmup) if call else 0.0)
+    return _seconds_per_call(call, _calls_per_window(slowest, settings), settings.windows) if call else None
+
+
+def _measure_matmuls(settings: ProfileSettings, bar) -> dict[str, list[tuple[float, float]]]:
+    """{dtype: [(2·s³ FLOPs, seconds per call on this rank), ...]}, dtypes with no usable size left out."""
+    curve = {name: _matmul_ladder(getattr(torch, name), settings, bar) for name in MATMUL_DTYPES}
+    return {name: points for name, points in curve.items() if points}
+
+
+def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar) -> list[tuple[float, float]]:
+    """Square mm up ``matmul_sizes``, stopping on every rank at once before a call slower than
+    ``max_matmul_call_s``: predicted from the previous size as t·(s'/s)³, else measured by the warm-up."""
+    points, previous = [], None  # previous: (side, slowest rank's warm-up seconds)
+    for i, size in enumerate(settings.matmul_sizes):
+        bar.set_postfix_str(f"matmul {str(dtype).replace('torch.', '')} {size}³")
+        a, b, c = (torch.randn(size, size).to(dtype) for _ in range(3))
+        dist.barrier()
+        predicted = previous[1] * (size / previous[0]) ** 3 if previous else 0.0
+        warm = math.inf
+        if predicted <= settings.max_matmul_call_s:
+            try:
+                warm = _warm_up(lambda: torch.mm(a, b, out=c), settings.warmup)
+            except RuntimeError:  # this build has no kernel for the dtype: leave it out
+                pass
+        slowest = _slowest_rank(warm)
+        if slowest > settings.max_matmul_call_s:
+            bar.update(len(settings.matmul_sizes) - i)
+            break
+        seconds = _seconds_per_call(lambda: torch.mm(a, b, out=c), _calls_per_window(slowest, settings),
+                                    settings.windows)
+        points.append((2.0 * size**3, seconds))
+        previous = (size, slowest)
+        bar.update()
+    return points
+
+
+def _measure_stream(settings: ProfileSettings, bar) -> float:
+    """This rank's memory bandwidth in bytes/s: 3·|a| / t of ``add(a, b, out=c)``."""
+    bar.set_postfix_str("memory bandwidth")
+    a, b, c = (torch.full((settings.stream_bytes // 4,), 1.0) for _ in range(3))
+    dist.barrier()
+    t = _measure_point(lambda: torch.add(a, b, out=c), settings)
+    bar.update()
+    return 3 * settings.stream_bytes / t
+
+
+def _measure_collectives(world: int, settings: ProfileSettings, bar) -> dict[str, list[tuple[int, float | None]]]:
+    """{"<collective>/<g>": [(m bytes, seconds per call on this rank, or None when idle), ...]}."""
+    timeout = datetime.timedelta(seconds=settings.timeout_s)
+    points: dict[str, list] = {}
+    for g in group_sizes(world):
+        my_group = None
+        for first in range(0, world, g):  # new_group is collective over the world: every rank makes every group
+            members = list(range(first, first + g))
+            group = dist.new_group(members, timeout=timeout)
+            my_group = group if dist.get_rank() in members else my_group
+        for kind in COLLECTIVES:
+            for nbytes in settings.message_bytes:
+                bar.set_postfix_str(f"{kind}/{g} {nbytes // KiB} KiB")
+                call, m = _collective_call(kind, nbytes, g, my_group)
+                dist.barrier()
+                points.setdefault(f"{kind}/{g}", []).append((m, _measure_point(call, settings)))
+                bar.update()
+    if world >= 2:
+        for nbytes in settings.message_bytes:
+            bar.set_postfix_str(f"send/2 {nbytes // KiB} KiB")
+            call = _ping_pong_call(nbytes, world)
+            dist.barrier()
+            round_trip = _measure_point(call, settings)
+            points.setdefault("send/2", []).append((nbytes // 4 * 4, round_trip / 2 if call else None))
+            bar.update()
+    return points
+
+
+def _collective_call(kind: str, nbytes: int, g: int, group) -> tuple:
+    """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes."""
+    elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
+    full, part, source = torch.zeros(elems), torch.zeros(elems // g), torch.zeros(elems)  # sums stay finite
+    calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+             "all_gather": lambda: dist.all_gather_single(full, part, group=group),
+             "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+             "all_to_all": lambda: dist.all_to_all_single(full, source, group=group)}
+    return calls[kind], elems * 4
+
+
+def _ping_pong_call(nbytes: int, world: int):
+    """A round trip of one message between ranks 2i and 2i+1; None on an odd world's last rank."""
+    rank = dist.get_rank()
+    peer = rank ^ 1
+    if peer >= world:
+        return None
+    buf = torch.zeros(nbytes // 4)
+    if rank % 2 == 0:
+        return lambda: (dist.send(buf, peer), dist.recv(buf, peer))
+    return lambda: (dist.recv(buf, peer), dist.send(buf, peer))
+
+
+# ---- in the caller: medians, fits, the Cluster ---------------------------------------------------
+def fit_alpha_beta(nbytes, seconds) -> CollectiveFit:
+    """The α-β line of the module docstring: relative least squares with α ≥ 0 and β ≥ MIN_BETA.
+
+    The problem is a convex quadratic in (α, β); its minimum is the free solution when that is feasible,
+    else on one of the two bounds, each a one-variable least squares in closed form.
+    """
+    m, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
+    if len(m) < 2 or np.any(t <= 0) or np.any(m <= 0):
+        raise ValueError(f"fit_alpha_beta needs >= 2 points with positive sizes and times, got {list(zip(m, t))}")
+    u, v = 1.0 / t, m / t  # residual_i = α·u_i + β·v_i − 1
+
+    def loss(a, b):
+        return float(np.sum((a * u + b * v - 1.0) ** 2))
+
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([u, v], axis=1), np.ones_like(t), rcond=None)
+    if alpha >= 0 and beta >= MIN_BETA:
+        return CollectiveFit(alpha=float(alpha), beta=float(beta))
+    on_alpha_bound = (0.0, max(MIN_BETA, float(np.sum(v) / np.sum(v * v))))
+    alpha_free = max(0.0, float(np.sum(u * (1.0 - MIN_BETA * v)) / np.sum(u * u)))
+    on_beta_bound = (alpha_free, MIN_BETA)
+    alpha, beta = min(on_alpha_bound, on_beta_bound, key=lambda ab: loss(*ab))
+    return CollectiveFit(alpha=alpha, beta=beta)
+
+
+def _median_over_ranks(per_rank: list[list[tuple]]) -> list[tuple[float, float]]:
+    """Pointwise median over ranks of [(x, seconds), ...] lists with the same x's (None = idle rank)."""
+    out = []
+    for column in zip(*per_rank):
+        times = [t for _, t in column if t is not None]
+        out.append((column[0][0], statistics.median(times)))
+    return out
+
+
+def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False) -> Cluster:
+    """The profiled cluster: ``base`` (``Cluster.local(n, mesh_shape)``) with every measured field replaced."""
+    n = base.num_devices
+    curve = {}
+    for dtype_name in per_rank[0]["matmul"]:
+        points = _median_over_ranks([r["matmul"][dtype_name] for r in per_rank])
+        curve[dtype_name] = [[flops, flops / t] for flops, t in points]
+    fits = {key: fit_alpha_beta(*zip(*_median_over_ranks([r["collectives"][key] for r in per_rank])))
+            for key in per_rank[0]["collectives"]}
+    representative = fits.get(f"all_reduce/{n}")
+    link = Link(latency=representative.alpha, bandwidth=2 * (n - 1) / n / representative.beta, fits=fits) \
+        if representative else base.intra_node  # one rank: nothing to measure, keep the defaults
+    return dataclasses.replace(
+        base, name=f"{base.name}-profiled", matmul_curve=curve,
+        peak_flops={d: max(rate for _, rate in pts) for d, pts in curve.items()}, matmul_efficiency=1.0,
+        memory_bandwidth=statistics.median(r["stream"] for r in per_rank),
+        intra_node=link, inter_node=link, source=_source_line(n, per_rank[0]["threads"], quick))
+
+
+def _source_line(n: int, threads: int, quick: bool) -> str:
+    when = datetime.datetime.now().isoformat(timespec="seconds")
+    return (f"profiled on {socket.gethostname()} {when} by autopar.profiler{' (quick)' if quick else ''}: "
+            f"{n} gloo ranks on {os.cpu_count()} cores, {threads} thread(s) per rank, all ranks busy at once; "
+            f"torch {torch.__version__}. One machine: intra_node and inter_node are the same measured link "
+            f"(gloo over loopback); latency/bandwidth restate the all_reduce/{n} fit in ring terms")
+
+
+def _main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m autopar.profiler", description=__doc__.splitlines()[0])
+    parser.add_argument("nprocs", type=int, nargs="?", default=None, help="local ranks (default: core count)")
+    parser.add_argument("--out", default="cluster.json", help="where to write the cluster JSON")
+    parser.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"))
+    parser.add_argument("--quick", action="store_true", help="a coarse profile in a few seconds")
+    args = parser.parse_args(argv)
+    profile_cluster(args.nprocs, mesh_shape=args.mesh, quick=args.quick, out=args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    _main()
