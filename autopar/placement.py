@@ -59,7 +59,7 @@ def shard_factor(spec: Spec, dim: int, mesh_shape: Sequence[int]) -> int:
     """How many pieces ``dim`` is split into under ``spec`` (product of the sizes of axes sharding it)."""
     f = 1
     for axis, p in enumerate(spec):
-        if isinstance(p, Shard) and p.dim == dim:
+        if p.is_shard() and p.dim == dim:
             f *= mesh_shape[axis]
     return f
 
@@ -67,7 +67,7 @@ def shard_factor(spec: Spec, dim: int, mesh_shape: Sequence[int]) -> int:
 def divides(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
     """True when every sharded dim of ``shape`` splits evenly under ``spec``."""
     for axis, p in enumerate(spec):
-        if isinstance(p, Shard):
+        if p.is_shard():
             if p.dim >= len(shape) or shape[p.dim] % shard_factor(spec, p.dim, mesh_shape):
                 return False
     return True
@@ -77,7 +77,7 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
     """Shape of one device's shard: each sharded dim divided by its shard factor (exact by invariant)."""
     out = list(shape)
     for axis, p in enumerate(spec):
-        if isinstance(p, Shard):
+        if p.is_shard():
             out[p.dim] //= mesh_shape[axis]
     return tuple(out)
 
@@ -86,7 +86,7 @@ def shard_fraction(spec: Spec, mesh_shape: Sequence[int]) -> float:
     """Fraction of the global tensor held by one device (1 for Replicate/Partial axes)."""
     f = 1
     for axis, p in enumerate(spec):
-        if isinstance(p, Shard):
+        if p.is_shard():
             f *= mesh_shape[axis]
     return 1.0 / f
 
@@ -97,7 +97,7 @@ def local_slice(t: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coord: S
     Partial axes keep the full value on coordinate 0 and zeros elsewhere (their sum is ``t``).
     """
     for axis, p in enumerate(spec):
-        if isinstance(p, Shard):
+        if p.is_shard():
             t = t.chunk(mesh_shape[axis], dim=p.dim)[coord[axis]]
         elif p.is_partial() and coord[axis] != 0:
             t = torch.zeros_like(t)

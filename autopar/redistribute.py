@@ -28,6 +28,7 @@ re-sharded from the first axis to the last, so nested shards keep DTensor's orde
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 from torch.distributed.tensor import Shard
@@ -46,25 +47,31 @@ class Step:
 
 
 def _shards(p, d: int) -> bool:
-    return isinstance(p, Shard) and p.dim == d
+    return p.is_shard() and p.dim == d
 
 
 def redistribute_steps(src: Spec, dst: Spec, grad_partial_axes: Sequence[int] = ()) -> list[Step]:
     """Steps taking a tensor from ``src`` to ``dst`` (see module docstring for the ordering rules)."""
+    return list(_steps(tuple(src), tuple(dst), tuple(grad_partial_axes)))
+
+
+@functools.lru_cache(maxsize=65536)
+def _steps(src: Spec, dst: Spec, grad_partial_axes: tuple[int, ...]) -> tuple[Step, ...]:
+    """Memoized: the planner asks for the same few spec pairs millions of times."""
     n = len(src)
     cur = list(src)
     steps: list[Step] = []
     changing = [a for a in range(n) if cur[a] != dst[a]]
     for a in reversed(range(n)):
-        needs_unnest = isinstance(cur[a], Shard) and any(
+        needs_unnest = cur[a].is_shard() and any(
             b < a and (_shards(cur[b], cur[a].dim) or _shards(dst[b], cur[a].dim)) for b in changing)
         if cur[a] == dst[a] and not needs_unnest:
             continue
         others = [cur[b] for b in range(n) if b != a] + [dst[b] for b in range(n) if b != a]
-        if isinstance(cur[a], Shard):
+        if cur[a].is_shard():
             d = cur[a].dim
             target = dst[a]
-            if (isinstance(target, Shard) and target.dim != d and not needs_unnest
+            if (target.is_shard() and target.dim != d and not needs_unnest
                     and not any(_shards(o, d) or _shards(o, target.dim) for o in others)):
                 steps.append(Step("all_to_all", a, d, target.dim))
                 cur[a] = target
@@ -73,7 +80,7 @@ def redistribute_steps(src: Spec, dst: Spec, grad_partial_axes: Sequence[int] = 
                 cur[a] = R
         elif cur[a].is_partial():
             target = dst[a]
-            if isinstance(target, Shard) and not any(_shards(o, target.dim) for o in others):
+            if target.is_shard() and not any(_shards(o, target.dim) for o in others):
                 steps.append(Step("reduce_scatter", a, target.dim))
                 cur[a] = target
             else:
@@ -83,9 +90,9 @@ def redistribute_steps(src: Spec, dst: Spec, grad_partial_axes: Sequence[int] = 
         if cur[a] == dst[a]:
             continue
         assert cur[a].is_replicate(), f"redistribute {src}->{dst}: axis {a} left at {cur[a]}"
-        steps.append(Step("split", a, dst[a].dim) if isinstance(dst[a], Shard) else Step("to_partial", a))
+        steps.append(Step("split", a, dst[a].dim) if dst[a].is_shard() else Step("to_partial", a))
         cur[a] = dst[a]
-    return _mark_grad_partial(steps, dst, grad_partial_axes)
+    return tuple(_mark_grad_partial(steps, dst, grad_partial_axes))
 
 
 def _mark_grad_partial(steps: list[Step], dst: Spec, axes: Sequence[int]) -> list[Step]:

@@ -103,6 +103,9 @@ def _one_strategy(model, problem: IlpProblem) -> list[list]:
 
 
 def _edge_marginals(model, problem: IlpProblem, x) -> tuple[int, list, float]:
+    """Edge terms. Rows (columns) of a matrix that are equal are merged first: y lives on the distinct
+    (row group, column group) pairs, with marginals Σ_j y[a, j] = Σ_{i ∈ a} x_c[i]. Exact, since with x
+    one-hot the grouped sums are one-hot too; it shrinks y by the strategies that share a layout."""
     terms, constant, n_y = [], 0.0, 0
     for (c, d), matrix in problem.edges.items():
         matrix = matrix * MS
@@ -113,16 +116,35 @@ def _edge_marginals(model, problem: IlpProblem, x) -> tuple[int, list, float]:
         elif len(x[d]) == 1:
             terms.append(pulp.lpDot(matrix[:, 0].tolist(), x[c]))
         else:
-            y = [[pulp.LpVariable(f"y_{c}_{d}_{i}_{j}", lowBound=0, upBound=1) for j in range(len(x[d]))]
-                 for i in range(len(x[c]))]
-            n_y += len(x[c]) * len(x[d])
-            for i in range(len(x[c])):
-                model += pulp.lpSum(y[i]) == x[c][i]
-            for j in range(len(x[d])):
-                model += pulp.lpSum(y[i][j] for i in range(len(x[c]))) == x[d][j]
-            terms.append(pulp.lpSum(float(matrix[i, j]) * y[i][j]
-                                    for i in range(len(x[c])) for j in range(len(x[d])) if matrix[i, j]))
+            rows, row_of = np.unique(matrix, axis=0, return_inverse=True)
+            cols, col_of = np.unique(rows, axis=1, return_inverse=True)
+            if cols.shape[0] == 1 or cols.shape[1] == 1:  # the cost depends on one side only
+                terms.append(_one_sided(cols, row_of.ravel(), col_of.ravel(), x[c], x[d]))
+                continue
+            n_y += cols.size
+            terms.append(_grouped_y(model, f"{c}_{d}", cols, row_of.ravel(), col_of.ravel(), x[c], x[d]))
     return n_y, terms, constant
+
+
+def _group_sums(x, group_of, n_groups) -> list:
+    return [pulp.lpSum(x[i] for i in range(len(x)) if group_of[i] == g) for g in range(n_groups)]
+
+
+def _one_sided(reduced: np.ndarray, row_of, col_of, xc, xd):
+    if reduced.shape[0] == 1:
+        return pulp.lpDot(reduced[0][col_of].tolist(), xd)
+    return pulp.lpDot(reduced[:, 0][row_of].tolist(), xc)
+
+
+def _grouped_y(model, tag: str, reduced: np.ndarray, row_of, col_of, xc, xd):
+    n_rows, n_cols = reduced.shape
+    xr, xk = _group_sums(xc, row_of, n_rows), _group_sums(xd, col_of, n_cols)
+    y = [[pulp.LpVariable(f"y_{tag}_{a}_{b}", lowBound=0, upBound=1) for b in range(n_cols)] for a in range(n_rows)]
+    for a in range(n_rows):
+        model += pulp.lpSum(y[a]) == xr[a]
+    for b in range(n_cols):
+        model += pulp.lpSum(y[a][b] for a in range(n_rows)) == xk[b]
+    return pulp.lpSum(float(reduced[a, b]) * y[a][b] for a in range(n_rows) for b in range(n_cols) if reduced[a, b])
 
 
 def _memory_row(model, problem: IlpProblem, x) -> None:

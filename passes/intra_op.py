@@ -178,8 +178,7 @@ class _Builder:
                          for a in view.tensor_args)
             key = (self.sig[node.name], srcs, self._grad_flags(node, view))
             if key not in self._follow:
-                costs = [self._local_cost(node, view, k, srcs) for k in range(len(self.strategies[node.name]))]
-                self._follow[key] = int(np.argmin(costs))
+                self._follow[key] = self._cheapest(node, view, srcs)
             pick[node.name] = self._follow[key]
         group.members.append(node.name)
         self.group_of[node.name] = g
@@ -206,6 +205,19 @@ class _Builder:
         g = self.groups[self.group_of[name]]
         assert len(g.pick) == 1, f"{name} is outside the group and not fixed"
         return self.strategies[name][g.pick[0][name]].out_spec
+
+    def _cheapest(self, node: fx.Node, view: OpView, srcs: tuple) -> int:
+        """argmin_k local cost. Fast path: a strategy reading every input as it comes costs only its own
+        op; if that is no more than the cheapest op time of any strategy (a lower bound on every cost),
+        it is the argmin and the other strategies need no pricing."""
+        strategies = self.strategies[node.name]
+        floor = min(self.node_time_k(node.name, k)[0] for k in range(len(strategies)))
+        for k, strat in enumerate(strategies):
+            if all(src is None or src == dst for src, dst in zip(srcs, strat.in_specs)):
+                cost = self._local_cost(node, view, k, srcs)
+                if cost <= floor:
+                    return k
+        return int(np.argmin([self._local_cost(node, view, k, srcs) for k in range(len(strategies))]))
 
     def _local_cost(self, node, view, k, srcs) -> float:
         """Cost of strategy k given its inputs' specs (None: an absorbed placeholder, stored as read)."""
@@ -375,12 +387,19 @@ class _Builder:
         return self.env.microbatches * sum(self.env.links[a].time("all_reduce", nbytes) for a in axes)
 
     def _edge_matrix(self, arg, node, idx, src_picks, dst_picks) -> np.ndarray:
-        m = np.zeros((len(src_picks), len(dst_picks)))
-        for i, ku in enumerate(src_picks):
-            src = self.strategies[arg.name][ku].out_spec
-            for j, kv in enumerate(dst_picks):
-                m[i, j] = sum(self.edge_time_k(arg, node, idx, src, kv))
-        return m
+        """Price each distinct (source layout, read layout + gradient axes) pair once, then broadcast."""
+        src_specs = [self.strategies[arg.name][ku].out_spec for ku in src_picks]
+        strategies = self.strategies[node.name]
+        reads = [(strategies[kv].in_specs[idx], grad_partial_axes(strategies[kv].in_specs[idx], strategies[kv].out_spec))
+                 for kv in dst_picks]
+        first_k = {}
+        for kv, read in zip(dst_picks, reads):
+            first_k.setdefault(read, kv)
+        rows = {}
+        for spec in dict.fromkeys(src_specs):
+            price = {read: sum(self.edge_time_k(arg, node, idx, spec, kv)) for read, kv in first_k.items()}
+            rows[spec] = np.array([price[read] for read in reads])
+        return np.stack([rows[spec] for spec in src_specs])
 
 
 def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None):
