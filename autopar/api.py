@@ -42,6 +42,7 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            f"{world} ranks; launch {cluster.num_devices} processes or describe the cluster you run "
                            f"on (e.g. Cluster.local({world}))")
     _check_real_weights(model)
+    options.setdefault("stages", 1)  # TEMPORARY: multi-stage plans need the pipeline runtime (next commit)
     graph = capture(model, example_inputs)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
     chosen.validate(graph, world_size=world)

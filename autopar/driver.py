@@ -1,28 +1,33 @@
-"""The planning pipeline, one line per pass: capture -> strategies -> layers -> intra-op ILP -> Plan.
+"""The planning pipeline, one line per pass: capture -> layers -> inter-op DP -> intra-op ILP per stage -> Plan.
 
-``plan_graph`` is the table of contents; the helpers below it only assemble the Plan's data. With
+``plan_graph`` is the table of contents; ``plan_builder`` assembles the Plan's data. With
 ``PlanOptions(debug=True)`` the invariants each pass promises are checked after it runs.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import torch
 
 from autopar.cluster import Cluster
-from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.memory import TrainingSpec
+from autopar.errors import InfeasibleError, PlanError
+from autopar.passes.batch_dims import batch_dims, rescale
 from autopar.passes.capture import ModelGraph, capture
-from autopar.passes.cluster_layers import find_repeated_blocks
-from autopar.passes.ilp import solver
-from autopar.passes.intra_op import CostEnv, IntraOpSolution, solve_intra_op
+from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
+from autopar.passes.ilp import backend
+from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
+from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
 from autopar.passes.strategies import generate_strategies
 from autopar.passes.strategies.base import OpView
 from autopar.placement import R, spec_str
-from autopar.plan import Collective, NodeSharding, Plan, Stage
-from autopar.redistribute import grad_partial_axes
+from autopar.plan import Plan
+from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
+from autopar.report import fmt_bytes
+
+SCHEDULES = ("1f1b", "gpipe")
+MAX_MICROBATCHES = 512
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,36 +38,182 @@ class PlanOptions:
     time_limit: seconds each ILP may take; the best solution found by then is used.
     pin: {node-name glob: spec text}: fix those nodes' output specs (e.g. {"idx": "S(0)R", "p_*": "RR"}
       forces data parallelism); the planner fills in everything else. See ``apply_pins``.
+    stages: None lets the DP choose; an int forces that many stages (1: one stage on the cluster's
+      ``mesh_shape``, no DP); a list of {"layers": [first, last], "submesh": [nodes, devices per node],
+      "mesh": [a, b] (optional logical mesh)} fixes the stages and the planner fills in the rest.
+    microbatches: B; None lets the planner choose among powers of two that divide the batch.
+    schedule: "1f1b" (default) or "gpipe".
+    layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
     debug: check every pass's output invariants (slower).
     """
 
     optimizer: str = "adamw"
     time_limit: float = 60.0
     pin: dict[str, str] | None = None
+    stages: int | list | None = None
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    layers: int | None = None
     debug: bool = False
 
 
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
+    start = time.perf_counter()
     graph = capture(model, example_inputs)
-    return plan_graph(graph, cluster, options, model_name=type(model).__name__)
+    plan = plan_graph(graph, cluster, options, model_name=type(model).__name__)
+    plan.planner["capture_seconds"] = time.perf_counter() - start - plan.planner["seconds"]
+    return plan
 
 
 def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_name: str = "model") -> Plan:
-    start = time.perf_counter()
-    mesh = tuple(cluster.mesh_shape)
+    clock = _Clock()
+    candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
-    strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
-    _check(options, lambda: _check_strategies(graph, strategies))
-    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer))
-    solution = solve_intra_op(graph, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
-    stage = make_stage(graph, solution, env, index=0, ranks=list(range(cluster.num_devices)),
-                       submesh=(cluster.nodes, cluster.devices_per_node))
-    plan = assemble_plan(graph, cluster, [stage], options, model_name, blocks)
-    plan.predicted = {"step_time": solution.step_time, "compute": solution.compute_time,
-                      "comm": solution.comm_time, "bubble": 0.0, "peak_memory": stage.predicted["peak_memory"]}
-    plan.planner = {"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status,
-                    "solver": type(solver(1)).__name__, "seconds": time.perf_counter() - start}
+    if options.stages == 1:
+        plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0])
+    else:
+        layers = cluster_layers(graph, blocks, options.layers, is_light)
+        costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
+                           TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
+                           strategies_for=lambda g, mesh: _strategies(g, mesh, options))
+        clock.lap("layers")
+        try:
+            choice = _choose(costs, graph, candidates, options)
+        except InfeasibleError as e:
+            floor = memory_bounds(graph, cluster, options)[0]
+            raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
+                                  f"per device ({floor:.0f} bytes); a memory_per_device that large fits it") from None
+        clock.lap("stage_dp")
+        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice)
+        clock.lap("stage_ilps")
+        plan.planner["mesh_solves"] = costs.solves
+    plan.planner.update(solver=backend(), seconds=clock.total(), phases=clock.laps)
     _check(options, lambda: plan.validate(graph))
+    return plan
+
+
+class _Clock:
+    """Seconds spent in each planning phase (recorded in ``plan.planner``)."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(now - self.last, 3)
+        self.last = now
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:
+    """The user's B, or powers of two up to 512 that split the batch (dim 0 of the first input)."""
+    if options.schedule not in SCHEDULES:
+        raise PlanError(f"schedule {options.schedule!r} is not known; use one of {list(SCHEDULES)}")
+    batch = graph.input_signature[0][0][0] if graph.input_signature and graph.input_signature[0][0] else 1
+    if options.microbatches is not None:
+        if not isinstance(options.microbatches, int) or options.microbatches < 1 or batch % options.microbatches:
+            raise PlanError(f"microbatches={options.microbatches!r} does not split the batch of {batch} evenly; "
+                            f"choose a divisor of {batch}")
+        return [options.microbatches]
+    return [b for b in (2 ** k for k in range(10)) if b <= min(batch, MAX_MICROBATCHES) and batch % b == 0]
+
+
+def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
+    return apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
+
+
+def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
+    """{microbatch size: graph rescaled to it} for two references: the smallest candidate microbatch
+    (where tensor parallelism and pipelines live) and batch / min(8, max B) (where data parallelism does).
+
+    Their solutions price every B by scaling; batch splits they chose must divide the microbatch of a
+    given B (checked per entry), and each chosen stage is re-solved exactly at its B."""
+    batch = graph.input_signature[0][0][0]
+    parts = {max(candidates), max(b for b in candidates if b <= 8)}
+    return {batch // b: rescale(graph, b) for b in sorted(parts)}
+
+
+def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_name: str, microbatches: int) -> Plan:
+    mesh = tuple(cluster.mesh_shape)
+    scaled = rescale(graph, microbatches)
+    strategies = _strategies(scaled, mesh, options)
+    _check(options, lambda: _check_strategies(scaled, strategies))
+    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches)
+    solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
+    stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
+                       submesh=(cluster.nodes, cluster.devices_per_node))
+    plan = assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
+                         schedule=options.schedule if microbatches > 1 else "none")
+    plan.predicted = predict([stage], microbatches, plan.schedule, [])
+    plan.planner = {"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status}
+    return plan
+
+
+def _choose(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions) -> StageChoice:
+    batch = graph.input_signature[0][0][0]
+    if isinstance(options.stages, (list, tuple)):
+        return _manual_stages(costs, options, candidates)
+    return choose_stages(costs, batch, candidates, options.schedule, options.stages)
+
+
+def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]) -> StageChoice:
+    """A user's stage list: layers and submesh given; the logical mesh defaults to the submesh's shape."""
+    out = []
+    n = len(options.stages)
+    for s, entry in enumerate(options.stages):
+        try:
+            first, last = (int(x) for x in entry["layers"])
+            physical = tuple(int(x) for x in entry["submesh"])
+        except (KeyError, TypeError, ValueError):
+            raise PlanError(f"stage {s} of the manual stage list must look like {{'layers': [first, last], "
+                            f"'submesh': [nodes, devices_per_node]}}, got {entry!r}") from None
+        logical = tuple(entry.get("mesh", physical))
+        f = n - s if options.schedule != "gpipe" else candidates[-1]
+        out.append((first, last, MeshOption(physical, logical), f))
+    _check_manual(out, costs)
+    B = candidates[-1] if options.microbatches is None else options.microbatches
+    return StageChoice(B, [(k, i, o, min(f, B) if options.schedule != "gpipe" else B) for k, i, o, f in out], 0.0)
+
+
+def _check_manual(stages, costs: StageCosts) -> None:
+    L, D = costs.layers.count, costs.cluster.num_devices
+    covered = [layer for k, i, _, _ in stages for layer in range(k, i + 1)]
+    if covered != list(range(L)):
+        raise PlanError(f"manual stages must cover layers 0..{L - 1} in order, each once; got layers {covered}")
+    used = sum(o.size for _, _, o, _ in stages)
+    if used != D:
+        raise PlanError(f"manual stages use {used} devices but the cluster has {D}; the submeshes must tile it")
+
+
+def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
+              choice: StageChoice) -> Plan:
+    """Place the chosen stages on ranks and solve each exactly at the chosen microbatch."""
+    B = choice.microbatches
+    scaled = rescale(graph, B)
+    ranks = place_stages(cluster, [option.physical for _, _, option, _ in choice.stages])
+    stages, variables = [], 0
+    last = len(choice.stages) - 1
+    for s, (k, i, option, f) in enumerate(choice.stages):
+        subset = {name for layer in range(k, i + 1) for name in layers.nodes[layer]}
+        if s == last:
+            subset.add("output")
+        env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
+                      inflight=f, devices_per_node=option.physical[1])
+        solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
+                                  cluster.memory_per_device, options.time_limit, subset=subset)
+        variables += solution.ilp.n_variables
+        stages.append(make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
+                                 layers=(k, i)))
+    transfers = transfers_between(graph, stages, scaled, cluster)
+    schedule = options.schedule if len(stages) > 1 or B > 1 else "none"
+    plan = assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
+                         layers=layers, transfers=transfers)
+    plan.predicted = predict(stages, B, schedule, transfers)
+    plan.planner = {"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
+                    "dp_cost": choice.cost}
     return plan
 
 
@@ -71,7 +222,7 @@ def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict
     restricts that node to strategies reading it in the pinned spec (it is stored as it is read)."""
     import fnmatch
 
-    from autopar.errors import PlanError
+    from autopar.errors import InfeasibleError, PlanError
     from autopar.placement import parse_spec
 
     out = dict(strategies)
@@ -105,7 +256,7 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
     mesh = tuple(cluster.mesh_shape)
     strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
     env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer))
-    _, problem, _ = build_problem(graph, strategies, find_repeated_blocks(graph), env, None)
+    _, problem, _, _ = build_problem(graph, strategies, find_repeated_blocks(graph), env, None)
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
 
 
@@ -121,50 +272,3 @@ def _check_strategies(graph: ModelGraph, strategies) -> None:
         assert all(p.is_replicate() for p in first.out_spec), f"{node.name}: first strategy is not replicated"
 
 
-def make_stage(graph: ModelGraph, solution: IntraOpSolution, env: CostEnv, *, index: int, ranks: list[int],
-               submesh: tuple[int, int], nodes: list[str] | None = None, layers=None) -> Stage:
-    """A Stage from an intra-op solution: specs as text, the collectives inserted, predicted costs."""
-    names = nodes if nodes is not None else [n.name for n in graph.gm.graph.nodes]
-    shardings = {}
-    for name in names:
-        s = solution.strategies[name]
-        shardings[name] = NodeSharding(spec_str(s.out_spec), tuple(spec_str(x) for x in s.in_specs),
-                                       tuple((int(a), str(t)) for a, t in s.kernels))
-    stage = Stage(index=index, ranks=list(ranks), mesh_shape=tuple(env.mesh_shape), submesh=tuple(submesh),
-                  nodes=names, shardings=shardings, layers=layers)
-    stage.collectives = _collectives(graph, solution, env, set(names))
-    stage.predicted = {"latency": solution.step_time, "compute": solution.compute_time,
-                       "comm": solution.comm_time, "memory": solution.memory, "peak_memory": solution.memory}
-    return stage
-
-
-def _collectives(graph: ModelGraph, solution: IntraOpSolution, env: CostEnv, names: set[str]) -> list[Collective]:
-    from autopar.cost_models.memory import requires_grad_nodes
-
-    trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
-    needs = requires_grad_nodes(graph.gm, trainable)
-    out = []
-    for node in graph.gm.graph.nodes:
-        if node.name not in names or node.op == "placeholder":
-            continue
-        view = OpView(node)
-        strat = solution.strategies[node.name]
-        for idx, arg in enumerate(view.tensor_args):
-            if arg.name not in solution.strategies:
-                continue
-            src, dst = solution.strategies[arg.name].out_spec, strat.in_specs[idx]
-            val = view.in_vals[idx]
-            grad = arg.name in needs and node.name in needs
-            axes = grad_partial_axes(dst, strat.out_spec) if grad and node.op != "output" else ()
-            for kind, axis, nbytes, phase in redistribute_messages(tuple(val.shape), val.element_size(), src, dst,
-                                                                  env.mesh_shape, axes, grad):
-                out.append(Collective(arg.name, node.name, kind, axis, float(nbytes), phase))
-    return out
-
-
-def assemble_plan(graph: ModelGraph, cluster: Cluster, stages: list[Stage], options: PlanOptions,
-                  model_name: str, blocks, microbatches: int = 1, schedule: str = "none") -> Plan:
-    return Plan(model=model_name, graph_fingerprint=graph.fingerprint(), input_signature=graph.input_signature,
-                cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
-                optimizer=options.optimizer, repeated_blocks=blocks.instances,
-                node_ops={n.name: str(n.target) for n in graph.gm.graph.nodes if n.op == "call_function"})

@@ -13,6 +13,7 @@ uneven shards are never generated, so local shapes are exact integers.
 """
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -75,6 +76,11 @@ def divides(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of one device's shard: each sharded dim divided by its shard factor (exact by invariant)."""
+    return _local_shape(tuple(shape), tuple(spec), tuple(mesh_shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     out = list(shape)
     for axis, p in enumerate(spec):
         if p.is_shard():

@@ -5,7 +5,11 @@ submesh of global ranks laid out as a logical 2-D mesh, and one ``NodeSharding``
 spec, a spec per tensor input (what the op reads; codegen inserts the collectives in between) and the
 local kernels. Specs are written as text ("S(0)R", see ``autopar.placement``).
 
-Invariants checked by ``Plan.validate``: every node of the graph has a sharding in exactly one stage;
+A pipelined plan adds, per stage, the values it receives from earlier stages (``inputs``, with the spec
+they arrive in) and the values it sends on (``outputs``); ``transfers`` lists every such send.
+
+Invariants checked by ``Plan.validate``: every op of the graph has a sharding in exactly one stage
+(placeholders appear in every stage that reads them);
 input specs are as many as the node's tensor inputs; the stages' ranks tile the cluster; the graph
 fingerprint matches the model the plan is applied to.
 """
@@ -42,6 +46,7 @@ class Collective:
     axis: int
     nbytes: float
     phase: str = "forward"
+    seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -62,6 +67,8 @@ class Stage:
     collectives: list[Collective] = dataclasses.field(default_factory=list)
     layers: tuple[int, int] | None = None
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # from earlier stages: value -> spec
+    outputs: list[str] = dataclasses.field(default_factory=list)       # values later stages read
 
 
 @dataclasses.dataclass
@@ -80,6 +87,8 @@ class Plan:
     planner: dict[str, Any] = dataclasses.field(default_factory=dict)
     repeated_blocks: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
     node_ops: dict[str, str] = dataclasses.field(default_factory=dict)
+    node_layers: dict[str, int] = dataclasses.field(default_factory=dict)
+    transfers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     version: int = PLAN_VERSION
 
     # ---- lookups -------------------------------------------------------------------------------
@@ -163,11 +172,11 @@ class Plan:
             raise PlanError(f"this plan was made for another model or other input shapes (graph fingerprint "
                             f"{self.graph_fingerprint}, this model has {fp}); re-plan with autopar.plan(model, "
                             f"cluster, example_inputs)")
-        names = [n.name for n in graph.gm.graph.nodes]
-        owned = [n for s in self.stages for n in s.shardings]
-        missing = sorted(set(names) - set(owned))
+        ops = [n.name for n in graph.gm.graph.nodes if n.op in ("call_function", "output")]
+        owned = [n for s in self.stages for n in s.shardings if n in set(ops)]
+        missing = sorted(set(ops) - set(owned))
         if missing or len(owned) != len(set(owned)):
-            raise PlanError(f"plan does not assign every node exactly once (missing {missing[:5]}); re-plan")
+            raise PlanError(f"plan does not assign every op to exactly one stage (missing {missing[:5]}); re-plan")
 
     # ---- presentation --------------------------------------------------------------------------
     def summary(self, max_rows: int = 60) -> str:
@@ -190,7 +199,8 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
     layers = tuple(d["layers"]) if d.get("layers") is not None else None
     return Stage(index=int(d["index"]), ranks=[int(r) for r in d["ranks"]], mesh_shape=_tuple2(d["mesh_shape"]),
                  submesh=_tuple2(d["submesh"]), nodes=list(d["nodes"]), shardings=shardings,
-                 collectives=collectives, layers=layers, predicted=dict(d.get("predicted", {})))
+                 collectives=collectives, layers=layers, predicted=dict(d.get("predicted", {})),
+                 inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])))
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -206,6 +216,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         microbatches=int(d.get("microbatches", 1)), schedule=d.get("schedule", "none"),
         optimizer=d.get("optimizer", "adamw"), predicted=dict(d.get("predicted", {})),
         planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
-        node_ops=d.get("node_ops", {}), version=int(d.get("version", PLAN_VERSION)))
+        node_ops=d.get("node_ops", {}), node_layers={k: int(v) for k, v in d.get("node_layers", {}).items()},
+        transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)))
     plan.validate()
     return plan

@@ -73,20 +73,28 @@ class ModelGraph:
 
     def __post_init__(self):
         self._by_name = {p.name: p for p in self.placeholders}
+        self._views: dict = {}
+
+    def view(self, node: fx.Node):
+        """The node's ``OpView`` (cached: the planner asks for it many times per ILP)."""
+        from autopar.passes.strategies.base import OpView
+
+        hit = self._views.get(node.name)
+        if hit is None or hit.node is not node:
+            hit = self._views[node.name] = OpView(node)
+        return hit
 
     def fingerprint(self) -> str:
-        """A hash of the graph's structure (ops, wiring, shapes, dtypes): equal for the same model and
-        input shapes, different otherwise; plans record it to refuse being applied to another model."""
+        """A hash of the model's structure: its ops and their wiring, and the shapes and dtypes of its
+        parameters and buffers. Activation shapes and the batch-dependent literals in op arguments are
+        left out, so the same model captured at a microbatch has the same fingerprint (the plan's
+        ``input_signature`` pins the batch). Plans record it to refuse being applied to another model."""
         h = hashlib.sha256()
+        state = {p.name: (p.shape, str(p.dtype)) for p in self.placeholders if p.kind != "input"}
         for node in self.gm.graph.nodes:
-            val = node.meta.get("val")
-            shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-            h.update(f"{node.op}|{node.name}|{node.target}|{_arg_names(node.args)}|{shape}\n".encode())
+            wiring = [a.name for a in node.all_input_nodes]
+            h.update(f"{node.op}|{node.name}|{node.target}|{wiring}|{state.get(node.name)}\n".encode())
         return h.hexdigest()[:16]
-
-
-def _arg_names(args: Any) -> str:
-    return str(pytree.tree_map(lambda a: a.name if isinstance(a, fx.Node) else a, args))
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:

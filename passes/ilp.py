@@ -17,8 +17,9 @@ the largest transient of the chosen plan and the memory row bounds the peak.
 
 y needs no integrality: with x one-hot, the marginals leave exactly one feasible y (the product of the
 two one-hot vectors). Classes with a single strategy get no variables; their edges fold into linear
-terms on the other side. Solver: HiGHS through PuLP when highspy is installed, else the CBC that PuLP
-bundles; always with a time limit, returning the best integer solution found when it hits the limit.
+terms on the other side. Solver: HiGHS given sparse matrices directly (``ilp_highs``) when highspy is
+installed, else PuLP with the CBC it bundles; always with a time limit, returning the best integer
+solution found when it hits the limit.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import numpy as np
 import pulp
 
 from autopar.errors import InfeasibleError
+from autopar.passes import ilp_highs
 
 GIB = float(2 ** 30)  # the memory row is written in GiB and the objective in ms: raw bytes (up to 1e11)
 MS = 1e3              # beside seconds (down to 1e-9) put the solver's tolerances out of scale
@@ -65,13 +67,34 @@ def solver(time_limit: float):
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
 
 
-def solve_ilp(problem: IlpProblem, time_limit: float = 60.0) -> IlpResult:
+def backend(requested: str = "auto") -> str:
+    """"highs" (HiGHS through highspy, built as sparse matrices: ``ilp_highs``) when installed, else
+    "pulp" (PuLP with its bundled CBC). ``requested`` forces one."""
+    if requested == "auto":
+        return "highs" if ilp_highs.highspy is not None else "pulp"
+    if requested not in ("highs", "pulp") or (requested == "highs" and ilp_highs.highspy is None):
+        raise ValueError(f"ILP backend {requested!r} is not available; use 'pulp' or install highspy")
+    return requested
+
+
+def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, which: str = "auto") -> IlpResult:
     """Solve the ILP; raises InfeasibleError (naming the smallest feasible budget) if memory cannot fit."""
     start = time.perf_counter()
     if problem.budget is not None and _replicated_memory(problem) > problem.budget:
-        floor = min_memory(problem)
+        floor = min_memory(problem, which=which)
         if floor > problem.budget * (1 + 1e-9):
             raise InfeasibleError(_infeasible_message(problem.budget, floor))
+    if backend(which) == "highs":
+        status, choice, n_y = ilp_highs.solve_highs(problem, time_limit)
+        if choice is None:
+            raise InfeasibleError(f"the sharding ILP found no solution ({status}) within {time_limit:.0f} s; "
+                                  f"raise the solver time limit or the memory budget")
+        n_vars = sum(len(c) for c in problem.cost if len(c) > 1) + n_y
+        return IlpResult(choice, evaluate(problem, choice), status, time.perf_counter() - start, n_vars)
+    return _solve_pulp(problem, time_limit, start)
+
+
+def _solve_pulp(problem: IlpProblem, time_limit: float, start: float) -> IlpResult:
     model = pulp.LpProblem("autopar_sharding", pulp.LpMinimize)
     x = _one_strategy(model, problem)
     objective = [pulp.lpDot((problem.cost[c] * MS).tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
@@ -201,10 +224,12 @@ def transient_of(problem: IlpProblem, choice: list[int]) -> float:
     return max((float(problem.peak[c][choice[c]]) for c in range(problem.n_classes)), default=0.0)
 
 
-def min_memory(problem: IlpProblem, time_limit: float = 30.0) -> float:
+def min_memory(problem: IlpProblem, time_limit: float = 30.0, which: str = "auto") -> float:
     """The least peak memory any choice needs: min Σ_c m_c·x_c + T, T ≥ p_c·x_c (no edges, so small)."""
     if problem.peak is None:
         return sum(float(m.min()) for m in problem.mem)
+    if backend(which) == "highs":
+        return memory_of(problem, ilp_highs.min_memory_highs(problem, time_limit))
     model = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
     x = _one_strategy(model, problem)
     state = [pulp.lpDot((problem.mem[c] / GIB).tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]

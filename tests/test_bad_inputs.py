@@ -18,10 +18,21 @@ from tests.models import MLP, make_small_gpt
 def test_infeasible_budget_names_the_smallest_budget_that_fits():
     model, batch = make_small_gpt()
     with pytest.raises(InfeasibleError) as err:
-        autopar.plan(model, autopar.Cluster.local(4, memory_per_device=100_000), batch)
+        autopar.plan(model, autopar.Cluster.local(4, memory_per_device=100_000), batch, stages=1)
     message = str(err.value)
     assert "smallest plan needs" in message and "memory_per_device" in message
     floor = float(message.split("(")[1].split(" bytes")[0])
+    plan = autopar.plan(model, autopar.Cluster.local(4, memory_per_device=floor * 1.001), batch, stages=1)
+    assert plan.predicted["peak_memory"] <= floor * 1.001
+
+
+def test_infeasible_pipeline_budget_names_a_budget_that_fits():
+    model, batch = make_small_gpt()
+    with pytest.raises(InfeasibleError) as err:
+        autopar.plan(model, autopar.Cluster.local(4, memory_per_device=100_000), batch)
+    message = str(err.value)
+    assert "no pipeline" in message and "single-stage plan needs" in message
+    floor = float(message.rsplit("(", 1)[1].split(" bytes")[0])
     plan = autopar.plan(model, autopar.Cluster.local(4, memory_per_device=floor * 1.001), batch)
     assert plan.predicted["peak_memory"] <= floor * 1.001
 
@@ -39,7 +50,7 @@ def squeezed(cluster, model, batch):
 
 def test_dimensions_no_axis_divides_are_never_sharded():
     model, batch = odd_mlp()
-    plan = autopar.plan(model, squeezed(autopar.Cluster.local(4), model, batch), batch)
+    plan = autopar.plan(model, squeezed(autopar.Cluster.local(4), model, batch), batch, stages=1)
     for name, sharding in plan.stages[0].shardings.items():
         assert "S(" not in sharding.out or name.startswith("p_fc2"), (name, sharding.out)
 

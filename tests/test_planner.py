@@ -1,4 +1,4 @@
-"""Planner on simulated 8- and 64-GPU clusters (no process group, models on the meta device).
+"""Intra-op planner on simulated 8- and 64-GPU clusters (no process group, models on the meta device).
 
 The intra-op ILP must rediscover the known layouts: data parallelism when memory allows and links are
 fast, Megatron tensor parallelism (column- then row-parallel) when parameters do not fit on one device,
@@ -19,9 +19,10 @@ BLOCK_WEIGHTS = COLUMN + ROW + ["p_blocks_0_attn_o_weight"]
 
 
 def plan_gpt(cfg: GPTConfig, batch: int, cluster: autopar.Cluster) -> autopar.Plan:
+    """One stage over the whole cluster: these tests are about the intra-op ILP's layouts."""
     with torch.device("meta"):
         model = GPT(cfg).half()
-    return autopar.plan(model, cluster, make_batch(cfg, batch, device="meta"))
+    return autopar.plan(model, cluster, make_batch(cfg, batch, device="meta"), stages=1)
 
 
 def specs(plan: autopar.Plan, names) -> dict[str, str]:

@@ -1,0 +1,136 @@
+"""Assemble a Plan from solved stages: specs as text, inserted collectives, ranks, predicted times.
+
+Rank placement: whole-node stages take whole nodes in order; stages inside a node are packed first-fit,
+largest first, at offsets aligned to their width (submesh widths are powers of two, or the node width,
+so the tiling the DP guarantees always packs). A stage's ranks run row-major over its physical submesh,
+and that order, reshaped to the logical mesh, is the stage's mesh.
+
+Predicted step time: the schedule (``autopar.trace.simulate_schedule``) replayed with each stage's
+forward and backward time per microbatch (backward ≈ 2 × forward) and the cross-stage transfer time,
+plus the slowest stage's gradient synchronization.
+"""
+from __future__ import annotations
+
+import json
+
+from autopar.cluster import Cluster
+from autopar.cost_models.communication import redistribute_messages
+from autopar.cost_models.memory import requires_grad_nodes
+from autopar.passes.intra_op import CostEnv, IntraOpSolution
+from autopar.passes.strategies.base import OpView
+from autopar.placement import spec_str
+from autopar.plan import Collective, NodeSharding, Plan, Stage
+from autopar.redistribute import grad_partial_axes
+from autopar.trace import simulate_schedule
+
+
+def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ranks: list[int],
+               submesh: tuple[int, int], subset: set[str] | None = None, layers=None) -> Stage:
+    """A Stage from an intra-op solution: specs as text, the collectives inserted, predicted costs."""
+    names = [n.name for n in graph.gm.graph.nodes if n.name in solution.strategies]
+    shardings = {}
+    for name in names:
+        s = solution.strategies[name]
+        shardings[name] = NodeSharding(spec_str(s.out_spec), tuple(spec_str(x) for x in s.in_specs),
+                                       tuple((int(a), str(t)) for a, t in s.kernels))
+    stage = Stage(index=index, ranks=list(ranks), mesh_shape=tuple(env.mesh_shape), submesh=tuple(submesh),
+                  nodes=names, shardings=shardings, layers=layers)
+    stage.inputs = {name: spec_str(spec) for name, spec in solution.inputs.items()}
+    stage.outputs = sorted(solution.sends)
+    stage.collectives = _collectives(graph, solution, env, set(names))
+    per_mb = (solution.step_time - solution.sync_time) / env.microbatches
+    stage.predicted = {"latency": per_mb, "forward": per_mb / 3, "backward": 2 * per_mb / 3,
+                       "compute": solution.compute_time, "comm": solution.comm_time,
+                       "grad_sync": solution.sync_time, "memory": solution.memory, "peak_memory": solution.memory}
+    return stage
+
+
+def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]) -> list[Collective]:
+    trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
+    needs = requires_grad_nodes(graph.gm, trainable)
+    specs = {**solution.inputs, **{n: s.out_spec for n, s in solution.strategies.items()}}
+    out = []
+    for node in graph.gm.graph.nodes:
+        if node.name not in names or node.op == "placeholder":
+            continue
+        view = OpView(node)
+        strat = solution.strategies[node.name]
+        for idx, arg in enumerate(view.tensor_args):
+            if arg.name not in specs:
+                continue
+            src, dst = specs[arg.name], strat.in_specs[idx]
+            val = view.in_vals[idx]
+            grad = arg.name in needs and node.name in needs
+            axes = grad_partial_axes(dst, strat.out_spec) if grad and node.op != "output" else ()
+            for kind, axis, nbytes, phase in redistribute_messages(tuple(val.shape), val.element_size(), src, dst,
+                                                                  env.mesh_shape, axes, grad):
+                seconds = env.links[axis].time(kind, nbytes)
+                out.append(Collective(arg.name, node.name, kind, axis, float(nbytes), phase, float(seconds)))
+    return out
+
+
+def place_stages(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
+    """Global ranks of each stage's submesh (see module docstring); ValueError if they do not tile."""
+    M = cluster.devices_per_node
+    free = [[True] * M for _ in range(cluster.nodes)]
+    placed: dict[int, list[int]] = {}
+    order = sorted(range(len(submeshes)), key=lambda s: (-submeshes[s][0], -submeshes[s][1], s))
+    for s in order:
+        nodes, width = submeshes[s]
+        placed[s] = _take(free, nodes, width, M)
+    return [placed[s] for s in range(len(submeshes))]
+
+
+def _take(free: list[list[bool]], nodes: int, width: int, M: int) -> list[int]:
+    if nodes > 1 or width == M:
+        chosen = [n for n in range(len(free)) if all(free[n])][:nodes]
+        if len(chosen) < nodes:
+            raise ValueError(f"submeshes do not tile the cluster: no {nodes} free whole nodes")
+        for n in chosen:
+            free[n] = [False] * M
+        return [n * M + j for n in chosen for j in range(M)]
+    for n, slots in enumerate(free):
+        for start in range(0, M - width + 1, width):
+            if all(slots[start:start + width]):
+                slots[start:start + width] = [False] * width
+                return [n * M + start + j for j in range(width)]
+    raise ValueError(f"submeshes do not tile the cluster: no room for a 1×{width} submesh")
+
+
+def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: list[dict]) -> dict[str, float]:
+    """Step time by replaying the schedule (see module docstring), with its parts."""
+    forward = [s.predicted["forward"] for s in stages]
+    backward = [s.predicted["backward"] for s in stages]
+    hop = max((t["seconds"] for t in transfers), default=0.0) / 2
+    ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop)
+    makespan = max(op.end for op in ops)
+    sync = max(s.predicted["grad_sync"] for s in stages)
+    busiest = max(microbatches * (f + b) for f, b in zip(forward, backward))
+    compute = sum(s.predicted["compute"] for s in stages)
+    comm = sum(s.predicted["comm"] for s in stages)
+    return {"step_time": makespan + sync, "compute": compute, "comm": comm, "grad_sync": sync,
+            "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
+
+
+def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Cluster) -> list[dict]:
+    """Every value a stage sends to a later one: its size per microbatch and the estimated seconds."""
+    owner = {name: s.index for s in stages for name in s.nodes if name not in s.inputs}
+    vals = {n.name: n.meta.get("val") for n in microbatch_graph.gm.graph.nodes}
+    link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
+    out = []
+    for s in stages:
+        for name in s.inputs:
+            val = vals[name]
+            nbytes = float(val.numel() * val.element_size())
+            out.append({"value": name, "src": owner[name], "dst": s.index, "nbytes": nbytes,
+                        "seconds": 2 * (link.latency + nbytes / link.bandwidth)})
+    return out
+
+
+def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_name: str, blocks, *,
+                  microbatches: int = 1, schedule: str = "none", layers=None, transfers=None) -> Plan:
+    return Plan(model=model_name, graph_fingerprint=graph.fingerprint(), input_signature=graph.input_signature,
+                cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
+                optimizer=options.optimizer, repeated_blocks=blocks.instances,
+                node_ops={n.name: str(n.target) for n in graph.gm.graph.nodes if n.op == "call_function"},
+                node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [])

@@ -1,0 +1,323 @@
+"""Pass 5, inter_op: price every (layer range, submesh) and pick pipeline stages with the DP of ``stage_dp``.
+
+Input:  the graph, its ``Layers``, the cluster, candidate microbatch counts B.
+Output: ``StageChoice``: microbatches, and per stage its layers, mesh option and in-flight count.
+
+Pricing (one intra-op ILP per logical mesh, not per stage candidate): for each mesh option the whole
+model is solved once on the graph rescaled to a reference microbatch b₀, identical layers sharing one
+solution; the solution's groups give per-layer costs. For a stage of layers k..i at microbatch b:
+
+    t = (b/b₀) · (Σ_l t_l + Σ_{k ≤ l,l' ≤ i} e_{l,l'}) + Σ_l sync_l / B + transfer_k
+    mem = Σ_l param_l + f · (b/b₀) · Σ_l act_l + (b/b₀) · max_l peak_l  ≤  device memory
+
+with t_l the layer's per-microbatch op and resharding time, e_{l,l'} resharding between layers, sync_l
+its once-per-step gradient sync (spread over the B microbatches for the DP), transfer_k the send of the
+tensors live at the cut before layer k (forward and backward), f the microbatches in flight. A mesh
+option whose batch split does not divide b is not offered at that B. Where the unconstrained solution
+is unlikely to fit, a lean one (near the least memory any plan needs) is priced too.
+The chosen stages are then re-solved exactly, stage by stage, by the driver.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from autopar.cluster import Cluster
+from autopar.errors import InfeasibleError
+from autopar.passes.ilp import min_memory
+from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
+from autopar.passes.strategies import generate_strategies
+from autopar.placement import shard_factor
+from autopar.passes.stage_dp import DPResult, option_for, stage_dp
+
+INF = float("inf")
+LEAN_MARGIN = 1.25  # a lean solution may use this much more than the least memory any plan needs
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshOption:
+    """A submesh (nodes, devices per node) viewed as a logical 2-D mesh."""
+
+    physical: tuple[int, int]
+    logical: tuple[int, int]
+
+    @property
+    def size(self) -> int:
+        return self.physical[0] * self.physical[1]
+
+
+def mesh_options(cluster: Cluster) -> list[MeshOption]:
+    """Alpa's submeshes — (1, 2^k) inside a node, (n, M) whole nodes — each as a few logical meshes:
+    one axis over all its devices (any mix of data and tensor parallelism per op), the physical shape
+    (tensor parallel inside nodes, data parallel across), and (D/2, 2) (data × 2-way tensor parallel)."""
+    M, N = cluster.devices_per_node, cluster.nodes
+    physical = [(1, 2 ** k) for k in range(int(math.log2(M)) + 1) if 2 ** k <= M]
+    if M not in [p[1] for p in physical]:
+        physical.append((1, M))
+    physical += [(n, M) for n in sorted({2 ** k for k in range(1, int(math.log2(N)) + 1)} | {N}) if 1 < n <= N]
+    out = []
+    for nodes, width in physical:
+        D = nodes * width
+        logical = [(1, D)] + ([(nodes, width)] if nodes > 1 else []) + ([(D // 2, 2)] if D >= 4 else [])
+        out += [MeshOption((nodes, width), shape) for shape in dict.fromkeys(logical)]
+    return out
+
+
+@dataclasses.dataclass
+class LayerCosts:
+    """Per-layer prices of one whole-model solution at reference microbatch b₀ (see module docstring)."""
+
+    t: np.ndarray
+    edges: np.ndarray
+    sync: np.ndarray
+    param: np.ndarray
+    act: np.ndarray
+    peak: np.ndarray
+    batch_split: int
+    reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
+
+    def __post_init__(self):
+        self.ranges = _range_matrices(self)
+
+    def stage_tables(self, scale: float, microbatches: int, max_f: int) -> tuple[np.ndarray, np.ndarray]:
+        """(latency [k, i], memory [k, i, f-1]) of every stage k..i (i < k entries are ∞), transfer excluded."""
+        t, sync, param, act, peak = self.ranges
+        latency = scale * t + sync / microbatches
+        f = np.arange(1, max_f + 1)[None, None, :]
+        memory = param[:, :, None] + f * scale * act[:, :, None] + scale * peak[:, :, None]
+        return latency, memory
+
+
+def _range_matrices(c: "LayerCosts") -> tuple[np.ndarray, ...]:
+    """[k, i] over layers k..i (∞ below the diagonal): time with the edges inside the range, sync,
+    parameter and activation bytes, and the largest transient. Prefix sums keep each O(L²)."""
+    L = len(c.t)
+    lower = np.tril(np.ones((L, L), dtype=bool), -1)
+
+    def span(v):
+        p = np.concatenate([[0.0], np.cumsum(v)])
+        return p[None, 1:] - p[:-1, None]  # [k, i] = Σ v[k..i]
+
+    P = np.zeros((L + 1, L + 1))
+    P[1:, 1:] = np.cumsum(np.cumsum(c.edges, axis=0), axis=1)  # P[a, b] = Σ_{l < a, l' < b} edges
+    k, i = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
+    inner = P[i + 1, i + 1] - P[k, i + 1] - P[i + 1, k] + P[k, k]
+    peak = np.array([np.maximum.accumulate(np.concatenate([np.zeros(k0), c.peak[k0:]])) for k0 in range(L)])
+    out = [span(c.t) + inner, span(c.sync), span(c.param), span(c.act), peak]
+    return tuple(np.where(lower, INF, m) for m in out)
+
+
+def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape, reference_batch: int,
+                blocks=None) -> LayerCosts:
+    """Split a whole-model solution's group prices by layer. A group of a truncated instance 1 stands for
+    instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``)."""
+    L = layers.count
+    t, sync, param, act, peak = (np.zeros(L) for _ in range(5))
+    spread = [_instance_layers(g.leader, layers, blocks, solution.weights[n]) for n, g in enumerate(solution.groups)]
+    for group, i, where in zip(solution.groups, solution.choice, spread):
+        for layer in where:
+            t[layer] += group.cost[i] - group.sync[i]
+            sync[layer] += group.sync[i]
+            param[layer] += group.mem_param[i]
+            act[layer] += group.mem_act[i]
+            peak[layer] = max(peak[layer], group.peak[i])
+    edges = np.zeros((L, L))
+    for (gu, gv), cost in solution.edge_costs.items():
+        per_instance = cost / solution.weights[gv]
+        for lu, lv in _edge_layers(solution.groups[gu].leader, solution.groups[gv].leader, spread[gu], spread[gv],
+                                   blocks, layers):
+            edges[lu, lv] += per_instance
+    split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
+                 if batch_dims.get(n) is not None] or [1])
+    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch)
+
+
+def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:
+    """The layers a group contributes to: its own, or those of instances 1..n-1 when truncated."""
+    if weight == 1 or blocks is None:
+        return [layers.of_node.get(leader, 0)]
+    cid, inst, pos = blocks.where[leader]
+    return [layers.of_node[instance[pos]] for instance in blocks.instances[cid][1:]]
+
+
+def _edge_layers(u: str, v: str, u_layers: list[int], v_layers: list[int], blocks, layers) -> list[tuple[int, int]]:
+    """(producer layer, reader layer) for each instance an edge stands for."""
+    if len(v_layers) == 1 and len(u_layers) == 1:
+        return [(u_layers[0], v_layers[0])]
+    if len(v_layers) == 1:  # read outside the blocks from the last instance
+        return [(u_layers[-1], v_layers[0])]
+    if len(u_layers) > 1:  # inside instance j
+        return list(zip(u_layers, v_layers))
+    cid_v = blocks.where[v][0]
+    where_u = blocks.where.get(u)
+    if where_u is not None and where_u[0] == cid_v and where_u[1] == 0:  # crossing j-1 -> j
+        pos = where_u[2]
+        previous = [layers.of_node[instance[pos]] for instance in blocks.instances[cid_v][:-1]]
+        return list(zip(previous, v_layers))
+    return [(u_layers[0], lv) for lv in v_layers]  # from outside the blocks into every instance
+
+
+class StageCosts:
+    """Per-mesh-option layer costs (with memory-saving variants), turned into DP tables for any B.
+
+    ``graphs`` maps a reference microbatch size b₀ to the graph rescaled to it; each mesh option is solved
+    at every b₀ (a small b₀ keeps batch splits that divide small microbatches, the whole batch allows wide
+    data parallelism), and each table entry takes the cheapest variant valid at its b.
+    """
+
+    def __init__(self, graphs: dict, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
+                 strategies_for=generate_strategies):
+        self.graphs, self.layers, self.blocks, self.cluster = graphs, layers, blocks, cluster
+        self.strategies_for = strategies_for
+        self.training, self.batch_dims, self.time_limit = training, batch_dims, time_limit
+        self.options = mesh_options(cluster)
+        self.variants: dict[int, list[LayerCosts]] = {}
+        self.cut_bytes = {b0: _cut_bytes(g, layers) / b0 for b0, g in graphs.items()}  # per sample
+        self.solves = 0
+
+    def _env(self, option: MeshOption) -> CostEnv:
+        return CostEnv(self.cluster, option.logical, self.training, devices_per_node=option.physical[1])
+
+    def prepare(self) -> None:
+        """Solve every option up front, on all cores when that is safe (see ``parallel_map``)."""
+        todo = [m for m in range(len(self.options)) if m not in self.variants]
+        for m, variants in zip(todo, parallel_map(self._solve_all, todo)):
+            self.variants[m] = variants
+        self.solves += sum(len(self.variants[m]) for m in todo)
+
+    def _solve_all(self, m: int) -> list[LayerCosts]:
+        return [c for b0 in self.graphs for c in self._solve(m, b0)]
+
+    def costs(self, m: int) -> list[LayerCosts]:
+        """Option m's solutions at every reference microbatch (solved on first use): the unconstrained
+        one, plus, at the smallest reference microbatch, a lean one (memory budget 1.25 × the least any plan
+        needs) when a stage on this option may need it: when the unconstrained solution's memory, spread
+        over the layers a stage of this size would hold if every stage were this size, exceeds half a
+        device."""
+        if m not in self.variants:
+            self.variants[m] = self._solve_all(m)
+            self.solves += len(self.variants[m])
+        return self.variants[m]
+
+    def _solve(self, m: int, b0: int) -> list[LayerCosts]:
+        option, graph = self.options[m], self.graphs[b0]
+        env = self._env(option)
+        built = build_problem(graph, self.strategies_for(graph, option.logical), self.blocks, env, None, None, True)
+        first = solve_built(built, env, self.time_limit)
+        out = [layer_costs(first, self.layers, self.batch_dims, option.logical, b0, self.blocks)]
+        share = option.size / self.cluster.num_devices
+        smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
+        if smallest and first.memory * share > 0.5 * self.cluster.memory_per_device:
+            try:
+                lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built[1]))
+                out.append(layer_costs(lean, self.layers, self.batch_dims, option.logical, b0, self.blocks))
+            except InfeasibleError:
+                pass
+        return out
+
+    def table(self, global_batch: int, B: int, max_f: int) -> np.ndarray:
+        """t[k, i, m, f-1] for B microbatches (∞ where memory or the batch split rules the entry out)."""
+        L, M = self.layers.count, len(self.options)
+        table = np.full((L, L, M, max_f), INF)
+        for m in range(M):
+            self._fill(table, m, global_batch // B, B, max_f)
+        return table
+
+    def _fill(self, table, m, b, B, max_f) -> None:
+        transfer = np.array([self._transfer(k, b) for k in range(self.layers.count)])[:, None, None]
+        for costs in self.costs(m):
+            if b % costs.batch_split:
+                continue
+            latency, memory = costs.stage_tables(b / costs.reference_batch, B, max_f)
+            fits = memory <= self.cluster.memory_per_device
+            table[:, :, m] = np.minimum(table[:, :, m], np.where(fits, latency[:, :, None] + transfer, INF))
+
+    def _transfer(self, k: int, microbatch: int) -> float:
+        """Forward send and backward return of the tensors live at the cut before layer k."""
+        if k == 0:
+            return 0.0
+        per_sample = next(iter(self.cut_bytes.values()))[k]
+        link = self.cluster.inter_node if self.cluster.nodes > 1 else self.cluster.intra_node
+        return 2 * (link.latency + microbatch * per_sample / link.bandwidth)
+
+
+_TASK = None  # the callable a forked worker runs (inherited through fork, never pickled)
+
+
+def _run_task(item):
+    return _TASK(item)
+
+
+def parallel_map(fn, items: list) -> list:
+    """``[fn(x) for x in items]``, on every core through forked workers when that is safe: Linux, more
+    than one core, and no torch.distributed process group (forking a process whose communication
+    threads are live is not). Workers inherit the graphs and caches; only results travel back."""
+    import multiprocessing
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    workers = min(len(items), os.cpu_count() or 1)
+    if workers < 2 or not sys.platform.startswith("linux") or (dist.is_available() and dist.is_initialized()):
+        return [fn(x) for x in items]
+    global _TASK
+    _TASK = fn
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            return pool.map(_run_task, items, chunksize=1)
+    finally:
+        _TASK = None
+
+
+def _cut_bytes(graph, layers) -> np.ndarray:
+    """bytes[k]: the op outputs made before layer k and read in or after it (at the captured batch)."""
+    L = layers.count
+    out = np.zeros(L)
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in layers.of_node:
+            continue
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        size = sum(v.numel() * v.element_size() for v in vals if hasattr(v, "numel"))
+        first, last = layers.of_node[node.name], max((layers.of_node.get(u.name, L - 1) for u in node.users),
+                                                      default=layers.of_node[node.name])
+        out[first + 1:last + 1] += size
+    return out
+
+
+@dataclasses.dataclass
+class StageChoice:
+    """The DP's answer: microbatches and, per stage, (first layer, last layer, mesh option, in-flight)."""
+
+    microbatches: int
+    stages: list[tuple[int, int, MeshOption, int]]
+    cost: float
+
+
+def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
+                  stages: int | None) -> StageChoice:
+    """Run the DP for every candidate B and keep the cheapest; InfeasibleError when nothing fits."""
+    best: tuple[DPResult, int, np.ndarray] | None = None
+    costs.prepare()
+    sizes = [o.size for o in costs.options]
+    L = costs.layers.count
+    for B in candidates:
+        max_f = min(L, B) if schedule != "gpipe" else B
+        table = costs.table(global_batch, B, max_f)
+        found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01)
+        if found is not None and (best is None or found.cost < best[0].cost):
+            best = (found, B, table)
+    if best is None:
+        raise InfeasibleError(f"no pipeline of the {L} layers over {costs.cluster.num_devices} devices fits "
+                              f"{costs.cluster.memory_per_device / 2**30:.2f} GiB per device with microbatches "
+                              f"{candidates}; use more devices or memory, or more microbatches")
+    found, B, table = best
+    out = []
+    for s, (k, i, j) in enumerate(found.stages):
+        f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
+        m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
+        out.append((k, i, costs.options[m], f))
+    return StageChoice(B, out, found.cost)

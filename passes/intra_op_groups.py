@@ -1,0 +1,323 @@
+"""The intra-op ILP's building blocks: decision groups, their price vectors, and resharding matrices.
+
+A *group* is one decision: its leader's strategy index fixes every member's strategy. Members are light
+ops (views, elementwise, casts) whose tensor inputs all come from the group, and placeholders with a
+single reader in scope (they are stored exactly as that reader reads them, so they add no edge). Each
+light member takes, for every leader strategy, its cheapest strategy given its inputs' specs.
+
+A builder covers one *scope*: the whole graph, or one pipeline stage's nodes. A value a stage reads from
+an earlier stage is a *boundary* group: free to arrive in any even spec (the transfer is priced by the
+inter-op pass). A value a later stage reads pays here for being gathered whole before it is sent.
+
+Truncation (whole-model scopes, ``truncate=blocks``): of a repeated-block class with n ≥ 3 instances only
+instances 0 and 1 are built; instance 1 stands for instances 1..n-1 (``weight`` n-1), readers of later
+instances read the matching node of instance 1, and dropped nodes take instance 1's strategy. Since an
+edge into instance 1 stands for each j-1 -> j crossing, edges take their reader's weight.
+
+Prices per group and leader strategy (seconds per training step, B = env.microbatches):
+    cost = B · (op time + activation resharding) + sync,   sync = gradient synchronization of parameters
+    mem_param = parameter, gradient and optimizer bytes;    mem_act = saved activations × in-flight count
+    peak = the largest transient (an op's output and its gradient)
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.cost_models.compute import compute_time, is_free_view, local_bytes, node_signature
+from autopar.cost_models.memory import requires_grad_nodes, saved_nodes
+from autopar.passes.strategies import placeholder_strategies
+from autopar.passes.strategies.base import OpView, Strategy
+from autopar.placement import R, local_shape
+from autopar.redistribute import grad_partial_axes
+
+aten = torch.ops.aten
+
+
+def _light_packets() -> frozenset:
+    from autopar.passes.strategies import pointwise
+
+    light = set(pointwise.NONLINEAR) | set(pointwise.SUMS) | set(pointwise.SCALES) | set(pointwise.COPIES)
+    return frozenset(light | {aten.reshape, aten.flatten, aten.unflatten, aten.contiguous, aten.clone})
+
+
+_LIGHT = _light_packets()
+
+
+def is_light(node: fx.Node) -> bool:
+    """Views, elementwise ops and casts: cheap ops that follow their producer's layout."""
+    if node.op != "call_function":
+        return False
+    if is_free_view(node) or node.target is operator.getitem:
+        return True
+    return getattr(node.target, "overloadpacket", None) in _LIGHT
+
+
+@dataclasses.dataclass
+class Group:
+    leader: str
+    members: list[str]
+    pick: list[dict[str, int]]          # per leader strategy: member name -> its strategy index
+    cost: np.ndarray = None             # seconds per step (see module docstring), per leader strategy
+    comm: np.ndarray = None             # the communication part of cost
+    sync: np.ndarray = None             # the once-per-step part of cost (parameter gradient sync)
+    mem_param: np.ndarray = None        # bytes of parameter state, per leader strategy
+    mem_act: np.ndarray = None          # bytes of saved activations (× in-flight microbatches)
+    peak: np.ndarray = None             # largest transient, per leader strategy
+
+    @property
+    def mem(self) -> np.ndarray:
+        return self.mem_param + self.mem_act
+
+
+def _truncation(graph, blocks) -> tuple[dict[str, str], dict[str, int]]:
+    """(dropped node -> its instance-1 twin, instance-1 node -> how many instances it stands for);
+    computed once per graph."""
+    cached = getattr(graph, "_truncation", None)
+    if cached is not None:
+        return cached
+    alias, stands_for = {}, {}
+    for instances in blocks.instances.values():
+        if len(instances) < 3:
+            continue
+        for pos, name in enumerate(instances[1]):
+            stands_for[name] = len(instances) - 1
+        for inst in instances[2:]:
+            for pos, name in enumerate(inst):
+                alias[name] = instances[1][pos]
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    for node in graph.gm.graph.nodes:  # parameters read only by dropped nodes: the twin reader's input
+        if node.op == "placeholder" and node.users and all(u.name in alias for u in node.users):
+            reader = next(iter(node.users))
+            idx = graph.view(reader).tensor_args.index(node)
+            alias[node.name] = graph.view(nodes[alias[reader.name]]).tensor_args[idx].name
+    graph._truncation = (alias, stands_for)
+    return graph._truncation
+
+
+class GroupBuilder:
+    """Builds groups, their prices and the inter-group resharding matrices for one scope and mesh."""
+
+    def __init__(self, graph, strategies: dict[str, list[Strategy]], env, subset: set[str] | None = None,
+                 truncate=None):
+        self.graph, self.env, self.subset = graph, env, subset
+        self.nodes = {n.name: n for n in graph.gm.graph.nodes}
+        self.alias, self.stands_for = _truncation(graph, truncate) if subset is None and truncate else ({}, {})
+        view = graph.view
+        self.params = {p.name for p in graph.placeholders if p.kind == "parameter"}
+        if getattr(graph, "_grad_info", None) is None:  # per graph, not per builder
+            needs = requires_grad_nodes(graph.gm, self.params)
+            graph._grad_info = (needs, saved_nodes(graph.gm, needs))
+        self.requires_grad, self.saved = graph._grad_info
+        self.order, self.boundary, self.sends = self._scope()
+        self.strategies = dict(strategies)
+        for name in self.boundary:
+            self.strategies[name] = placeholder_strategies(self.nodes[name], env.mesh_shape)
+        self.views = {n.name: view(n) for n in self.order if n.op != "placeholder" and n.name not in self.boundary}
+        for name, v in self.views.items():  # readers of dropped instances read instance 1 (on a copy)
+            if any(a.name in self.alias for a in v.tensor_args):
+                v = self.views[name] = copy.copy(v)
+                v.tensor_args = [self.nodes[self.alias.get(a.name, a.name)] for a in v.tensor_args]
+        self.group_of: dict[str, int] = {}
+        self.groups: list[Group] = []
+        self.absorbed: dict[str, str] = {}
+        # Caches keyed by structural signatures, so identical layers are priced once.
+        self.sig = {n.name: node_signature(n) if n.op != "output" else "output" for n in self.order}
+        self._node_time: dict[tuple, tuple[float, float]] = {}
+        self._edge_time: dict[tuple, tuple[float, float]] = {}
+        self._follow: dict[tuple, int] = {}
+
+    def _in(self, node: fx.Node) -> bool:
+        if node.name in self.alias:
+            return False
+        if self.subset is None:
+            return node.op != "placeholder" or not node.users or any(u.name not in self.alias for u in node.users)
+        if node.name in self.subset:
+            return True
+        return node.op == "placeholder" and any(u.name in self.subset for u in node.users)
+
+    def weight(self, g: int) -> int:
+        """How many instances group g stands for (n-1 for instance 1 of a truncated class, else 1)."""
+        return self.stands_for.get(self.groups[g].leader, 1)
+
+    def _scope(self) -> tuple[list[fx.Node], set[str], set[str]]:
+        """(nodes in scope, boundary values first; names of boundary values; names of values sent on)."""
+        inside = [n for n in self.graph.gm.graph.nodes if self._in(n)]
+        if self.subset is None:
+            return inside, set(), set()
+        boundary = {a.name: a for n in inside if n.op != "placeholder" for a in self.graph.view(n).tensor_args
+                    if a.op == "call_function" and a.name not in self.subset}
+        sends = {n.name for n in inside if n.op == "call_function" and any(u.name not in self.subset for u in n.users)}
+        return list(boundary.values()) + inside, set(boundary), sends
+
+    def users_in_scope(self, node: fx.Node) -> list[fx.Node]:
+        return [u for u in node.users if (self.subset is None or u.name in self.subset) and u.name not in self.alias]
+
+    # ---- grouping --------------------------------------------------------------------------------
+    def build_groups(self) -> None:
+        absorbed = self.absorbed = self._single_use_placeholders()
+        for node in self.order:
+            if node.op == "placeholder" and node.name in absorbed:
+                continue
+            owners = self._owner_groups(node, absorbed)
+            if is_light(node) and node.name not in self.boundary and len(owners) == 1 \
+                    and len(self.strategies[node.name]) > 1:
+                self._join(owners.pop(), node, absorbed)
+            else:
+                self._lead(node, absorbed)
+
+    def _single_use_placeholders(self) -> dict[str, str]:
+        """Placeholders read by exactly one node in scope, once: {placeholder: reader}."""
+        out = {}
+        for node in self.order:
+            users = self.users_in_scope(node) if node.op == "placeholder" else []
+            if len(users) == 1 and users[0].op == "call_function" \
+                    and self.views[users[0].name].tensor_args.count(node) == 1:
+                out[node.name] = users[0].name
+        return out
+
+    def _owner_groups(self, node: fx.Node, absorbed) -> set[int]:
+        if node.op == "placeholder" or node.name in self.boundary:
+            return set()
+        owners = set()
+        for arg in self.views[node.name].tensor_args:
+            if arg.name in absorbed:
+                continue
+            g = self.group_of[arg.name]
+            if len(self.groups[g].pick) > 1:
+                owners.add(g)
+        return owners
+
+    def _lead(self, node: fx.Node, absorbed) -> None:
+        n = len(self.strategies[node.name])
+        group = Group(node.name, [node.name], [{node.name: i} for i in range(n)])
+        self.groups.append(group)
+        self.group_of[node.name] = len(self.groups) - 1
+        self._absorb_inputs(group, node, absorbed)
+
+    def _join(self, g: int, node: fx.Node, absorbed) -> None:
+        group = self.groups[g]
+        view = self.views[node.name]
+        for pick in group.pick:
+            srcs = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_in_pick(a.name, pick)
+                         for a in view.tensor_args)
+            key = (self.sig[node.name], srcs, self._grad_flags(node, view))
+            if key not in self._follow:
+                self._follow[key] = self._cheapest(node, view, srcs)
+            pick[node.name] = self._follow[key]
+        group.members.append(node.name)
+        self.group_of[node.name] = g
+        self._absorb_inputs(group, node, absorbed)
+
+    def _absorb_inputs(self, group: Group, node: fx.Node, absorbed) -> None:
+        if node.op != "call_function" or node.name in self.boundary:
+            return
+        view = self.views[node.name]
+        for idx, arg in enumerate(view.tensor_args):
+            if absorbed.get(arg.name) != node.name:
+                continue
+            options = {s.out_spec: k for k, s in enumerate(self.strategies[arg.name])}
+            for pick in group.pick:
+                wanted = self.strategies[node.name][pick[node.name]].in_specs[idx]
+                stored = tuple(R if p.is_partial() else p for p in wanted)  # inputs are never stored Partial
+                pick[arg.name] = options[stored]
+            group.members.append(arg.name)
+            self.group_of[arg.name] = self.group_of[node.name]
+
+    def _spec_in_pick(self, name: str, pick: dict[str, int]):
+        if name in pick:
+            return self.strategies[name][pick[name]].out_spec
+        g = self.groups[self.group_of[name]]
+        assert len(g.pick) == 1, f"{name} is outside the group and not fixed"
+        return self.strategies[name][g.pick[0][name]].out_spec
+
+    def _cheapest(self, node: fx.Node, view: OpView, srcs: tuple) -> int:
+        """argmin_k local cost. Fast path: a strategy reading every input as it comes costs only its own
+        op; if that is no more than the cheapest op time of any strategy (a lower bound on every cost),
+        it is the argmin and the other strategies need no pricing."""
+        strategies = self.strategies[node.name]
+        floor = min(self.node_time_k(node.name, k)[0] for k in range(len(strategies)))
+        for k, strat in enumerate(strategies):
+            if all(src is None or src == dst for src, dst in zip(srcs, strat.in_specs)):
+                cost = self._local_cost(node, view, k, srcs)
+                if cost <= floor:
+                    return k
+        return int(np.argmin([self._local_cost(node, view, k, srcs) for k in range(len(strategies))]))
+
+    def _local_cost(self, node, view, k, srcs) -> float:
+        """Cost of strategy k given its inputs' specs (None: an absorbed placeholder, stored as read)."""
+        total = self.node_time_k(node.name, k)[0]
+        for idx, (arg, src) in enumerate(zip(view.tensor_args, srcs)):
+            if src is not None:
+                total += sum(self.edge_time_k(arg, node, idx, src, k))
+        return total
+
+    def _grad_flags(self, node, view) -> tuple:
+        return (node.name in self.requires_grad,) + tuple(
+            (a.name in self.requires_grad, a.name in self.params) for a in view.tensor_args)
+
+    # ---- prices ----------------------------------------------------------------------------------
+    def node_time_k(self, name: str, k: int) -> tuple[float, float]:
+        """(seconds per step, of which communication) of the op itself under its k-th strategy."""
+        key = (self.sig[name], k, name in self.requires_grad)
+        if key not in self._node_time:
+            view = self.views.get(name)
+            self._node_time[key] = self._node_time_of(self.nodes[name], view, self.strategies[name][k]) \
+                if view is not None and self.nodes[name].op == "call_function" else (0.0, 0.0)
+        return self._node_time[key]
+
+    def _node_time_of(self, node: fx.Node, view: OpView, strat: Strategy) -> tuple[float, float]:
+        env = self.env
+        t = compute_time(node, strat, view.in_vals, view.out_vals, env.mesh_shape, env.cluster,
+                         node.name in self.requires_grad)
+        comm = sum(self._kernel_comm(view, axis, tag) for axis, tag in strat.kernels)
+        return env.microbatches * (t + comm), env.microbatches * comm
+
+    def _kernel_comm(self, view: OpView, axis: int, tag: str) -> float:
+        link = self.env.links[axis]
+        if tag == "ce_class":  # max, sum-exp and target logit of the local rows
+            return 3 * link.time("all_reduce", view.in_shapes[0][0] * 4)
+        if tag == "ce_batch":
+            return link.time("all_reduce", 8)
+        return 0.0
+
+    def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:
+        """``edge_time`` for the node's k-th strategy, cached by structure (signature, input, specs, flags)."""
+        key = (self.sig[node.name], idx, src, k, arg.name in self.requires_grad, node.name in self.requires_grad,
+               arg.name in self.params)
+        hit = self._edge_time.get(key)
+        if hit is None:
+            hit = self._edge_time[key] = self.edge_time(arg, node, idx, src, self.strategies[node.name][k])
+        return hit
+
+    def edge_time(self, arg: fx.Node, node: fx.Node, idx: int, src, strat: Strategy) -> tuple[float, float]:
+        """(per-step seconds of per-microbatch traffic, per-step seconds of gradient sync) of one input."""
+        dst = strat.in_specs[idx]
+        if src == dst and not (arg.name in self.requires_grad and grad_partial_axes(dst, strat.out_spec)):
+            return 0.0, 0.0
+        val = self.views[node.name].in_vals[idx]
+        needs_grad = arg.name in self.requires_grad and node.name in self.requires_grad
+        grad_axes = grad_partial_axes(dst, strat.out_spec) if needs_grad else ()
+        fwd, bwd = self.env.reshard(val, src, dst, grad_axes, needs_grad)
+        if arg.name in self.params:
+            return self.env.microbatches * fwd, bwd
+        return self.env.microbatches * (fwd + bwd), 0.0
+
+    def node_memory(self, name: str, strat: Strategy) -> tuple[float, float]:
+        """(parameter-state bytes, saved-activation bytes × in-flight microbatches) of one node."""
+        node = self.nodes[name]
+        val = node.meta.get("val")
+        if node.op == "placeholder" and name in self.params:
+            numel = np.prod(local_shape(tuple(val.shape), strat.out_spec, self.env.mesh_shape))
+            return float(numel) * self.env.training.param_state_bytes_per_element(val.dtype), 0.0
+        share = self.saved.get(name, 0.0)
+        if not share or name in self.boundary:
+            return 0.0, 0.0
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        act = share * self.env.inflight * sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in vals)
+        return 0.0, act

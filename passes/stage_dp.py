@@ -1,0 +1,142 @@
+r"""The stage-slicing DP of Alpa §5.2, as a pure function of a cost table (no graph, no cluster).
+
+Given L layers, submesh options m of n_m devices (their sizes tile the D devices), B microbatches and a
+table t[k, i, m, f] = latency of a stage running layers k..i on option m while f microbatches are in
+flight (∞ where it does not fit in memory), find stages (k_s, i_s, m_s) covering 0..L-1 in order and
+using exactly D devices that minimize
+
+    T = Σ_s t_s + (B − 1) · max_s t_s.
+
+For a fixed cap t_max on every stage's latency, with σ stages still to place (so f = min(σ, B) under
+1F1B, f = B under GPipe):
+
+    F(σ, k, d) = min_{i ≥ k, m : n_m ≤ d, t[k,i,m,f] ≤ t_max}  t[k,i,m,f] + F(σ − 1, i + 1, d − n_m)
+    F(0, L, 0) = 0,      T*(t_max) = min_σ F(σ, 0, D) + (B − 1) · t_max.
+
+t_max runs over the distinct table values in ascending order and stops once B · t_max ≥ the best T found
+(no plan capped at t_max can beat it). ``bucket`` > 0 skips caps within that relative distance of the
+last one tried (Alpa's ε); 0 makes the search exact. ``brute_force`` enumerates every partition for tests.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import numpy as np
+
+INF = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class DPResult:
+    """stages: [(first layer, last layer, submesh option)], in pipeline order; cost: T; t_max: max_s t_s."""
+
+    stages: tuple[tuple[int, int, int], ...]
+    cost: float
+    t_max: float
+
+
+def inflight(sigma: int, microbatches: int, schedule: str) -> int:
+    """Microbatches a stage with σ stages from it to the end (itself included) keeps alive."""
+    return microbatches if schedule == "gpipe" else min(sigma, microbatches)
+
+
+def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: int, *, schedule: str = "1f1b",
+             max_stages: int | None = None, stages: int | None = None, bucket: float = 0.0) -> DPResult | None:
+    """Best stages for ``table`` [L, L, M, F] (see module docstring); None when nothing fits.
+
+    stages: force exactly this many stages; max_stages: at most this many (default L).
+    """
+    L = table.shape[0]
+    S = min(stages or max_stages or L, L)
+    by_size = _cheapest_per_size(table, sizes)
+    best: DPResult | None = None
+    last = -INF
+    for t_max in np.unique(by_size[np.isfinite(by_size)]):
+        if best is not None and microbatches * t_max >= best.cost:
+            break
+        if bucket and t_max <= last * (1 + bucket):
+            continue
+        last = t_max
+        found = _solve_capped(by_size, sizes, devices, microbatches, schedule, S, stages, t_max)
+        if found is not None and (best is None or found.cost < best.cost):
+            best = found
+    return best
+
+
+def _cheapest_per_size(table: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """[L, L, n, F]: for each device count, its cheapest option (only the cheapest can meet a cap first)."""
+    distinct = sorted(set(sizes))
+    out = np.full(table.shape[:2] + (len(distinct),) + table.shape[3:], INF)
+    for m, size in enumerate(sizes):
+        j = distinct.index(size)
+        out[:, :, j] = np.minimum(out[:, :, j], table[:, :, m])
+    return out
+
+
+def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max) -> DPResult | None:
+    distinct = sorted(set(sizes))
+    L = by_size.shape[0]
+    capped = np.where(by_size <= t_max, by_size, INF)
+    F = np.full((S + 1, L + 1, D + 1), INF)
+    F[0, L, 0] = 0.0
+    arg = {}
+    for sigma in range(1, S + 1):
+        f = min(inflight(sigma, B, schedule), by_size.shape[3]) - 1
+        for i in range(L):
+            prev = F[sigma - 1, i + 1]
+            if not np.isfinite(prev).any():
+                continue
+            for j, n in enumerate(distinct):
+                if n > D:
+                    continue
+                lat = capped[: i + 1, i, j, f]                      # stages k..i for every k ≤ i
+                cand = lat[:, None] + prev[None, : D + 1 - n]        # [k, d - n]
+                cur = F[sigma, : i + 1, n:]
+                better = cand < cur
+                if better.any():
+                    F[sigma, : i + 1, n:] = np.where(better, cand, cur)
+                    for k, d in zip(*np.nonzero(better)):
+                        arg[(sigma, k, d + n)] = (i, j)
+    candidates = [exact_stages] if exact_stages else range(1, S + 1)
+    sigma = min(candidates, key=lambda s: F[s, 0, D] if s <= S else INF)
+    if sigma > S or not np.isfinite(F[sigma, 0, D]):
+        return None
+    return DPResult(_unwind(arg, sigma, D, distinct, sizes, by_size), F[sigma, 0, D] + (B - 1) * t_max, t_max)
+
+
+def _unwind(arg, sigma, D, distinct, sizes, by_size) -> tuple[tuple[int, int, int], ...]:
+    """Rebuild (k, i, size index) stages; the caller maps a size back to its cheapest option."""
+    out, k, d = [], 0, D
+    while sigma > 0:
+        i, j = arg[(sigma, k, d)]
+        out.append((k, i, j))
+        k, d, sigma = i + 1, d - distinct[j], sigma - 1
+    return tuple(out)
+
+
+def option_for(table: np.ndarray, sizes: list[int], k: int, i: int, size_index: int, f: int) -> int:
+    """The cheapest submesh option of the given size for stage (k, i) with f in flight."""
+    size = sorted(set(sizes))[size_index]
+    options = [m for m, n in enumerate(sizes) if n == size]
+    return min(options, key=lambda m: table[k, i, m, f - 1])
+
+
+def brute_force(table: np.ndarray, sizes: list[int], devices: int, microbatches: int, *,
+                schedule: str = "1f1b") -> float:
+    """T of the best plan by enumerating every layer partition and submesh assignment (small cases only)."""
+    L = table.shape[0]
+    best = INF
+    for n_stages in range(1, L + 1):
+        for cuts in itertools.combinations(range(1, L), n_stages - 1):
+            bounds = [0, *cuts, L]
+            ranges = [(bounds[s], bounds[s + 1] - 1) for s in range(n_stages)]
+            for options in itertools.product(range(len(sizes)), repeat=n_stages):
+                if sum(sizes[m] for m in options) != devices:
+                    continue
+                lats = [table[k, i, m, min(inflight(n_stages - s, microbatches, schedule), table.shape[3]) - 1]
+                        for s, ((k, i), m) in enumerate(zip(ranges, options))]
+                if all(math.isfinite(t) for t in lats):
+                    best = min(best, sum(lats) + (microbatches - 1) * max(lats))
+    return best

@@ -1,0 +1,54 @@
+"""The sharding ILP: both back ends (HiGHS from sparse matrices, PuLP+CBC) agree, and the memory row binds."""
+import numpy as np
+import pytest
+
+from autopar.errors import InfeasibleError
+from autopar.passes.ilp import IlpProblem, backend, evaluate, memory_of, min_memory, solve_ilp
+
+
+def random_problem(rng, classes=6, budget=None):
+    sizes = rng.integers(1, 5, size=classes)
+    cost = [rng.uniform(0, 1, n) for n in sizes]
+    mem = [rng.uniform(1, 2, n) * 2**30 for n in sizes]
+    peak = [rng.uniform(0, 0.5, n) * 2**30 for n in sizes]
+    edges = {}
+    for c in range(classes - 1):
+        m = rng.uniform(0, 1, (sizes[c], sizes[c + 1]))
+        m[:, 0] = m[:, 0].mean()  # repeated columns exercise the grouping
+        edges[(c, c + 1)] = m
+    return IlpProblem(cost, mem, edges, budget, peak)
+
+
+def brute(problem):
+    import itertools
+
+    best = None
+    for choice in itertools.product(*[range(len(c)) for c in problem.cost]):
+        if problem.budget is not None and memory_of(problem, list(choice)) > problem.budget:
+            continue
+        value = evaluate(problem, list(choice))
+        best = value if best is None else min(best, value)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_backends_agree_with_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    problem = random_problem(rng)
+    problem.budget = 0.5 * (min_memory(problem, which="pulp") + memory_of(problem, [0] * problem.n_classes))
+    want = brute(problem)
+    for which in ("pulp", "highs"):
+        if which == "highs" and backend() != "highs":
+            pytest.skip("highspy not installed")
+        result = solve_ilp(problem, 30, which=which)
+        assert result.objective == pytest.approx(want, rel=1e-6), which
+        assert memory_of(problem, result.choice) <= problem.budget * (1 + 1e-9)
+    assert min_memory(problem, which="pulp") == pytest.approx(min_memory(problem, which="highs"))
+
+
+def test_infeasible_budget_names_the_floor():
+    problem = random_problem(np.random.default_rng(1))
+    floor = min_memory(problem)
+    problem.budget = 0.9 * floor
+    with pytest.raises(InfeasibleError, match="smallest plan needs"):
+        solve_ilp(problem, 30)

@@ -1,0 +1,57 @@
+"""The stage-slicing DP equals brute-force enumeration on small cases (random tables, with memory holes)."""
+import numpy as np
+import pytest
+
+from autopar.passes.stage_dp import brute_force, inflight, option_for, stage_dp
+
+
+def random_table(rng, layers: int, sizes: list[int], max_f: int, holes: float) -> np.ndarray:
+    """Latency grows with the layers in a stage and shrinks with devices; random ∞ for memory."""
+    work = rng.uniform(0.5, 2.0, size=layers)
+    table = np.full((layers, layers, len(sizes), max_f), np.inf)
+    for k in range(layers):
+        for i in range(k, layers):
+            for m, n in enumerate(sizes):
+                base = work[k:i + 1].sum() / n ** rng.uniform(0.6, 1.0) + 0.05 * rng.uniform()
+                for f in range(max_f):
+                    if rng.uniform() > holes * (f + 1) / max_f:
+                        table[k, i, m, f] = base
+    return table
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_dp_equals_brute_force(seed, schedule):
+    rng = np.random.default_rng(seed)
+    layers = int(rng.integers(2, 6))
+    sizes = [1, 2, 2, 4][: int(rng.integers(2, 5))]
+    devices = int(rng.choice([2, 4]))
+    B = int(rng.choice([1, 2, 4, 8]))
+    table = random_table(rng, layers, sizes, max_f=layers, holes=0.3)
+    want = brute_force(table, sizes, devices, B, schedule=schedule)
+    got = stage_dp(table, sizes, devices, B, schedule=schedule)
+    if not np.isfinite(want):
+        assert got is None
+        return
+    assert got is not None and got.cost == pytest.approx(want, rel=1e-12)
+    # The returned stages realise the reported cost.
+    lats = []
+    for s, (k, i, j) in enumerate(got.stages):
+        f = min(inflight(len(got.stages) - s, B, schedule), layers)
+        m = option_for(table, sizes, k, i, j, f)
+        lats.append(table[k, i, m, f - 1])
+    assert sum(lats) + (B - 1) * max(lats) == pytest.approx(got.cost)
+    assert got.stages[0][0] == 0 and got.stages[-1][1] == layers - 1
+
+
+def test_forcing_the_number_of_stages():
+    rng = np.random.default_rng(0)
+    table = random_table(rng, 4, [1, 2, 4], max_f=4, holes=0.0)
+    for n in (1, 2, 4):
+        got = stage_dp(table, [1, 2, 4], 4, 4, stages=n)
+        assert got is not None and len(got.stages) == n
+
+
+def test_nothing_fits():
+    table = np.full((2, 2, 1, 2), np.inf)
+    assert stage_dp(table, [1], 1, 2) is None
