@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.cluster import Cluster
-from autopar.driver import PlanOptions, plan_model
+from autopar.driver import PlanOptions, first_microbatch, plan_model
 from autopar.errors import ClusterError, PlanError
-from autopar.passes.capture import capture
+from autopar.passes.capture import capture, normalize_inputs
 from autopar.plan import Plan
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
@@ -42,9 +42,9 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            f"{world} ranks; launch {cluster.num_devices} processes or describe the cluster you run "
                            f"on (e.g. Cluster.local({world}))")
     _check_real_weights(model)
-    options.setdefault("stages", 1)  # TEMPORARY: multi-stage plans need the pipeline runtime (next commit)
-    graph = capture(model, example_inputs)
+    example_inputs = normalize_inputs(example_inputs)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
+    graph = capture(model, first_microbatch(example_inputs, chosen.microbatches))
     chosen.validate(graph, world_size=world)
     return build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
 

@@ -13,7 +13,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec
 from autopar.errors import InfeasibleError, PlanError
-from autopar.passes.batch_dims import batch_dims, rescale
+from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import ModelGraph, capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
@@ -60,17 +60,22 @@ class PlanOptions:
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
     start = time.perf_counter()
     graph = capture(model, example_inputs)
-    plan = plan_graph(graph, cluster, options, model_name=type(model).__name__)
-    plan.planner["capture_seconds"] = time.perf_counter() - start - plan.planner["seconds"]
+    recapture = lambda b: capture(model, first_microbatch(example_inputs, b))  # noqa: E731
+    plan = plan_graph(graph, cluster, options, model_name=type(model).__name__, recapture=recapture)
+    plan.timings["capture"] = round(time.perf_counter() - start - plan.timings["seconds"], 3)
     return plan
 
 
-def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_name: str = "model") -> Plan:
+def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_name: str = "model",
+               recapture=None) -> Plan:
+    """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
+    shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
     clock = _Clock()
     candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
+    at_microbatch = lambda b: _at_microbatch(graph, b, recapture)  # noqa: E731
     if options.stages == 1:
-        plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0])
+        plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
     else:
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
@@ -84,10 +89,11 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
             raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
                                   f"per device ({floor:.0f} bytes); a memory_per_device that large fits it") from None
         clock.lap("stage_dp")
-        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice)
+        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
         clock.lap("stage_ilps")
         plan.planner["mesh_solves"] = costs.solves
-    plan.planner.update(solver=backend(), seconds=clock.total(), phases=clock.laps)
+    plan.planner["solver"] = backend()
+    plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan
 
@@ -121,6 +127,29 @@ def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:
     return [b for b in (2 ** k for k in range(10)) if b <= min(batch, MAX_MICROBATCHES) and batch % b == 0]
 
 
+def first_microbatch(example_inputs, microbatches: int) -> tuple:
+    """The first of ``microbatches`` equal slices of every input along dim 0 (the runtime's split)."""
+    from autopar.passes.capture import normalize_inputs
+
+    example_inputs = normalize_inputs(example_inputs)
+    if microbatches == 1:
+        return example_inputs
+    for i, t in enumerate(example_inputs):
+        if t.dim() == 0 or t.shape[0] % microbatches:
+            raise PlanError(f"input {i} has shape {tuple(t.shape)}: its dim 0 does not split into "
+                            f"{microbatches} microbatches; pass a batch divisible by {microbatches} or re-plan")
+    return tuple(t.chunk(microbatches, dim=0)[0] for t in example_inputs)
+
+
+def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGraph:
+    """The graph at one microbatch: rescaled when that is exact, else re-captured (if possible)."""
+    if microbatches == 1:
+        return graph
+    if recapture is not None and not rescale_is_exact(graph):
+        return recapture(microbatches)
+    return rescale(graph, microbatches)
+
+
 def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
     return apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
 
@@ -136,9 +165,10 @@ def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
     return {batch // b: rescale(graph, b) for b in sorted(parts)}
 
 
-def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_name: str, microbatches: int) -> Plan:
+def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_name: str, microbatches: int,
+                  at_microbatch) -> Plan:
     mesh = tuple(cluster.mesh_shape)
-    scaled = rescale(graph, microbatches)
+    scaled = at_microbatch(microbatches)
     strategies = _strategies(scaled, mesh, options)
     _check(options, lambda: _check_strategies(scaled, strategies))
     env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches)
@@ -189,10 +219,10 @@ def _check_manual(stages, costs: StageCosts) -> None:
 
 
 def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
-              choice: StageChoice) -> Plan:
+              choice: StageChoice, at_microbatch) -> Plan:
     """Place the chosen stages on ranks and solve each exactly at the chosen microbatch."""
     B = choice.microbatches
-    scaled = rescale(graph, B)
+    scaled = at_microbatch(B)
     ranks = place_stages(cluster, [option.physical for _, _, option, _ in choice.stages])
     stages, variables = [], 0
     last = len(choice.stages) - 1

@@ -90,6 +90,9 @@ class Plan:
     node_layers: dict[str, int] = dataclasses.field(default_factory=dict)
     transfers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     version: int = PLAN_VERSION
+    # How long planning took, by phase: not part of the plan (not saved, not compared), so the same
+    # inputs give byte-identical JSON.
+    timings: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     # ---- lookups -------------------------------------------------------------------------------
     @property
@@ -110,7 +113,9 @@ class Plan:
 
     # ---- JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d.pop("timings")
+        return d
 
     def to_json(self, path=None) -> str:
         """Deterministic JSON (sorted keys): equal plans give byte-identical text."""

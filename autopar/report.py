@@ -37,7 +37,7 @@ def _header(plan) -> list[str]:
     if plan.planner:
         q = plan.planner
         lines.append(f"planner: {q.get('ilp_variables', '?')} ILP variables, {q.get('ilp_status', '?')} "
-                     f"({q.get('solver', '?')}), planned in {q.get('seconds', 0):.2f} s")
+                     f"({q.get('solver', '?')})")
     return lines
 
 

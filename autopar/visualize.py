@@ -99,7 +99,7 @@ def _header_lines(plan) -> list[str]:
     q = plan.planner or {}
     if q:
         lines.append(escape(f"planner: {q.get('ilp_variables', '?')} ILP variables, {q.get('ilp_status', '?')} "
-                            f"({q.get('solver', '?')}), planned in {float(q.get('seconds', 0)):.2f} s"))
+                            f"({q.get('solver', '?')})"))
     if c.get("source"):
         lines.append(escape(f"cluster figures: {c['source']}"))
     return lines

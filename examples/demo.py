@@ -43,7 +43,7 @@ def train_on_local_cluster(rank: int, budget: float):
     model, batch = make_gpt(GPTConfig(n_layer=2), batch_size=8)
     reference = copy.deepcopy(model)
     cluster = autopar.Cluster.local(4, mesh_shape=(2, 2), memory_per_device=budget)
-    pm = autopar.compile(model, cluster, batch)
+    pm = autopar.compile(model, cluster, batch, stages=1)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     rows = []

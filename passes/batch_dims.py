@@ -27,21 +27,39 @@ from autopar.passes.strategies.base import OpView, all_replicated_rule
 
 def batch_dims(graph) -> dict[str, int | None]:
     """{node name: its batch dim, or None} by propagating the inputs' dim 0 through the rules."""
+    return _analysis(graph)[0]
+
+
+def rescale_is_exact(graph) -> bool:
+    """False when some op meets the batch on one input but not on another that has it too (HF GPT-2
+    builds its attention mask from ``arange(batch)``): a rescaled graph then mixes the microbatch with the
+    whole batch, and only a capture at the microbatch gives exact shapes."""
+    return _analysis(graph)[1]
+
+
+def _analysis(graph) -> tuple[dict[str, int | None], bool]:
+    cached = getattr(graph, "_batch_analysis", None)
+    if cached is not None:
+        return cached
     out: dict[str, int | None] = {}
+    exact = True
     for node in graph.gm.graph.nodes:
         if node.op == "placeholder":
             info = graph.placeholder(node.name)
             out[node.name] = 0 if info.kind == "input" and len(info.shape) > 0 else None
         elif node.op == "call_function":
-            out[node.name] = _propagate(node, out)
-    return out
+            out[node.name], matched = _propagate(node, out)
+            exact = exact and matched
+    graph._batch_analysis = (out, exact)
+    return graph._batch_analysis
 
 
-def _propagate(node: fx.Node, dims: dict[str, int | None]) -> int | None:
+def _propagate(node: fx.Node, dims: dict[str, int | None]) -> tuple[int | None, bool]:
+    """(output batch dim, whether the rule matched exactly) for one op."""
     view = OpView(node)
     wanted = tuple(Shard(dims[a.name]) if dims.get(a.name) is not None else R for a in view.tensor_args)
     if all(p.is_replicate() for p in wanted):
-        return None
+        return None, True
     fn = rule_for(node.target)
     rules = (fn(view) if fn is not None else []) + [all_replicated_rule(view)]
     # Inputs the batch does not reach may be split too (HF GPT-2 builds its attention mask from aranges
@@ -49,8 +67,8 @@ def _propagate(node: fx.Node, dims: dict[str, int | None]) -> int | None:
     ranked = sorted(rules, key=lambda r: r.inputs != wanted)
     for rule in ranked:
         if all(w.is_replicate() or got == w for w, got in zip(wanted, rule.inputs)):
-            return rule.output.dim if rule.output.is_shard() else None
-    return None
+            return (rule.output.dim if rule.output.is_shard() else None), rule.inputs == wanted
+    return None, True
 
 
 def rescale(graph, microbatches: int):

@@ -14,7 +14,6 @@ The generated code is plain Python (``gm.code``) and autograd differentiates it 
 """
 from __future__ import annotations
 
-import dataclasses
 import operator
 from typing import Callable
 
@@ -42,17 +41,8 @@ def shard_input(x: torch.Tensor, pieces: tuple) -> torch.Tensor:
     return x.contiguous()
 
 
-@dataclasses.dataclass
-class StageIO:
-    """What crosses the stage boundary: inputs produced by earlier stages (name -> spec they arrive in)
-    and the values later stages read (sent in the producer's spec). Empty for a single-stage plan."""
-
-    external_inputs: dict[str, Spec] = dataclasses.field(default_factory=dict)
-    outputs: list[str] = dataclasses.field(default_factory=list)
-
-
 class _Emitter:
-    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str]):
+    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str], defer: bool):
         self.graph, self.stage, self.coord, self.mesh_index = graph, stage, coord, mesh_index
         self.mesh_shape = tuple(stage.mesh_shape)
         self.requires_grad = requires_grad
@@ -61,6 +51,31 @@ class _Emitter:
         self.moved: dict[tuple, fx.Node] = {}  # one redistribution per (value, target spec, grad axes)
         self.specs: dict[str, Spec] = {}
         self.root = torch.nn.Module()
+        self.deferred = self._deferrable_syncs() if defer else {}
+
+    def _deferrable_syncs(self) -> dict[str, tuple[int, ...]]:
+        """Parameters whose every read in this stage only all-reduces the gradient, on the same axes:
+        the runner reduces those once per step, after all microbatches, instead of once per read."""
+        out = {}
+        for node in self.graph.gm.graph.nodes:
+            info = self.graph.placeholder(node.name) if node.op == "placeholder" else None
+            if info is None or info.kind != "parameter" or node.name not in self.stage.shardings:
+                continue
+            chains = set()
+            for user in node.users:
+                if user.name not in self.stage.shardings or user.op != "call_function":
+                    continue
+                sharding = self.stage.shardings[user.name]
+                view = OpView(user)
+                for idx, arg in enumerate(view.tensor_args):
+                    if arg is node:
+                        dst, out_spec = parse_spec(sharding.ins[idx]), parse_spec(sharding.out)
+                        axes = grad_partial_axes(dst, out_spec) if user.name in self.requires_grad else ()
+                        steps = redistribute_steps(self.spec_of(node.name), dst, axes)
+                        chains.add(tuple(s.axis for s in steps) if all(s.kind == "sync_grad" for s in steps) else None)
+            if len(chains) == 1 and None not in chains and next(iter(chains)):
+                out[node.name] = next(iter(chains))
+        return out
 
     def group(self, axis: int) -> str:
         return group_key(self.mesh_index, axis)
@@ -123,6 +138,8 @@ class _Emitter:
     def _input(self, node: fx.Node, arg: fx.Node, dst: Spec, out_spec: Spec) -> fx.Node:
         """The local value ``node`` reads from ``arg``. Readers that need the same move share one:
         collectives are linear, so one backward all-reduce of the summed gradient replaces several."""
+        if arg.name in self.deferred:
+            return self.env[arg.name]
         needs_grad = arg.name in self.requires_grad and node.name in self.requires_grad
         grad_axes = grad_partial_axes(dst, out_spec) if needs_grad and node.op != "output" else ()
         item = node.args[1] if node.target is operator.getitem else None
@@ -180,16 +197,16 @@ class _Emitter:
             out = self.new.call_function(aten.mul.Tensor, (out, 1.0 / _prod(self.mesh_shape[a] for a in mean_axes)))
         return out
 
-    def emit_output(self, node: fx.Node) -> None:
-        flat, spec = pytree.tree_flatten(node.args[0])
+    def graph_outputs(self, node: fx.Node) -> list:
+        """The model's flat outputs, whole on every rank."""
         outs = []
-        for value in flat:
+        for value in pytree.tree_leaves(node.args[0]):
             if isinstance(value, fx.Node):
                 full = (R,) * len(self.mesh_shape)
                 outs.append(self.redistribute(self.env[value.name], self.spec_of(value.name), full))
             else:
                 outs.append(value)
-        self.new.output(pytree.tree_unflatten(outs, spec))
+        return outs
 
 
 def _substitute(node: fx.Node, view: OpView, local_args: list) -> tuple[list, dict]:
@@ -242,23 +259,37 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
 
 
 def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
-                          requires_grad: set[str], io: StageIO | None = None) -> fx.GraphModule:
-    """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring)."""
-    io = io or StageIO()
-    em = _Emitter(graph, stage, coord, mesh_index, requires_grad)
-    for name, spec in io.external_inputs.items():
-        em.emit_external_input(name, spec)
+                          requires_grad: set[str], defer_param_sync: bool = True) -> fx.GraphModule:
+    """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).
+
+    Signature: every user input (whole), then the values received from earlier stages, in
+    ``sorted(stage.inputs)`` order, each already in its receive spec. Returns: the values later stages
+    read (``stage.outputs``, local, in the producer's spec), then — on the stage that owns the graph's
+    output — the model's flat outputs, whole. ``gm.meta["deferred_syncs"]``: {parameter: mesh axes}
+    whose gradient all-reduce the runner does once per step (see ``_deferrable_syncs``)."""
+    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync)
     owned = set(stage.shardings)
+    for info in graph.placeholders:
+        if info.kind == "input":
+            node = graph.gm.graph.find_nodes(op="placeholder", target=info.name)[0]
+            if info.name in owned:
+                em.emit_placeholder(node, tensors)
+            else:
+                em.new.placeholder(info.name)  # read by another stage
+    for name in sorted(stage.inputs):
+        em.emit_external_input(name, parse_spec(stage.inputs[name]))
+    returns = []
     for node in graph.gm.graph.nodes:
-        if node.name not in owned:
+        if node.name not in owned or (node.op == "placeholder" and graph.placeholder(node.name).kind == "input"):
             continue
         if node.op == "placeholder":
             em.emit_placeholder(node, tensors)
         elif node.op == "call_function":
             em.emit_call(node)
         elif node.op == "output":
-            em.emit_output(node)
-    if io.outputs:
-        em.new.output(tuple(em.env[name] for name in io.outputs))
+            returns = em.graph_outputs(node)
+    em.new.output(tuple([em.env[name] for name in stage.outputs] + returns))
     em.new.lint()
-    return fx.GraphModule(em.root, em.new, class_name=f"Stage{stage.index}Rank")
+    gm = fx.GraphModule(em.root, em.new, class_name=f"Stage{stage.index}Rank")
+    gm.meta["deferred_syncs"] = em.deferred
+    return gm

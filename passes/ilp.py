@@ -32,8 +32,7 @@ import pulp
 from autopar.errors import InfeasibleError
 from autopar.passes import ilp_highs
 
-GIB = float(2 ** 30)  # the memory row is written in GiB and the objective in ms: raw bytes (up to 1e11)
-MS = 1e3              # beside seconds (down to 1e-9) put the solver's tolerances out of scale
+MS = 1e3  # the objective is written in ms; memory rows in units of the budget (see _memory_row)
 
 
 @dataclasses.dataclass
@@ -171,22 +170,24 @@ def _grouped_y(model, tag: str, reduced: np.ndarray, row_of, col_of, xc, xd):
 
 
 def _memory_row(model, problem: IlpProblem, x) -> None:
+    """Bytes in units of the budget: the solver's absolute tolerance becomes relative to it."""
     if problem.budget is None:
         return
-    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1) / GIB
-    variable = [pulp.lpDot((problem.mem[c] / GIB).tolist(), x[c]) for c in range(problem.n_classes)
+    unit = problem.budget
+    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1) / unit
+    variable = [pulp.lpDot((problem.mem[c] / unit).tolist(), x[c]) for c in range(problem.n_classes)
                 if len(x[c]) > 1]
     peak = pulp.LpVariable("peak_transient", lowBound=0)
-    _peak_rows(model, problem, x, peak)
-    model += pulp.lpSum(variable) + fixed + peak <= problem.budget / GIB
+    _peak_rows(model, problem, x, peak, unit)
+    model += pulp.lpSum(variable) + fixed + peak <= 1.0
 
 
-def _peak_rows(model, problem: IlpProblem, x, peak) -> None:
+def _peak_rows(model, problem: IlpProblem, x, peak, unit: float) -> None:
     for c in range(problem.n_classes) if problem.peak is not None else ():
         if len(x[c]) == 1:
-            model += peak >= float(problem.peak[c][0]) / GIB
+            model += peak >= float(problem.peak[c][0]) / unit
         else:
-            model += peak >= pulp.lpDot((problem.peak[c] / GIB).tolist(), x[c])
+            model += peak >= pulp.lpDot((problem.peak[c] / unit).tolist(), x[c])
 
 
 def _replicated_memory(problem: IlpProblem) -> float:
@@ -232,10 +233,11 @@ def min_memory(problem: IlpProblem, time_limit: float = 30.0, which: str = "auto
         return memory_of(problem, ilp_highs.min_memory_highs(problem, time_limit))
     model = pulp.LpProblem("autopar_min_memory", pulp.LpMinimize)
     x = _one_strategy(model, problem)
-    state = [pulp.lpDot((problem.mem[c] / GIB).tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
-    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1) / GIB
+    unit = max(float(max(m.max() for m in problem.mem)), 1.0)
+    state = [pulp.lpDot((problem.mem[c] / unit).tolist(), x[c]) for c in range(problem.n_classes) if len(x[c]) > 1]
+    fixed = sum(float(problem.mem[c][0]) for c in range(problem.n_classes) if len(x[c]) == 1) / unit
     peak = pulp.LpVariable("peak_transient", lowBound=0)
-    _peak_rows(model, problem, x, peak)
+    _peak_rows(model, problem, x, peak, unit)
     model += pulp.lpSum(state) + fixed + peak
     model.solve(solver(time_limit))
     return memory_of(problem, [_argmax(xc) for xc in x])

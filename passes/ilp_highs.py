@@ -18,7 +18,7 @@ try:
 except ImportError:  # pragma: no cover - exercised where highspy is not installed
     highspy = None
 
-GIB, MS = float(2 ** 30), 1e3  # same units as ilp.py: memory in GiB, seconds in ms
+MS = 1e3  # seconds are written in ms, as in ilp.py
 MIP_GAP = 1e-4  # HiGHS's default relative gap
 
 
@@ -129,22 +129,24 @@ def _grouped_edge(model: _Model, matrix: np.ndarray, xc: np.ndarray, xd: np.ndar
 
 def _memory(model: _Model, problem, x: list, budget: float | None, objective_weight: float = 0.0) -> None:
     """The memory row and the peak-transient rows (T ≥ p_c·x_c); T also enters the objective with
-    ``objective_weight`` (used to minimize memory)."""
+    ``objective_weight`` (used to minimize memory). Bytes are measured in units of the budget (or of the
+    largest class memory), so the solver's absolute tolerance is a relative one on the budget."""
+    unit = budget or max(float(max(m.max() for m in problem.mem)), 1.0)
     peak = model.columns([objective_weight], 0.0, np.inf, False)[0]
     fixed = 0.0
     cols, vals = [peak], [1.0]
     for c in range(problem.n_classes):
         if x[c] is None:
-            fixed += float(problem.mem[c][0]) / GIB
+            fixed += float(problem.mem[c][0]) / unit
             if problem.peak is not None:
-                model.lower[peak] = max(model.lower[peak], float(problem.peak[c][0]) / GIB)
+                model.lower[peak] = max(model.lower[peak], float(problem.peak[c][0]) / unit)
             continue
         cols += x[c].tolist()
-        vals += (problem.mem[c] / GIB).tolist()
+        vals += (problem.mem[c] / unit).tolist()
         if problem.peak is not None:
-            model.row(np.concatenate([x[c], [peak]]), np.concatenate([problem.peak[c] / GIB, [-1.0]]), -np.inf, 0.0)
+            model.row(np.concatenate([x[c], [peak]]), np.concatenate([problem.peak[c] / unit, [-1.0]]), -np.inf, 0.0)
     if budget is not None:
-        model.row(cols, vals, -np.inf, budget / GIB - fixed)
+        model.row(cols, vals, -np.inf, 1.0 - fixed)
     if objective_weight:
         for col, v in zip(cols[1:], vals[1:]):
             model.cost[col] += objective_weight * v

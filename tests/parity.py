@@ -1,5 +1,9 @@
 """Parity harness: train a model sharded on a local gloo cluster and on one device, and compare.
 
+Layouts: "auto" (one stage on the cluster's mesh, memory squeezed so the plan must shard), "dp" (one
+stage, pinned data parallel), and pipelines: "pp2x2" (2 stages × 2 devices), "pp4x1" (4 × 1), "pp1+3"
+(stages on 1 and 3 devices), each with a schedule ("1f1b" or "gpipe") and 4 (or 2) microbatches.
+
 ``run_cases`` runs in every rank of one ``autopar.launch``; each case compiles a model for a mesh and a
 layout, takes 3 AdamW steps on both the sharded module and a single-device copy, and reports the largest
 relative loss error over the steps and the largest relative parameter error (‖a−b‖/‖b‖ per tensor).
@@ -28,10 +32,29 @@ def layout_options(layout: str, model_name: str, cluster, model, batch) -> tuple
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)
-        return cluster, {"pin": {"p_*": replicated, batch_pin_name(model_name, 0): split,
-                                 batch_pin_name(model_name, 1): split}}
+        return cluster, {"stages": 1, "pin": {"p_*": replicated, batch_pin_name(model_name, 0): split,
+                                              batch_pin_name(model_name, 1): split}}
     floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions())
-    return cluster.with_memory(floor + 0.3 * (replicated - floor)), {}
+    return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1}
+
+
+PIPELINES = {
+    "pp2x2": [{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 2]}],
+    "pp4x1": [{"layers": [k, k], "submesh": [1, 1]} for k in range(4)],
+    "pp1+3": [{"layers": [0, 0], "submesh": [1, 1]}, {"layers": [1, 1], "submesh": [1, 3]}],
+}
+
+
+def pipeline_options(layout: str, cluster, model, batch) -> tuple:
+    """("pp2x2-1f1b" ...) -> (cluster, options): manual stages, 4 microbatches, and for two-device stages a
+    memory budget under which they must shard (0.3 × the model replicated over two devices)."""
+    shape, schedule = layout.split("-")
+    stages = PIPELINES[shape]
+    options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages)}
+    if shape == "pp2x2":
+        _, replicated = memory_bounds(capture(model, batch), autopar.Cluster.local(2), PlanOptions())
+        cluster = cluster.with_memory(0.3 * replicated)
+    return cluster, options
 
 
 def batch_pin_name(model_name: str, i: int) -> str:
@@ -45,7 +68,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     model, batch = FACTORIES[model_name]()
     reference = copy.deepcopy(model)
-    cluster, options = layout_options(layout, model_name, autopar.Cluster.local(world, mesh_shape=mesh), model, batch)
+    cluster = autopar.Cluster.local(world, mesh_shape=mesh)
+    if layout.startswith("pp"):
+        cluster, options = pipeline_options(layout, cluster, model, batch)
+    else:
+        cluster, options = layout_options(layout, model_name, cluster, model, batch)
     pm = autopar.compile(model, cluster, batch, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
@@ -61,23 +88,41 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
     full = pm.full_state_dict()
     param_err = max(rel(full[k], v) for k, v in reference.state_dict().items())
-    stage = pm.plan.stages[0]
+    stages = pm.plan.stages
     return {"loss_err": loss_err, "param_err": param_err, "loss": loss.item(),
-            "collectives": len(stage.collectives),
-            "sharded_params": sum(1 for n, s in stage.shardings.items() if n.startswith("p_") and "S" in s.out),
+            "collectives": sum(len(s.collectives) for s in stages) + len(pm.plan.transfers),
+            "sharded_params": sum(1 for s in stages for n, sh in s.shardings.items()
+                                  if n.startswith("p_") and "S" in sh.out),
+            "stages": [(s.submesh, s.mesh_shape, len(s.ranks)) for s in stages],
+            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
             "keys_match": list(full) == list(reference.state_dict()),
             "shapes_match": all(full[k].shape == v.shape for k, v in reference.state_dict().items())}
 
 
 def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
+    """Every case in one process group. A case's last field names a sabotage (its negative control):
+    "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients
+    between pipeline stages."""
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
-        original = collectives._all_reduce
-        if sabotage:  # negative control: every all-reduce silently returns the local value
-            collectives._all_reduce = lambda x, key: x.contiguous().clone()
+        undo = _sabotage(sabotage)
         try:
             results[case] = run_case(model_name, mesh, layout, world)
         finally:
-            collectives._all_reduce = original
+            undo()
     return results
+
+
+def _sabotage(kind) -> callable:
+    from autopar.runtime import pipeline
+
+    if kind in (True, "all_reduce"):
+        original = collectives._all_reduce
+        collectives._all_reduce = lambda x, key: x.contiguous().clone()
+        return lambda: setattr(collectives, "_all_reduce", original)
+    if kind == "transfer":
+        original = pipeline.send_backward
+        pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)
+        return lambda: setattr(pipeline, "send_backward", original)
+    return lambda: None

@@ -11,9 +11,9 @@ from tests.parity import run_cases
 
 MODELS = ["mlp", "gpt", "hf_gpt2"]
 CASES = {
-    2: [(m, (1, 2), "auto", False) for m in MODELS] + [("gpt", (1, 2), "dp", False), ("mlp", (1, 2), "dp", True)],
-    4: [(m, mesh, "auto", False) for m in MODELS for mesh in [(1, 4), (2, 2)]]
-       + [("gpt", (2, 2), "dp", False), ("gpt", (2, 2), "auto", True)],
+    2: [(m, (1, 2), "auto", None) for m in MODELS] + [("gpt", (1, 2), "dp", None), ("mlp", (1, 2), "dp", "all_reduce")],
+    4: [(m, mesh, "auto", None) for m in MODELS for mesh in [(1, 4), (2, 2)]]
+       + [("gpt", (2, 2), "dp", None), ("gpt", (2, 2), "auto", "all_reduce")],
 }
 
 

@@ -18,6 +18,7 @@ from autopar.cost_models.memory import requires_grad_nodes
 from autopar.passes.codegen import generate_stage_module
 from autopar.runtime import groups
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
 
 
@@ -43,18 +44,35 @@ def stage_meshes(plan) -> list[np.ndarray]:
     return [np.asarray(s.ranks).reshape(s.mesh_shape) for s in plan.stages]
 
 
+def shared_parameters(plan, graph) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """({parameter placeholder read by several stages: its group key}, {group key: all their ranks})."""
+    keys, members = {}, {}
+    for info in graph.placeholders:
+        holders = [s for s in plan.stages if info.name in s.shardings]
+        if info.kind == "parameter" and len(holders) > 1:
+            key = keys[info.name] = "shared." + ".".join(str(s.index) for s in holders)
+            members[key] = sorted(r for s in holders for r in s.ranks)
+    return keys, members
+
+
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None) -> ParallelModule:
+    """``graph``: the model captured at one microbatch (the global batch when there is one)."""
     rank = dist.get_rank()
     tensors = broadcast_state(model_tensors(model, graph))
     meshes = stage_meshes(plan)
-    groups.build_groups(meshes, timeout)
+    shared, shared_groups = shared_parameters(plan, graph)
+    base = groups.build_groups(meshes, timeout, shared_groups)
     stage = plan.stage_of_rank(rank)
     coord = groups.coordinate(meshes[stage.index], rank)
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
     needs_grad = requires_grad_nodes(graph.gm, trainable)
-    gm = generate_stage_module(graph, stage, coord, stage.index, tensors, needs_grad)
-    runner = SpmdRunner(gm, stage, stage.index)
+    gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad)
+    if len(plan.stages) == 1 and plan.microbatches == 1:
+        runner = SpmdRunner(gm, stage, base + stage.index)
+    else:
+        mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
+        runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
     state_keys = list(model.state_dict().keys())
-    used = {p.fqn for p in graph.placeholders if hasattr(gm, p.name)}
-    unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in used and k in tensors}
+    read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
+    unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}
     return ParallelModule(plan, graph, runner, state_keys, unused)

@@ -17,29 +17,43 @@ import torch.distributed as dist
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _MEMBERS: dict[str, tuple[int, ...]] = {}
+_NEXT_MESH = [0]  # mesh ids are never reused, so modules compiled earlier keep their groups
 
 
 def group_key(mesh_index: int, axis: int) -> str:
     return f"m{mesh_index}.a{axis}"
 
 
-def build_groups(meshes: list[np.ndarray], timeout: datetime.timedelta | None = None) -> None:
-    """Create the groups of every axis of every mesh (an int array of global ranks per mesh)."""
-    _GROUPS.clear()
-    _MEMBERS.clear()
-    me = dist.get_rank()
-    for m, ranks in enumerate(meshes):
+def build_groups(meshes: list[np.ndarray], timeout: datetime.timedelta | None = None,
+                 extra: dict[str, list[int]] | None = None) -> int:
+    """Create the groups of every axis of every mesh (an int array of global ranks per mesh), one group
+    of each whole mesh ("m<id>.all", used by pipelines), and the ``extra`` named groups (keys get the
+    same "m<first id>." prefix). Returns the id of the first mesh: mesh i is ``base + i``. Every compiled
+    module gets fresh ids, so one process may hold several modules at once."""
+    base = _NEXT_MESH[0]
+    _NEXT_MESH[0] += len(meshes)
+    for i, ranks in enumerate(meshes):
+        m = base + i
         ranks = np.asarray(ranks)
         for axis in range(ranks.ndim):
             if ranks.shape[axis] == 1:
                 continue
-            moved = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis])
-            for members in moved:
-                members = tuple(int(r) for r in members)
-                pg = dist.new_group(list(members), timeout=timeout)
-                if me in members:
-                    _GROUPS[group_key(m, axis)] = pg
-                    _MEMBERS[group_key(m, axis)] = members
+            for members in np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis]):
+                _new(group_key(m, axis), members, timeout)
+        if len(meshes) > 1 and ranks.size > 1:
+            _new(f"m{m}.all", ranks.ravel(), timeout)
+    for key in sorted(extra or {}):
+        _new(f"m{base}.{key}", extra[key], timeout)
+    return base
+
+
+def _new(key: str, members, timeout) -> None:
+    """Collective over the world: every rank creates every group; members keep the handle under ``key``."""
+    members = tuple(int(r) for r in members)
+    pg = dist.new_group(list(members), timeout=timeout)
+    if dist.get_rank() in members:
+        _GROUPS[key] = pg
+        _MEMBERS[key] = members
 
 
 def get(key: str) -> dist.ProcessGroup:

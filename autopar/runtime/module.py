@@ -53,14 +53,16 @@ class ParallelModule(torch.nn.Module):
 
     # ---- state ---------------------------------------------------------------------------------
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
-        """Full tensors for every key of the original ``model.state_dict()`` (a collective: call on all ranks)."""
+        """Full tensors for every key of the original ``model.state_dict()`` (a collective: call on all ranks).
+
+        Each parameter or buffer is gathered whole inside the first stage that holds it and, when the
+        plan has several stages, broadcast from that stage to every rank."""
         full = {}
         for info in self._graph.placeholders:
             if info.kind in ("parameter", "buffer"):
-                local, spec, mesh_index = self.runner.local_state(info.name)
-                if local is not None:
-                    full[info.fqn] = gather_full(local, parse_spec(spec), mesh_index).detach().clone()
-        full.update(self.runner.remote_state(full))
+                value = self._gather_whole(info)
+                if value is not None:
+                    full[info.fqn] = value
         out = OrderedDict()
         for key in self._state_keys:
             canonical = self._graph.param_aliases.get(key, key)
@@ -72,7 +74,28 @@ class ParallelModule(torch.nn.Module):
                 raise KeyError(f"no value for state key {key!r}")
         return out
 
+    def _gather_whole(self, info) -> torch.Tensor | None:
+        node = self._graph.gm.graph.find_nodes(op="placeholder", target=info.name)[0]
+        if not node.users:
+            return None  # never read (a tied weight's unused copy): taken from its alias or ``unused``
+        owner = next(s for s in self.plan.stages if info.name in s.shardings)
+        local, spec, mesh_index = self.runner.local_state(info.name)
+        if local is not None and self.runner.stage.index == owner.index:
+            whole = gather_full(local, parse_spec(spec), mesh_index).detach().clone()
+        else:
+            whole = torch.empty(info.shape, dtype=info.dtype)
+        if len(self.plan.stages) > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(whole, src=owner.ranks[0])
+        return whole
+
     def _check_inputs(self, inputs) -> None:
+        device = self.plan.cluster.get("device_type", "cpu")
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != device:
+                raise InputError(f"input {i} is on {t.device} but this cluster runs on {device}; move the "
+                                 f"batch there first (e.g. tensor.to({device!r}))")
         want = self.plan.input_signature
         got = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
                for t in inputs]

@@ -1,13 +1,16 @@
 """Single-stage runtime: every rank runs its generated module on its shards (SPMD); no pipelining.
 
-Gradient synchronization needs no separate step: the generated graph already carries it (a replicated
-parameter read by a sharded op goes through ``identity_fwd_all_reduce_bwd``), so gradients are complete
-when ``backward`` returns.
+Gradient synchronization: a replicated parameter read by a sharded op needs its gradient all-reduced.
+Where every read of a parameter needs only that, the all-reduce is deferred to after ``backward`` and
+bucketed (``gradsync.reduce_deferred``); elsewhere the generated graph carries it
+(``identity_fwd_all_reduce_bwd``).
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
+
+from autopar.runtime import gradsync
 
 
 class SpmdRunner(torch.nn.Module):
@@ -23,6 +26,7 @@ class SpmdRunner(torch.nn.Module):
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
         loss = self.gm(*inputs)[loss_index]
         loss.backward()
+        gradsync.reduce_deferred(self.gm, self.mesh_index)
         return loss.detach()
 
     @property
@@ -34,6 +38,3 @@ class SpmdRunner(torch.nn.Module):
         if name not in self.stage.shardings or not hasattr(self.gm, name):
             return None, None, None
         return getattr(self.gm, name), self.stage.shardings[name].out, self.mesh_index
-
-    def remote_state(self, have: dict) -> dict:
-        return {}

@@ -1,0 +1,176 @@
+"""Pipelined runtime: each rank runs its stage's generated module over B microbatches, GPipe or 1F1B.
+
+One ``train_step``:
+  1. split every input along dim 0 into B microbatches (the planner checked they divide);
+  2. run this stage's ops in the order ``autopar.trace.stage_order`` gives (the order the plan's
+     picture shows): a forward receives the stage's inputs from earlier stages, runs the module, gathers
+     each value a later stage reads and sends the shards; a backward receives the gradients of what was
+     sent (or starts from loss / B on the last stage), runs backward, and returns the gradients of what
+     was received;
+  3. once per step: the deferred gradient all-reduces and the tied-parameter sync (``gradsync``);
+  4. the loss, the mean of the microbatch losses, goes from the last stage to every rank.
+
+Gradients therefore accumulate over microbatches exactly as one big batch's would (for a loss that is a
+mean over equal-size microbatches). Why not torch.distributed.pipelining: its PipelineStage runs one stage
+per rank group of equal size and sends whole tensors; autopar's stages live on submeshes of different
+sizes and shapes, each intra-op sharded, with shard-to-shard transfers between them (``transfer``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.placement import R, parse_spec
+from autopar.redistribute import redistribute_steps
+from autopar.runtime import gradsync
+from autopar.runtime.transfer import Route, recv_backward, recv_forward, send_backward, send_forward
+from autopar.trace import BACKWARD, FORWARD, stage_order
+
+
+class PipelineRunner(torch.nn.Module):
+    def __init__(self, gm, plan, stage, graph, coord, shared: dict[str, str], mesh_base: int = 0):
+        super().__init__()
+        self.gm, self.plan, self.stage, self.coord, self.shared = gm, plan, stage, coord, shared
+        self.mesh_index = mesh_base + stage.index  # this stage's mesh id in the group registry
+        self.me = dist.get_rank()
+        self.last = stage.index == len(plan.stages) - 1
+        routes = _routes(plan, graph)
+        self.routes_in = [r for r in routes if r.dst.index == stage.index]
+        self.routes_out = {v: [r for r in routes if r.src.index == stage.index and r.value == v] for v in stage.outputs}
+        self.grads_needed = {r.value for r in self.routes_in if r.dtype.is_floating_point}
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
+        chunks = _split(inputs, self.plan.microbatches)
+        pending, live, losses = [], {}, []
+        S = len(self.plan.stages)
+        for kind, mb in stage_order(self.plan.schedule, self.stage.index, S, self.plan.microbatches):
+            if kind == FORWARD:
+                live[mb] = self._forward(chunks[mb], mb, pending, loss_index)
+                if self.last:
+                    losses.append(live[mb][2].detach())
+            elif kind == BACKWARD:
+                self._backward(live.pop(mb), mb, pending)
+        for work, _ in pending:
+            work.wait()
+        gradsync.reduce_deferred(self.gm, self.mesh_index)
+        gradsync.sync_shared(self.gm, self.stage, self.shared, self.coord, self.mesh_index)
+        return self._broadcast_loss(losses)
+
+    def forward(self, inputs: tuple) -> tuple:
+        """Forward of every microbatch (no gradients); the last stage's outputs, joined, on every rank."""
+        chunks = _split(inputs, self.plan.microbatches)
+        pending, outputs = [], []
+        with torch.no_grad():
+            for mb in range(self.plan.microbatches):
+                outputs.append(self._forward(chunks[mb], mb, pending, None)[3])
+        for work, _ in pending:
+            work.wait()
+        joined = [_join([o[i] for o in outputs]) for i in range(len(outputs[0]))] if self.last else None
+        box = [joined]
+        dist.broadcast_object_list(box, src=self.plan.stages[-1].ranks[0])
+        return tuple(box[0])
+
+    # ---- one microbatch --------------------------------------------------------------------------
+    def _forward(self, inputs, mb: int, pending: list, loss_index):
+        received = []
+        for route in sorted(self.routes_in, key=lambda r: r.value):
+            t = recv_forward(route, mb, self.me)
+            if route.value in self.grads_needed and torch.is_grad_enabled():
+                t.requires_grad_(True)
+            received.append((route, t))
+        outs = self.gm(*inputs, *[t for _, t in received])
+        n_sent = len(self.stage.outputs)
+        wholes = []
+        for name, local in zip(self.stage.outputs, outs[:n_sent]):
+            whole = self._gather(local, name)
+            for route in self.routes_out[name]:
+                send_forward(whole.detach(), route, mb, self.me, pending)
+            wholes.append(whole)
+        results = list(outs[n_sent:])
+        loss = results[loss_index] if self.last and loss_index is not None else None
+        return received, wholes, loss, results
+
+    def _backward(self, state, mb: int, pending: list) -> None:
+        received, wholes, loss, _ = state
+        if self.last:
+            (loss / self.plan.microbatches).backward()
+        else:
+            grads = [self._whole_grad(name, whole, mb) for name, whole in zip(self.stage.outputs, wholes)]
+            pairs = [(w, g) for w, g in zip(wholes, grads) if w.requires_grad]
+            if pairs:
+                torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
+        for route, t in received:
+            if route.value in self.grads_needed:
+                send_backward(t.grad, route, mb, self.me, pending)
+
+    def _gather(self, local: torch.Tensor, name: str) -> torch.Tensor:
+        """The value whole on every rank of this stage, differentiably (collectives of ``codegen``)."""
+        from autopar.passes.codegen import _collective_call
+        from autopar.runtime.groups import group_key
+
+        src = parse_spec(self.stage.shardings[name].out)
+        value = local
+        for step in redistribute_steps(src, (R,) * len(src)):
+            fn, args = _collective_call(step, group_key(self.mesh_index, step.axis), value)
+            value = fn(*args)
+        return value
+
+    def _whole_grad(self, name: str, whole: torch.Tensor, mb: int) -> torch.Tensor:
+        grad = torch.zeros_like(whole) if whole.dtype.is_floating_point else None
+        if grad is None:
+            return None
+        for route in self.routes_out[name]:
+            recv_backward(route, mb, self.me, grad)
+        if len(self.stage.ranks) > 1:
+            dist.all_reduce(grad, group=_stage_group(self.mesh_index))
+        return grad
+
+    def _broadcast_loss(self, losses: list) -> torch.Tensor:
+        value = torch.stack(losses).mean() if self.last else torch.zeros((), dtype=torch.float32)
+        value = value.to(torch.float32).clone()
+        dist.broadcast(value, src=self.plan.stages[-1].ranks[0])
+        return value
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def local_state(self, name: str):
+        if name not in self.stage.shardings or not hasattr(self.gm, name):
+            return None, None, None
+        return getattr(self.gm, name), self.stage.shardings[name].out, self.mesh_index
+
+
+def _stage_group(index: int):
+    from autopar.runtime import groups
+
+    return groups.get(f"m{index}.all")
+
+
+def _routes(plan, graph) -> list[Route]:
+    vals = {n.name: n.meta.get("val") for n in graph.gm.graph.nodes}
+    owner = {name: s for s in plan.stages for name in s.shardings if name not in s.inputs}
+    routes = []
+    for stage in plan.stages:
+        for value in sorted(stage.inputs):
+            val = vals[value]
+            routes.append(Route(len(routes), value, owner[value], stage, tuple(val.shape), val.dtype))
+    return routes
+
+
+def _split(inputs: tuple, parts: int) -> list[tuple]:
+    if parts == 1:
+        return [tuple(inputs)]
+    pieces = [t.chunk(parts, dim=0) for t in inputs]
+    return [tuple(p[i] for p in pieces) for i in range(parts)]
+
+
+def _join(values: list):
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        return first
+    if first.dim() == 0:
+        return torch.stack(values).mean()
+    return torch.cat(values, dim=0)
