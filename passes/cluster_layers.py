@@ -82,7 +82,7 @@ def _signature(nodes: list[fx.Node]) -> tuple:
             return ("in", position[a])
         val = a.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        return ("ext", a.op, shape)
+        return ("ext", shape)  # what feeds a block from outside may differ (first block: an input)
 
     sig = []
     for n in nodes:

@@ -1,0 +1,107 @@
+"""Inter-op planner on simulated clusters, against Alpa's published behaviour (models on the meta device).
+
+* GPT on 2 nodes of 8 V100 with 25 Gbps between nodes: pipeline stages across nodes, intra-op inside;
+* 4 identical layers on 4 single-device nodes with plenty of memory: a pipeline over a slow link, pure
+  data parallelism over a fast one. The width is odd (8191), so no axis splits a weight: the choice is
+  between pipelining, splitting the batch and replicating, which is the trade-off the test is about;
+* forced stage counts, manual stage lists, and the plan's text.
+The DP itself is checked against brute force in test_stage_dp.py.
+"""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.cluster import Link
+from autopar.errors import PlanError
+from examples.gpt import GPT, GPTConfig, make_batch
+
+MID = GPTConfig(vocab_size=51200, seq_len=1024, n_layer=8, n_head=16, n_embd=2048)  # 0.6B parameters
+
+
+def gpt_plan(cluster, batch: int, **options) -> autopar.Plan:
+    with torch.device("meta"):
+        model = GPT(MID).half()
+    return autopar.plan(model, cluster, make_batch(MID, batch, device="meta"), **options)
+
+
+def test_gpt_on_two_v100_nodes_pipelines_across_nodes_and_shards_inside():
+    plan = gpt_plan(autopar.Cluster.preset("p3.16xlarge", nodes=2), 16)
+    assert len(plan.stages) >= 2, "the slow inter-node link should be crossed by a pipeline"
+    for stage in plan.stages:
+        assert len({r // 8 for r in stage.ranks}) == 1, f"stage {stage.index} spans nodes: {stage.ranks}"
+    sharded = [s for s in plan.stages if len(s.ranks) > 1 and any("S" in sh.out for sh in s.shardings.values())]
+    assert sharded, "stages on several devices of a node should be intra-op sharded"
+    assert plan.microbatches > 1 and plan.schedule == "1f1b"
+    assert plan.predicted["peak_memory"] <= 16 * 2**30
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, x):
+        return F.gelu(self.fc(x))
+
+
+class FourBlocks(nn.Module):
+    def __init__(self, d=8191):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(4))
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = block(x)
+        return F.mse_loss(x, y)
+
+
+def four_node_plan(bandwidth: float) -> autopar.Plan:
+    with torch.device("meta"):
+        model = FourBlocks()
+    x = torch.empty(512, 8191, device="meta")
+    base = dataclasses.replace(autopar.Cluster.preset("dgx-a100", nodes=4), devices_per_node=1, mesh_shape=None,
+                               memory_per_device=640 * 2**30)
+    cluster = dataclasses.replace(base, inter_node=Link(latency=5e-6, bandwidth=bandwidth))
+    return autopar.plan(model, cluster, (x, x.clone()), microbatches=8)
+
+
+def test_a_slow_link_chooses_a_pipeline_and_a_fast_one_pure_data_parallelism():
+    slow, fast = four_node_plan(25e9 / 8), four_node_plan(300e9)
+    assert len(slow.stages) >= 2, [s.layers for s in slow.stages]
+    assert sorted(layer for s in slow.stages for layer in range(s.layers[0], s.layers[1] + 1)) == [0, 1, 2, 3]
+    assert len(fast.stages) == 1 and fast.stages[0].mesh_shape in ((1, 4), (4, 1))
+    weights = {n: s.out for n, s in fast.stages[0].shardings.items() if n.startswith("p_")}
+    assert set(weights.values()) == {"RR"}, "pure data parallelism keeps weights replicated"
+    assert "S(0)" in fast.stages[0].shardings["x"].out, "and splits the batch"
+
+
+def test_forced_stage_count_and_manual_stages():
+    cluster = autopar.Cluster.preset("dgx-a100", nodes=2)
+    two = gpt_plan(cluster, 16, stages=2)
+    assert len(two.stages) == 2
+    manual = [{"layers": [0, 3], "submesh": [1, 8]}, {"layers": [4, 7], "submesh": [1, 8]}]
+    fixed = gpt_plan(cluster, 16, stages=manual, microbatches=4, schedule="gpipe")
+    assert [s.layers for s in fixed.stages] == [(0, 3), (4, 7)]
+    assert fixed.microbatches == 4 and fixed.schedule == "gpipe"
+    text = fixed.summary()
+    assert "stage 1" in text and "layers 4..7" in text and "bubble" in text
+    assert autopar.Plan.from_json(fixed.to_json()) == fixed
+
+
+@pytest.mark.parametrize("stages,match", [
+    ([{"layers": [0, 3], "submesh": [1, 8]}], "cover layers 0..7"),
+    ([{"layers": [0, 3], "submesh": [1, 8]}, {"layers": [4, 7], "submesh": [1, 4]}], "tile it"),
+    ([{"layers": [0, 7]}], "must look like"),
+])
+def test_bad_manual_stages(stages, match):
+    with pytest.raises(PlanError, match=match):
+        gpt_plan(autopar.Cluster.preset("dgx-a100", nodes=2), 16, stages=stages)
+
+
+def test_microbatches_that_do_not_split_the_batch():
+    with pytest.raises(PlanError, match="does not split the batch of 16"):
+        gpt_plan(autopar.Cluster.preset("dgx-a100", nodes=1), 16, microbatches=3)
