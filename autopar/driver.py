@@ -233,7 +233,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
                       inflight=f, devices_per_node=option.physical[1])
         solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
-                                  cluster.memory_per_device, options.time_limit, subset=subset)
+                                  cluster.memory_per_device, options.time_limit, subset=subset, truncate=True)
         variables += solution.ilp.n_variables
         stages.append(make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
                                  layers=(k, i)))

@@ -1,11 +1,13 @@
-"""Plan time for Alpa's GPT suite on simulated GPU clusters (models on the meta device: no memory needed).
+"""How long autopar takes to plan GPT models for simulated GPU clusters (meta device: no memory needed).
 
-    python benchmarks/plan_time.py                      (or ./run.sh bench plan_time)
-    python benchmarks/plan_time.py --cluster p3.16xlarge --points 1.3B:4 39B:64
+    python benchmarks/plan_time.py                 (or ./run.sh bench plan_time)
+    python benchmarks/plan_time.py --points 39B:64:p3.16xlarge:1024 175B:1024:dgx-a100:1536
 
-Each point is Alpa's weak-scaling pairing of a model with a GPU count (1.3B on 4 GPUs ... 39B on 64).
-Columns: capture (torch.export) and plan (everything after it) in seconds, the predicted step time and
-peak memory per device. A benchmark prints a table; it is never a test with a time limit.
+A point is MODEL:GPUS:PRESET:GLOBAL_BATCH. The defaults are Alpa's GPT weak-scaling suite on AWS
+p3.16xlarge (8× V100 per node, 25 Gbps between nodes) at Alpa's global batch of 1024, and GPT-3 175B on
+1024 A100s at GPT-3's batch of 1536. Everything is timed: torch.export capture, layer clustering, the
+per-submesh ILPs with the stage DP, and the exact ILP of every chosen stage. A benchmark prints a table;
+it is never a test with a time limit.
 """
 from __future__ import annotations
 
@@ -21,55 +23,51 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.driver import PlanOptions, plan_graph  # noqa: E402
-from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.passes.capture import capture  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
 
-DEFAULT_POINTS = ["1.3B:4", "2.6B:8", "6.7B:16", "15B:32", "39B:64"]
+DEFAULT_POINTS = ["1.3B:4:p3.16xlarge:1024", "2.6B:8:p3.16xlarge:1024", "6.7B:16:p3.16xlarge:1024",
+                  "15B:32:p3.16xlarge:1024", "39B:64:p3.16xlarge:1024", "175B:1024:dgx-a100:1536"]
 
 
 def cluster_for(preset: str, gpus: int) -> autopar.Cluster:
     base = autopar.Cluster.preset(preset, nodes=max(1, gpus // 8))
     if gpus < base.devices_per_node:  # part of one node
-        base = dataclasses.replace(base, devices_per_node=gpus, mesh_shape=(1, gpus))
+        base = dataclasses.replace(base, devices_per_node=gpus, mesh_shape=None)
     return base
 
 
-def run_point(model_name: str, gpus: int, preset: str, batch: int, options: dict) -> dict:
-    cfg = suite_config(model_name)
+def run_point(point: str) -> dict:
+    name, gpus, preset, batch = point.split(":")
+    cfg = suite_config(name)
     with torch.device("meta"):
         model = GPT(cfg).half()
-    inputs = make_batch(cfg, batch, device="meta")
-    cluster = cluster_for(preset, gpus)
     start = time.perf_counter()
-    graph = capture(model, inputs)
-    captured = time.perf_counter()
-    try:
-        plan = plan_graph(graph, cluster, PlanOptions(**options), model_name="GPT")
-        outcome = {"step_ms": plan.predicted["step_time"] * 1e3,
-                   "peak_gib": plan.predicted["peak_memory"] / 2**30, "stages": len(plan.stages)}
-    except InfeasibleError:
-        outcome = {"step_ms": float("nan"), "peak_gib": float("nan"), "stages": 0}
-    return {"model": model_name, "gpus": gpus, "params_b": cfg.n_params / 1e9, "batch": batch,
-            "capture_s": captured - start, "plan_s": time.perf_counter() - captured, **outcome}
+    plan = autopar.plan(model, cluster_for(preset, int(gpus)), make_batch(cfg, int(batch), device="meta"))
+    total = time.perf_counter() - start
+    t = plan.timings
+    return {"model": name, "params": cfg.n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
+            "total": total, "capture": t.get("capture", 0.0), "dp": t.get("stage_dp", 0.0),
+            "stages_s": t.get("stage_ilps", 0.0), "solves": plan.planner.get("mesh_solves", 0),
+            "stages": len(plan.stages), "B": plan.microbatches,
+            "shape": "+".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages[:3]) + ("+…" if len(plan.stages) > 3 else ""),
+            "step": plan.predicted["step_time"], "mem": plan.predicted["peak_memory"] / 2**30,
+            "pflops": 6 * cfg.n_params * int(batch) * cfg.seq_len / plan.predicted["step_time"] / 1e15}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cluster", default="dgx-a100", help="preset name (default dgx-a100)")
-    parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="MODEL:GPUS pairs")
-    parser.add_argument("--batch-per-gpu", type=int, default=2, help="global batch = this × GPUs")
+    parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="MODEL:GPUS:PRESET:BATCH")
     args = parser.parse_args(argv)
-    print(f"# plan time, {args.cluster}, {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'model':>6} {'params':>8} {'GPUs':>5} {'batch':>6} {'capture s':>10} {'plan s':>8} {'stages':>7} "
-          f"{'step ms':>9} {'peak GiB':>9}")
+    print(f"# autopar plan time — {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
+    print(f"| model | GPUs | cluster | batch | plan total s | capture s | DP s | stage ILPs s | mesh solves "
+          f"| stages (submeshes) | B | predicted step s | PFLOP/s | peak GiB |")
+    print("|" + "---|" * 14)
     for point in args.points:
-        name, gpus = point.split(":")
-        r = run_point(name, int(gpus), args.cluster, args.batch_per_gpu * int(gpus), {})
-        print(f"{r['model']:>6} {r['params_b']:>7.1f}B {r['gpus']:>5} {r['batch']:>6} {r['capture_s']:>10.2f} "
-              f"{r['plan_s']:>8.2f} {r['stages']:>7} {r['step_ms']:>9.1f} {r['peak_gib']:>9.1f}")
+        r = run_point(point)
+        print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | {r['total']:.1f} | "
+              f"{r['capture']:.1f} | {r['dp']:.1f} | {r['stages_s']:.1f} | {r['solves']} | {r['stages']} ({r['shape']}) "
+              f"| {r['B']} | {r['step']:.2f} | {r['pflops']:.2f} | {r['mem']:.1f} |", flush=True)
     return 0
 
 

@@ -59,8 +59,14 @@ GPT_SUITE = {
 }
 
 
+# GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, hidden 12288, 96 heads, context 2048.
+GPT3_175B = GPTConfig(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96, n_embd=12288)
+
+
 def suite_config(name: str, *, vocab_size: int = 51200, seq_len: int = 1024) -> GPTConfig:
-    """The GPTConfig of one point of Alpa's GPT suite (see GPT_SUITE)."""
+    """The GPTConfig of one point of Alpa's GPT suite (see GPT_SUITE), or "175B" for GPT-3."""
+    if name == "175B":
+        return GPT3_175B
     hidden, layers, heads = GPT_SUITE[name]
     return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, n_layer=layers, n_head=heads, n_embd=hidden)
 

@@ -79,18 +79,23 @@ def backend(requested: str = "auto") -> str:
 def solve_ilp(problem: IlpProblem, time_limit: float = 60.0, which: str = "auto") -> IlpResult:
     """Solve the ILP; raises InfeasibleError (naming the smallest feasible budget) if memory cannot fit."""
     start = time.perf_counter()
-    if problem.budget is not None and _replicated_memory(problem) > problem.budget:
-        floor = min_memory(problem, which=which)
-        if floor > problem.budget * (1 + 1e-9):
-            raise InfeasibleError(_infeasible_message(problem.budget, floor))
     if backend(which) == "highs":
         status, choice, n_y = ilp_highs.solve_highs(problem, time_limit)
         if choice is None:
-            raise InfeasibleError(f"the sharding ILP found no solution ({status}) within {time_limit:.0f} s; "
-                                  f"raise the solver time limit or the memory budget")
+            _explain_no_solution(problem, status, time_limit, which)
         n_vars = sum(len(c) for c in problem.cost if len(c) > 1) + n_y
         return IlpResult(choice, evaluate(problem, choice), status, time.perf_counter() - start, n_vars)
     return _solve_pulp(problem, time_limit, start)
+
+
+def _explain_no_solution(problem: IlpProblem, status: str, time_limit: float, which: str) -> None:
+    """Raise the most useful InfeasibleError: the smallest budget that fits, when memory is the cause."""
+    if problem.budget is not None:
+        floor = min_memory(problem, which=which)
+        if floor > problem.budget * (1 + 1e-9):
+            raise InfeasibleError(_infeasible_message(problem.budget, floor))
+    raise InfeasibleError(f"the sharding ILP found no solution ({status}) within {time_limit:.0f} s; "
+                          f"raise the solver time limit or the memory budget")
 
 
 def _solve_pulp(problem: IlpProblem, time_limit: float, start: float) -> IlpResult:
@@ -103,8 +108,7 @@ def _solve_pulp(problem: IlpProblem, time_limit: float, start: float) -> IlpResu
     _memory_row(model, problem, x)
     status = model.solve(solver(time_limit))
     if pulp.LpStatus[status] not in ("Optimal", "Not Solved") or not _has_solution(x):
-        raise InfeasibleError(f"the sharding ILP found no solution ({pulp.LpStatus[status]}) within "
-                              f"{time_limit:.0f} s; raise the solver time limit or the memory budget")
+        _explain_no_solution(problem, pulp.LpStatus[status], time_limit, "pulp")
     choice = [_argmax(xc) for xc in x]
     objective_value = evaluate(problem, choice)
     n_vars = sum(len(xc) for xc in x if len(xc) > 1) + n_y

@@ -50,8 +50,9 @@ class MeshOption:
 
 def mesh_options(cluster: Cluster) -> list[MeshOption]:
     """Alpa's submeshes — (1, 2^k) inside a node, (n, M) whole nodes — each as a few logical meshes:
-    one axis over all its devices (any mix of data and tensor parallelism per op), the physical shape
-    (tensor parallel inside nodes, data parallel across), and (D/2, 2) (data × 2-way tensor parallel)."""
+    one axis over all its devices (any mix of data and tensor parallelism per op), and (D/t, t) for
+    t = 2, 4, 8 devices of one node on the inner axis (data × t-way tensor parallel; t = M is the
+    physical shape). These include every layout of Megatron's grid (tensor parallelism inside a node)."""
     M, N = cluster.devices_per_node, cluster.nodes
     physical = [(1, 2 ** k) for k in range(int(math.log2(M)) + 1) if 2 ** k <= M]
     if M not in [p[1] for p in physical]:
@@ -60,7 +61,7 @@ def mesh_options(cluster: Cluster) -> list[MeshOption]:
     out = []
     for nodes, width in physical:
         D = nodes * width
-        logical = [(1, D)] + ([(nodes, width)] if nodes > 1 else []) + ([(D // 2, 2)] if D >= 4 else [])
+        logical = [(1, D)] + [(D // t, t) for t in (2, 4, 8) if t < D and t <= width and D % t == 0]
         out += [MeshOption((nodes, width), shape) for shape in dict.fromkeys(logical)]
     return out
 

@@ -181,6 +181,6 @@ def solve_built(built, env: CostEnv, time_limit: float, budget: float | None = N
     assert abs(compute + comm - evaluate(problem, result.choice)) <= 1e-6 * max(1.0, compute + comm)
     solution = IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
                                memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
-                               set(b.sends))
+                               set(b.sends_real))
     solution.weights = [b.weight(g) for g in range(len(b.groups))]
     return solution

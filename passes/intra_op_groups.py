@@ -9,8 +9,8 @@ A builder covers one *scope*: the whole graph, or one pipeline stage's nodes. A 
 an earlier stage is a *boundary* group: free to arrive in any even spec (the transfer is priced by the
 inter-op pass). A value a later stage reads pays here for being gathered whole before it is sent.
 
-Truncation (whole-model scopes, ``truncate=blocks``): of a repeated-block class with n ≥ 3 instances only
-instances 0 and 1 are built; instance 1 stands for instances 1..n-1 (``weight`` n-1), readers of later
+Truncation (``truncate=blocks``): of a repeated-block class with n ≥ 3 instances in scope only the first
+two are built; instance 1 stands for instances 1..n-1 (``weight`` n-1), readers of later
 instances read the matching node of instance 1, and dropped nodes take instance 1's strategy. Since an
 edge into instance 1 stands for each j-1 -> j crossing, edges take their reader's weight.
 
@@ -75,14 +75,16 @@ class Group:
         return self.mem_param + self.mem_act
 
 
-def _truncation(graph, blocks) -> tuple[dict[str, str], dict[str, int]]:
-    """(dropped node -> its instance-1 twin, instance-1 node -> how many instances it stands for);
-    computed once per graph."""
-    cached = getattr(graph, "_truncation", None)
-    if cached is not None:
-        return cached
+def _truncation(graph, blocks, subset: set[str] | None = None) -> tuple[dict[str, str], dict[str, int]]:
+    """(dropped node -> its instance-1 twin, instance-1 node -> how many instances it stands for), over
+    the instances that lie wholly inside ``subset`` (all of them when None); cached per graph and subset."""
+    key = frozenset(subset) if subset is not None else None
+    cache = graph.__dict__.setdefault("_truncations", {})
+    if key in cache:
+        return cache[key]
     alias, stands_for = {}, {}
-    for instances in blocks.instances.values():
+    for all_instances in blocks.instances.values():
+        instances = [inst for inst in all_instances if subset is None or all(n in subset for n in inst)]
         if len(instances) < 3:
             continue
         for pos, name in enumerate(instances[1]):
@@ -96,8 +98,8 @@ def _truncation(graph, blocks) -> tuple[dict[str, str], dict[str, int]]:
             reader = next(iter(node.users))
             idx = graph.view(reader).tensor_args.index(node)
             alias[node.name] = graph.view(nodes[alias[reader.name]]).tensor_args[idx].name
-    graph._truncation = (alias, stands_for)
-    return graph._truncation
+    cache[key] = (alias, stands_for)
+    return cache[key]
 
 
 class GroupBuilder:
@@ -107,7 +109,7 @@ class GroupBuilder:
                  truncate=None):
         self.graph, self.env, self.subset = graph, env, subset
         self.nodes = {n.name: n for n in graph.gm.graph.nodes}
-        self.alias, self.stands_for = _truncation(graph, truncate) if subset is None and truncate else ({}, {})
+        self.alias, self.stands_for = _truncation(graph, truncate, subset) if truncate else ({}, {})
         view = graph.view
         self.params = {p.name for p in graph.placeholders if p.kind == "parameter"}
         if getattr(graph, "_grad_info", None) is None:  # per graph, not per builder
@@ -146,14 +148,23 @@ class GroupBuilder:
         return self.stands_for.get(self.groups[g].leader, 1)
 
     def _scope(self) -> tuple[list[fx.Node], set[str], set[str]]:
-        """(nodes in scope, boundary values first; names of boundary values; names of values sent on)."""
+        """(nodes in scope, boundary values first; names of boundary values; names of values sent on).
+
+        A value sent on from a truncated instance is priced at its instance-1 twin (``sends``); the real
+        names stay in ``sends_real`` for the plan."""
         inside = [n for n in self.graph.gm.graph.nodes if self._in(n)]
+        self.sends_real: set[str] = set()
+        self.send_scale: dict[str, float] = {}
         if self.subset is None:
             return inside, set(), set()
         boundary = {a.name: a for n in inside if n.op != "placeholder" for a in self.graph.view(n).tensor_args
                     if a.op == "call_function" and a.name not in self.subset}
-        sends = {n.name for n in inside if n.op == "call_function" and any(u.name not in self.subset for u in n.users)}
-        return list(boundary.values()) + inside, set(boundary), sends
+        self.sends_real = {n.name for n in self.graph.gm.graph.nodes if n.name in self.subset
+                           and n.op == "call_function" and any(u.name not in self.subset for u in n.users)}
+        priced = [self.alias.get(n, n) for n in self.sends_real]
+        # a twin in instance 1 counts (n-1) times; its send must count as often as real sends map to it
+        self.send_scale = {n: priced.count(n) / self.stands_for.get(n, 1) for n in priced}
+        return list(boundary.values()) + inside, set(boundary), set(priced)
 
     def users_in_scope(self, node: fx.Node) -> list[fx.Node]:
         return [u for u in node.users if (self.subset is None or u.name in self.subset) and u.name not in self.alias]

@@ -46,7 +46,7 @@ def _structure(b, g: int, group) -> tuple:
         inputs = ()
         if view is not None:
             inputs = tuple(_input_role(b, g, arg) for arg in view.tensor_args)
-        members.append((b.sig[name], name in b.sends, name in b.boundary, name in b.params,
+        members.append((b.sig[name], b.send_scale.get(name, 0.0), name in b.boundary, name in b.params,
                         name in b.requires_grad, b.saved.get(name, 0.0), inputs))
     return tuple(members), tuple(tuple(p[m] for m in group.members) for p in group.pick)
 
@@ -73,7 +73,7 @@ def _price_member(b, group, i: int, pick: dict, name: str) -> None:
     group.mem_param[i] += param
     group.mem_act[i] += act
     if name in b.sends:
-        send = _send_preparation(b, name, strat)
+        send = _send_preparation(b, name, strat) * b.send_scale.get(name, 1.0)
         group.cost[i] += send
         group.comm[i] += send
     view = b.views.get(name)
