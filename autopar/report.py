@@ -30,9 +30,10 @@ def _header(plan) -> list[str]:
              f"of {c['devices_per_node']}), mesh {meshes}, {len(plan.stages)} stage(s), "
              f"{plan.microbatches} microbatch(es), schedule {plan.schedule}"]
     if p:
+        summed = " summed over stages" if len(plan.stages) > 1 else ""
         lines.append(f"predicted step time {fmt_seconds(p.get('step_time', 0))} (compute "
-                     f"{fmt_seconds(p.get('compute', 0))}, communication {fmt_seconds(p.get('comm', 0))}, "
-                     f"bubble {fmt_seconds(p.get('bubble', 0))}); peak memory per device "
+                     f"{fmt_seconds(p.get('compute', 0))}, communication {fmt_seconds(p.get('comm', 0))}{summed}; "
+                     f"pipeline bubble {fmt_seconds(p.get('bubble', 0))}); peak memory per device "
                      f"{fmt_bytes(p.get('peak_memory', 0))} of {fmt_bytes(c['memory_per_device'])}")
     if plan.planner:
         q = plan.planner
@@ -41,14 +42,21 @@ def _header(plan) -> list[str]:
     return lines
 
 
-def _folded_nodes(plan) -> dict[str, str]:
-    """Nodes of repeated-block instances after the first -> the class they belong to."""
+def _folded_nodes(plan, stage) -> dict[str, str]:
+    """Ops of repeated-block instances after the first one *in this stage* -> their class."""
     folded = {}
     for cid, instances in plan.repeated_blocks.items():
-        for inst in instances[1:]:
+        local = [inst for inst in instances if inst and inst[0] in stage.shardings]
+        for inst in local[1:]:
             for name in inst:
                 folded[name] = cid
     return folded
+
+
+def _is_state(name: str) -> bool:
+    """Parameters, buffers and constants (torch.export names them p_, b_, c_): their layout is shown in
+    the inputs column of the op that reads them."""
+    return name.startswith(("p_", "b_", "c_"))
 
 
 def _stage_table(plan, stage, max_rows: int) -> list[str]:
@@ -57,7 +65,7 @@ def _stage_table(plan, stage, max_rows: int) -> list[str]:
     lines = [f"", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
              f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
              f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
-    folded = _folded_nodes(plan)
+    folded = _folded_nodes(plan, stage)
     skipped: Counter = Counter()
     rows = []
     for name in stage.nodes:
@@ -65,8 +73,8 @@ def _stage_table(plan, stage, max_rows: int) -> list[str]:
             skipped[folded[name]] += 1
             continue
         s = stage.shardings[name]
-        if not s.ins and s.out.replace("R", "") == "":
-            continue  # replicated placeholders: not worth a row
+        if _is_state(name) or (not s.ins and s.out.replace("R", "") == ""):
+            continue  # parameter layouts show as the inputs of their readers
         op = plan.node_ops.get(name, "")
         kern = " ".join(f"{t}@{a}" for a, t in s.kernels)
         rows.append(f"  {name:<34} {op:<34} {s.out:<10} {','.join(s.ins):<24} {kern}")
@@ -75,7 +83,7 @@ def _stage_table(plan, stage, max_rows: int) -> list[str]:
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows")
     for cid, n in skipped.items():
-        lines.append(f"  ({n} ops of later {cid} instances: same shardings as the first instance)")
+        lines.append(f"  ({n} ops of later {cid} instances in this stage: same shardings as its first one)")
     lines += _collective_lines(stage)
     return lines
 
