@@ -31,3 +31,18 @@ class InputError(AutoparError):
 
 class CommunicationError(RuntimeError):
     """A collective failed or timed out, typically because another rank died."""
+
+
+class UsageError(AutoparError):
+    """An autopar function was called the wrong way (an argument it cannot use, calls out of order)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint is missing, incomplete, or was saved from another model."""
+
+
+class LaunchError(CommunicationError):
+    """A rank of ``autopar.launch`` died or failed; ``dead_ranks`` and ``rank_errors`` say which and why."""
+
+    dead_ranks: list = []
+    rank_errors: dict = {}

@@ -9,13 +9,15 @@ variants: those fix one backward per forward (all-gather always reduce-scatters 
 plan needs both (a gathered input read by a replicated op has a full gradient: slicing is enough).
 Bool tensors travel as uint8 (gloo has no bool reductions). Every result is contiguous: the original
 program's views assume the layout its own ops produce, and a gathered shard must not break that.
+Every torch.distributed call goes through ``faults.guard``, so a dead peer raises a ``CommunicationError``
+naming it (no cost on the success path).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import groups
+from autopar.runtime import faults, groups
 
 
 def _comm_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -26,7 +28,7 @@ def _gather(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     n = groups.size(key)
     src = _comm_dtype(x).movedim(dim, 0).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.all_gather_single(out, src, group=groups.get(key))
+    faults.guard("all_gather", key, dist.all_gather_single, out, src, group=groups.get(key))
     return out.movedim(0, dim).to(x.dtype).contiguous()
 
 
@@ -36,7 +38,7 @@ def _chunk(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
 
 def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=groups.get(key))
+    faults.guard("all_reduce", key, dist.all_reduce, out, group=groups.get(key))
     return out
 
 
@@ -44,7 +46,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     n = groups.size(key)
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    dist.reduce_scatter_single(out, src, group=groups.get(key))
+    faults.guard("reduce_scatter", key, dist.reduce_scatter_single, out, src, group=groups.get(key))
     return out.movedim(0, dim).contiguous()
 
 
@@ -53,7 +55,7 @@ def _all_to_all(x: torch.Tensor, cat_dim: int, split_dim: int, key: str) -> torc
     src = _comm_dtype(x)
     send = torch.stack(src.chunk(n, dim=split_dim)).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=groups.get(key))
+    faults.guard("all_to_all", key, dist.all_to_all_single, recv, send, group=groups.get(key))
     return torch.cat(recv.unbind(0), dim=cat_dim).to(x.dtype)
 
 

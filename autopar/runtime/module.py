@@ -12,10 +12,12 @@ Contract (tests outside this repository rely on it):
 """
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 
 import torch
 import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import InputError
 from autopar.placement import parse_spec
@@ -104,6 +106,28 @@ class ParallelModule(torch.nn.Module):
                              f"pass the same shapes and dtypes (every rank passes the global batch), or "
                              f"re-plan with these inputs")
 
+    # ---- checkpoints (autopar.runtime.checkpoint; added for issue 7) ----------------------------------
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
+        ``path``: each rank writes only its shards. Call on every rank."""
+        from autopar.runtime import checkpoint
+
+        checkpoint.save(self, path, optimizer)
+
+    def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
+        must be built from ``pm.parameters()``). Call on every rank."""
+        from autopar.runtime import checkpoint
+
+        checkpoint.load(self, path, optimizer)
+
+    def export(self, path) -> None:
+        """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every
+        parameter; for models too big for one device, use ``save`` + ``export_state_dict``). Call on every rank."""
+        from autopar.runtime import checkpoint
+
+        checkpoint.export(self, path)
+
 
 def _find_loss_index(out_spec, gm) -> int | None:
     """Index of the loss among the flat outputs: the only output, or the 'loss' entry of a dict-like."""
@@ -122,3 +146,22 @@ def _find_loss_index(out_spec, gm) -> int | None:
     if not isinstance(val, torch.Tensor) or val.dim() != 0 or not val.dtype.is_floating_point:
         return None
     return index
+
+
+# ---- a common mistake: an optimizer over the original model's parameters (added for issue 7) ----------
+def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Global optimizer step pre-hook, checking each optimizer's first step only (then one attribute
+    read per step): ``train_step`` leaves gradients on ``pm.parameters()``, so an optimizer none of whose
+    parameters has one was almost surely built from ``model.parameters()``, which autopar never trains."""
+    if getattr(optimizer, "_autopar_checked", False):
+        return
+    optimizer._autopar_checked = True
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and all(p.grad is None for p in params):
+        warnings.warn(f"{type(optimizer).__name__}.step(): none of its {len(params)} parameters has a gradient, "
+                      f"so nothing is updated. With autopar, build the optimizer from pm.parameters() (this "
+                      f"rank's shards), not model.parameters(): the original model is copied, never trained",
+                      stacklevel=3)
+
+
+register_optimizer_step_pre_hook(_warn_if_no_parameter_has_a_gradient)

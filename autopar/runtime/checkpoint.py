@@ -1,0 +1,297 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP): save, load into any plan, export.
+
+    pm.save(path, optimizer)      # every rank writes only the shards it owns
+    pm.load(path, optimizer)      # any plan, any world size: DCP reads the slices each rank now holds
+    export_state_dict(path)       # one process, no process group: a plain ``model.state_dict()``
+
+Keys of the checkpoint (DCP flattens nested dicts with "."):
+  ``model.<fqn>``           each parameter/buffer of ``model.state_dict()`` that the graph carries, under its
+                            canonical key (a tied weight is stored once; ``autopar`` lists its aliases);
+                            state-dict entries the graph never reads are stored whole (replicated);
+  ``optim.<fqn>.<name>``    that parameter's optimizer state (e.g. exp_avg, exp_avg_sq, step);
+  ``optim_groups``          the optimizer's param-group hyperparameters (a tuple, so DCP keeps it whole);
+  ``autopar``               JSON: format, model name, state-dict keys in order, aliases, world size.
+
+Invariants:
+  * a local shard is wrapped (sharing storage, no copy) as a DTensor on its stage's mesh with the plan's
+    placements, so DCP records the global shape and this shard's offsets: no rank gathers a parameter,
+    and DCP writes each replicated chunk once;
+  * optimizer state shaped like its parameter takes the parameter's placements; other state (the step
+    count) is replicated;
+  * a parameter held by several pipeline stages is saved by the lowest-index stage only; on load every
+    holder reads it;
+  * load writes into the live parameters, buffers and optimizer state in place.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from autopar.errors import CheckpointError
+from autopar.placement import parse_spec
+
+FORMAT = 1
+
+
+# ---- public entry points -------------------------------------------------------------------------
+def save(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Write ``pm``'s shards (and ``optimizer``'s state) to the directory ``path``. Collective."""
+    held = _held_tensors(pm)
+    owners = _lowest_stage_holding(held)
+    model = {fqn: t for fqn, (t, stage_index) in held.items() if owners[fqn] == stage_index}
+    state = {"model": {**model, **_unread_entries(pm)}, "autopar": _meta_json(pm, optimizer is not None)}
+    if optimizer is not None:
+        state["optim"] = _optimizer_entries(pm, optimizer, set(model))
+        state["optim_groups"] = _param_group_hyperparameters(optimizer)
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Fill ``pm``'s shards (and ``optimizer``'s state) in place from the checkpoint at ``path``, whatever
+    plan and world size saved it. Collective."""
+    metadata = _read_metadata(path)
+    model = {fqn: t for fqn, (t, _) in _held_tensors(pm).items()}
+    state = {"model": {**model, **_unread_entries(pm)}}
+    if optimizer is not None:
+        if "optim_groups" not in metadata.state_dict_metadata:
+            raise CheckpointError(f"checkpoint {str(path)!r} was saved without optimizer state; call "
+                                  f"pm.load(path) without an optimizer, or save with pm.save(path, optimizer)")
+        _materialize_state(optimizer)
+        state["optim"] = _optimizer_entries(pm, optimizer, set(model))
+        state["optim_groups"] = ()
+    _check_matches(path, metadata, state)
+    dcp.load(state, checkpoint_id=str(path))
+    if optimizer is not None:
+        _restore_objects(pm, optimizer, state["optim"])
+        _set_param_group_hyperparameters(optimizer, state["optim_groups"], path)
+
+
+def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
+    """The checkpoint at ``path`` as a plain single-device ``model.state_dict()`` (keys in the model's
+    order, tied weights sharing one tensor). Runs in one process; needs no process group."""
+    metadata = _read_metadata(path)
+    meta = _read_meta(path)
+    full = {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            for key, m in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load({"model": full}, checkpoint_id=str(path), no_dist=True)
+    return OrderedDict((key, full[meta["aliases"].get(key, key)]) for key in meta["state_keys"])
+
+
+def export(pm, path) -> None:
+    """Write ``pm``'s full state dict with ``torch.save`` from rank 0 (gathers every parameter: use it for
+    models that fit one device; for others, ``save`` and then ``export_state_dict`` offline). Collective."""
+    state = pm.full_state_dict()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        torch.save(state, path)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- model entries ---------------------------------------------------------------------------------
+def _persistent_fqns(pm) -> set[str]:
+    return {pm._graph.param_aliases.get(k, k) for k in pm._state_keys}
+
+
+def _held_tensors(pm) -> dict[str, tuple[torch.Tensor, int]]:
+    """{canonical fqn: (this rank's shard as a DTensor sharing its storage, this rank's stage index)}."""
+    persistent = _persistent_fqns(pm)
+    stage = _my_stage(pm)
+    out = {}
+    for info in pm._graph.placeholders:
+        if info.kind not in ("parameter", "buffer") or info.fqn not in persistent:
+            continue
+        local, spec, _ = pm.runner.local_state(info.name)
+        if local is not None:
+            out[info.fqn] = (_as_dtensor(local.detach(), spec, stage, info.shape), stage.index)
+    return out
+
+
+def _my_stage(pm):
+    return pm.plan.stage_of_rank(dist.get_rank() if dist.is_initialized() else 0)
+
+
+def _as_dtensor(local: torch.Tensor, spec_text: str, stage, global_shape) -> DTensor:
+    placements = parse_spec(spec_text)
+    assert not any(p.is_partial() for p in placements), f"a stored tensor is never Partial ({spec_text})"
+    # _init_backend=False: DCP reads only the mesh coordinate, so no process group is needed; creating
+    # one would be a collective over the whole world, which ranks of other pipeline stages never join.
+    mesh = DeviceMesh(local.device.type, torch.tensor(stage.ranks).reshape(tuple(stage.mesh_shape)),
+                      _init_backend=False)
+    shape = torch.Size(global_shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _lowest_stage_holding(held: dict[str, tuple[torch.Tensor, int]]) -> dict[str, int]:
+    """{fqn: lowest stage index of any rank holding it}: one small all-gather of names, no tensors."""
+    mine = {fqn: stage_index for fqn, (_, stage_index) in held.items()}
+    if not dist.is_initialized():
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    owners: dict[str, int] = {}
+    for theirs in every:
+        for fqn, stage_index in theirs.items():
+            owners[fqn] = min(owners.get(fqn, stage_index), stage_index)
+    return owners
+
+
+def _unread_entries(pm) -> dict[str, torch.Tensor]:
+    """State-dict entries no graph placeholder carries (e.g. a parameter forward never uses), whole."""
+    carried = {info.fqn for info in pm._graph.placeholders}
+    out = {}
+    for key, value in pm._unused.items():
+        canonical = pm._graph.param_aliases.get(key, key)
+        if canonical not in carried:
+            out[canonical] = value.detach()
+    return out
+
+
+# ---- optimizer -------------------------------------------------------------------------------------
+def _optimizer_entries(pm, optimizer, fqns: set[str]) -> dict[str, dict]:
+    """{fqn: {state name: DTensor (parameter-shaped) | tensor | object}} for the parameters in ``fqns``."""
+    stage = _my_stage(pm)
+    held = {}
+    for info in pm._graph.placeholders:
+        local, spec, _ = pm.runner.local_state(info.name)
+        if local is not None and info.fqn in fqns:
+            held[id(local)] = (info, spec)
+    out = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in held:
+                _raise_foreign_parameter(pm, p)
+                continue  # a parameter of pm whose entry another pipeline stage writes
+            info, spec = held[id(p)]
+            out[info.fqn] = {name: _as_dtensor(v, spec, stage, info.shape)
+                             if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0 else v
+                             for name, v in optimizer.state.get(p, {}).items()}
+    return out
+
+
+def _raise_foreign_parameter(pm, p: torch.Tensor) -> None:
+    if any(p is q for q in pm.parameters()):
+        return
+    raise CheckpointError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is not one of "
+                          f"pm.parameters() (this rank's shards); build the optimizer from pm.parameters(), "
+                          f"not from the original model's parameters")
+
+
+def _materialize_state(optimizer) -> None:
+    """Create every parameter's optimizer state by one step with zero gradients and lr = 0, which leaves
+    the parameters unchanged; DCP then overwrites the state in place. (The same trick as
+    torch.distributed.checkpoint.state_dict's private ``_init_optim_state``.)"""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state and optimizer.state[p] for p in params):
+        return
+    saved_grads = [p.grad for p in params]
+    saved_lrs = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved_lrs):
+        g["lr"] = lr
+    for p, grad in zip(params, saved_grads):
+        p.grad = grad
+
+
+def _restore_objects(pm, optimizer, loaded: dict[str, dict]) -> None:
+    """DCP loads tensors in place but replaces non-tensor state (e.g. a float step): put it back."""
+    for fqn, entries in loaded.items():
+        for p in _params_of(pm, fqn, optimizer):
+            for name, value in entries.items():
+                if not isinstance(value, torch.Tensor):
+                    optimizer.state[p][name] = value
+
+
+def _params_of(pm, fqn: str, optimizer) -> list[torch.Tensor]:
+    ids = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for info in pm._graph.placeholders:
+        if info.fqn == fqn:
+            local, _, _ = pm.runner.local_state(info.name)
+            if local is not None and id(local) in ids:
+                out.append(ids[id(local)])
+    return out
+
+
+def _param_group_hyperparameters(optimizer) -> tuple:
+    return tuple({k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups)
+
+
+def _set_param_group_hyperparameters(optimizer, saved: tuple, path) -> None:
+    if len(saved) != len(optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {str(path)!r} has {len(saved)} optimizer param groups, this optimizer "
+                              f"{len(optimizer.param_groups)}; build the optimizer with the same groups")
+    for group, values in zip(optimizer.param_groups, saved):
+        group.update(values)
+
+
+# ---- metadata and checks -----------------------------------------------------------------------------
+def _meta_json(pm, with_optimizer: bool) -> str:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return json.dumps({"format": FORMAT, "model": pm.plan.model, "state_keys": list(pm._state_keys),
+                       "aliases": {k: v for k, v in pm._graph.param_aliases.items() if k != v},
+                       "world_size": world, "optimizer": with_optimizer}, sort_keys=True)
+
+
+def _read_metadata(path):
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"no checkpoint at {str(path)!r} (its .metadata file is missing); write one with "
+                              f"pm.save(path) on every rank") from None
+
+
+def _read_meta(path) -> dict:
+    holder = {"autopar": ""}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(holder, checkpoint_id=str(path), no_dist=True)
+    meta = json.loads(holder["autopar"])
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, this autopar reads "
+                              f"{FORMAT}; load it with the autopar version that wrote it and re-save")
+    return meta
+
+
+def _check_matches(path, metadata, state: dict) -> None:
+    """Every tensor to load exists in the checkpoint with the same global shape (DCP's own errors on
+    a mismatch name neither the key nor the cause)."""
+    saved = metadata.state_dict_metadata
+    problems = []
+    for prefix in ("model", "optim"):
+        for key, value in _flatten(state.get(prefix, {}), prefix):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if key not in saved:
+                problems.append(f"{key} is missing")
+            elif tuple(saved[key].size) != tuple(value.shape):
+                problems.append(f"{key} has shape {tuple(saved[key].size)} there, {tuple(value.shape)} here")
+    if problems:
+        model = _read_meta(path).get("model", "?")
+        raise CheckpointError(f"checkpoint {str(path)!r} (saved from {model}) does not match this model: "
+                              f"{'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}; load a "
+                              f"checkpoint of the same model (the plan and world size may differ)")
+
+
+def _flatten(tree: dict, prefix: str):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}.{key}")
+        else:
+            yield f"{prefix}.{key}", value
