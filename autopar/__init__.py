@@ -8,6 +8,7 @@ from autopar.cluster import Cluster
 from autopar.errors import AutoparError
 from autopar.launch import launch
 from autopar.plan import Plan
+from autopar.runtime.checkpoint import export_state_dict
 
-__all__ = ["plan", "compile", "launch", "Cluster", "Plan", "AutoparError"]
+__all__ = ["plan", "compile", "launch", "Cluster", "Plan", "AutoparError", "export_state_dict"]
 __version__ = "0.1.0"

@@ -72,12 +72,14 @@ def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: 
     dist.broadcast_object_list(text, src=0, group=control)
     chosen = Plan.from_json(text[0])
     digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, chosen.digest(), group=control)
-    if len(set(digests)) != 1:
-        raise PlanError(f"ranks hold different plans (digests {sorted(set(digests))}); every rank must run "
-                        f"the same autopar version on the same model")
-    if given is not None and given.digest() != chosen.digest():
-        raise PlanError("the plan given on this rank differs from rank 0's; pass the same plan on every rank")
+    dist.all_gather_object(digests, (chosen.digest(), None if given is None else given.digest()), group=control)
+    if len({held for held, _ in digests}) != 1:
+        raise PlanError(f"ranks hold different plans (digests {sorted({d for d, _ in digests})}); every rank "
+                        f"must run the same autopar version on the same model")
+    differing = [r for r, (_, g) in enumerate(digests) if g is not None and g != chosen.digest()]
+    if differing:  # every rank raises, not only the one given another plan
+        raise PlanError(f"rank(s) {differing} were given a plan that differs from rank 0's; pass the same plan "
+                        f"on every rank")
     dist.destroy_process_group(control)
     return chosen
 

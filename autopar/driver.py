@@ -176,7 +176,7 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
                        submesh=(cluster.nodes, cluster.devices_per_node))
     plan = assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
-                         schedule=options.schedule if microbatches > 1 else "none")
+                         schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled)
     plan.predicted = predict([stage], microbatches, plan.schedule, [])
     plan.planner = {"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status}
     return plan
@@ -240,7 +240,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     transfers = transfers_between(graph, stages, scaled, cluster)
     schedule = options.schedule if len(stages) > 1 or B > 1 else "none"
     plan = assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
-                         layers=layers, transfers=transfers)
+                         layers=layers, transfers=transfers, sharded_graph=scaled)
     plan.predicted = predict(stages, B, schedule, transfers)
     plan.planner = {"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
                     "dp_cost": choice.cost}

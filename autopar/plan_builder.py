@@ -128,9 +128,15 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
 
 
 def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_name: str, blocks, *,
-                  microbatches: int = 1, schedule: str = "none", layers=None, transfers=None) -> Plan:
-    return Plan(model=model_name, graph_fingerprint=graph.fingerprint(), input_signature=graph.input_signature,
+                  microbatches: int = 1, schedule: str = "none", layers=None, transfers=None,
+                  sharded_graph=None) -> Plan:
+    """``graph``: the model at the full batch (its input signature is what users pass); ``sharded_graph``:
+    the graph at one microbatch that the stages' shardings name (default ``graph``). The fingerprint and
+    op names come from the latter, since ``compile`` validates the plan against the model captured at one
+    microbatch, and a re-captured model (e.g. one that branches on batch size) can differ in structure."""
+    sharded = sharded_graph if sharded_graph is not None else graph
+    return Plan(model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
                 optimizer=options.optimizer, repeated_blocks=blocks.instances,
-                node_ops={n.name: str(n.target) for n in graph.gm.graph.nodes if n.op == "call_function"},
+                node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},
                 node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [])

@@ -153,10 +153,21 @@ def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:
         cause = "Python control flow or a Python number depends on a tensor's values"
         fix = ("make it shape-only, use torch.where / torch.cond, or compute it outside forward "
                "and pass it in")
-    else:
+    elif _is_export_specific(e):
         cause = f"{name}: {first}"
         fix = "rewrite that construct so torch.export (non-strict) can trace it, or move it out of forward"
+    else:  # the model itself raised on the example inputs
+        cause = f"the model raised {name}: {first}"
+        fix = ("check the example inputs' dtypes (token ids are int64), devices and shapes against what "
+               "forward expects")
     return (f"cannot capture {type(model).__name__} with torch.export{where}: {cause}. Fix: {fix}.")
+
+
+def _is_export_specific(e: BaseException) -> bool:
+    """Errors torch.export raises about a construct it cannot trace (not errors of the model itself)."""
+    from torch._dynamo import exc
+
+    return isinstance(e, (exc.Unsupported, exc.UserError)) or "torch.export" in str(e)
 
 
 def _user_frame(e: BaseException):

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.placement import local_slice, parse_spec
-from autopar.runtime import groups
+from autopar.runtime import faults, groups
 from autopar.runtime.collectives import gather_full
 
 
@@ -29,7 +29,8 @@ def reduce_deferred(gm, mesh_index: int) -> None:
     for axes, params in sorted(by_axes.items()):
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         for axis in axes:
-            dist.all_reduce(flat, group=groups.get(groups.group_key(mesh_index, axis)))
+            key = groups.group_key(mesh_index, axis)
+            faults.guard("all_reduce", key, dist.all_reduce, flat, group=groups.get(key))
         offset = 0
         for p in params:
             n = p.grad.numel()
@@ -47,5 +48,5 @@ def sync_shared(gm, stage, shared: dict[str, str], coord, mesh_index: int) -> No
         spec = parse_spec(stage.shardings[name].out)
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         full = gather_full(grad, spec, mesh_index) / len(stage.ranks)
-        dist.all_reduce(full, group=groups.get(shared[name]))
+        faults.guard("all_reduce", shared[name], dist.all_reduce, full, group=groups.get(shared[name]))
         param.grad = local_slice(full, spec, tuple(stage.mesh_shape), coord).clone()

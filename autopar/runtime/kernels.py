@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime import groups
+from autopar.runtime import faults, groups
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -34,7 +34,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, vocab_
 
 def _reduce(x: torch.Tensor, keys: list[str], op=dist.ReduceOp.SUM) -> torch.Tensor:
     for key in keys:
-        dist.all_reduce(x, op=op, group=groups.get(key))
+        faults.guard("all_reduce", key, dist.all_reduce, x, op=op, group=groups.get(key))
     return x
 
 

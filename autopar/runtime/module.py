@@ -4,9 +4,11 @@ Contract (tests outside this repository rely on it):
   * ``pm(*inputs)`` runs forward on the global batch every rank passes and returns the full output on
     every rank;
   * ``pm.train_step(*inputs)`` runs forward and backward of the model's loss, leaves each local shard's
-    gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns the
-    loss, identical on every rank;
-  * ``pm.parameters()`` are this rank's shards, so any torch optimizer steps them;
+    gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns
+    the loss, identical on every rank and detached (``.item()`` it; backward has already run);
+  * ``pm.parameters()`` are this rank's shards, so any torch optimizer steps them; for the same reason
+    ``pm.state_dict()`` holds this rank's shards only (use ``full_state_dict()`` for whole tensors, or
+    ``autopar.runtime.checkpoint`` for sharded checkpoints);
   * ``pm.full_state_dict()`` has the keys and shapes of ``model.state_dict()``;
   * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank.
 """
@@ -41,7 +43,8 @@ class ParallelModule(torch.nn.Module):
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
 
     def train_step(self, *inputs) -> torch.Tensor:
-        """Forward + backward of the loss on the global batch; returns the loss (same on every rank)."""
+        """Forward + backward of the loss on the global batch; returns the loss, detached (backward has
+        run already, so there is nothing to call ``.backward()`` on) and the same on every rank."""
         self._check_inputs(inputs)
         if self._loss_index is None:
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from autopar.placement import R, parse_spec
 from autopar.redistribute import redistribute_steps
-from autopar.runtime import gradsync
+from autopar.runtime import faults, gradsync
 from autopar.runtime.transfer import Route, recv_backward, recv_forward, send_backward, send_forward
 from autopar.trace import BACKWARD, FORWARD, stage_order
 
@@ -68,7 +68,7 @@ class PipelineRunner(torch.nn.Module):
             work.wait()
         joined = [_join([o[i] for o in outputs]) for i in range(len(outputs[0]))] if self.last else None
         box = [joined]
-        dist.broadcast_object_list(box, src=self.plan.stages[-1].ranks[0])
+        faults.guard("broadcast", None, dist.broadcast_object_list, box, src=self.plan.stages[-1].ranks[0])
         return tuple(box[0])
 
     # ---- one microbatch --------------------------------------------------------------------------
@@ -123,13 +123,14 @@ class PipelineRunner(torch.nn.Module):
         for route in self.routes_out[name]:
             recv_backward(route, mb, self.me, grad)
         if len(self.stage.ranks) > 1:
-            dist.all_reduce(grad, group=_stage_group(self.mesh_index))
+            key = f"m{self.mesh_index}.all"
+            faults.guard("all_reduce", key, dist.all_reduce, grad, group=_stage_group(self.mesh_index))
         return grad
 
     def _broadcast_loss(self, losses: list) -> torch.Tensor:
         value = torch.stack(losses).mean() if self.last else torch.zeros((), dtype=torch.float32)
         value = value.to(torch.float32).clone()
-        dist.broadcast(value, src=self.plan.stages[-1].ranks[0])
+        faults.guard("broadcast", None, dist.broadcast, value, src=self.plan.stages[-1].ranks[0])
         return value
 
     # ---- state -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.placement import local_shape, parse_spec
+from autopar.runtime import faults
 from autopar.runtime.groups import coordinate
 
 FORWARD, BACKWARD = 0, 1
@@ -73,6 +74,11 @@ class Route:
         return local_shape(self.shape, self.dst_spec, self.dst.mesh_shape)
 
 
+def _wait(work, what: str, route: Route) -> None:
+    """Wait for a receive; a dead or stuck peer becomes a CommunicationError naming it."""
+    faults.guard(f"{what} of {route.value} from stage {route.src.index}", None, work.wait)
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()
 
@@ -88,7 +94,7 @@ def recv_forward(route: Route, microbatch: int, me: int) -> torch.Tensor:
     """This rank's shard of the value, in the receiving stage's spec."""
     wire_dtype = torch.uint8 if route.dtype == torch.bool else route.dtype
     buf = torch.empty(route.local_shape(), dtype=wire_dtype)
-    dist.irecv(buf, route.sender_of(me), tag=route.tag(microbatch, FORWARD)).wait()
+    _wait(dist.irecv(buf, route.sender_of(me), tag=route.tag(microbatch, FORWARD)), "recv (forward)", route)
     return buf.to(torch.bool) if route.dtype == torch.bool else buf
 
 
@@ -106,5 +112,5 @@ def recv_backward(route: Route, microbatch: int, me: int, into: torch.Tensor) ->
         if not route.designated(receiver):
             continue
         buf = torch.empty(route.local_shape(), dtype=route.dtype)
-        dist.irecv(buf, receiver, tag=route.tag(microbatch, BACKWARD)).wait()
+        _wait(dist.irecv(buf, receiver, tag=route.tag(microbatch, BACKWARD)), "recv (backward)", route)
         into[route.region(receiver)] += buf

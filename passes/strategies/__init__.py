@@ -25,6 +25,7 @@ from autopar.passes.strategies.base import AxisRule, OpView, Strategy, all_repli
 
 RuleFn = Callable[[OpView], list[AxisRule]]
 _RULES: dict[object, RuleFn] = {}
+_WARNED: set[str] = set()  # ops already reported as rule-less in this process (planning asks many times)
 
 
 def register(*targets) -> Callable[[RuleFn], RuleFn]:
@@ -77,7 +78,8 @@ def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[St
             out[node.name] = [output_strategy(node, len(mesh_shape))]
         if sig is not None:
             by_signature[sig] = out[node.name]
-    for name in sorted(missing):
+    for name in sorted(missing - _WARNED):
+        _WARNED.add(name)
         warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (slower, never wrong). "
                       f"Add a rule in passes/strategies/ to shard it.", stacklevel=2)
     return out
