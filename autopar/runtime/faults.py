@@ -113,13 +113,14 @@ def is_communication_failure(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(h in text for h in _COMM_ERROR_HINTS)
 
 
-def guard(op: str, group_key: str | None, fn, *args, **kwargs):
+def guard(what: str, group_key: str | None, fn, /, *args, **kwargs):
     """Run one torch.distributed call ``fn(*args, **kwargs)``; a communication failure becomes a
-    ``CommunicationError`` naming the dead rank(s) (see module docstring). Other errors pass unchanged."""
+    ``CommunicationError`` naming the dead rank(s) (see module docstring). Other errors pass unchanged.
+    The first three are positional-only so that ``fn``'s own keywords (``op=``, ``group=``) pass through."""
     try:
         return fn(*args, **kwargs)
     except Exception as e:
-        explained = explain(e, _collective_name(op, group_key))
+        explained = explain(e, _collective_name(what, group_key))
         if explained is e:
             raise
         raise explained from e
