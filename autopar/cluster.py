@@ -41,7 +41,9 @@ class Link:
 
     latency: α, seconds per collective (or per send).  bandwidth: bytes/s one device can push.
     fits: measured α-β lines keyed ``"<collective>/<group size>"`` (e.g. ``"all_reduce/4"``); when a key
-    is present the cost model uses it instead of the analytic ring formula on latency/bandwidth.
+    is present the cost model uses it instead of the analytic ring formula on latency/bandwidth. A key
+    ``"<collective>/<group size>@<R>x<C>"`` is a fit measured on an R×C mesh with both axes busy, which
+    the cost model prefers on that mesh (see ``cost_models.communication``).
     """
 
     latency: float
@@ -65,6 +67,10 @@ class Cluster:
     source: where the numbers come from (a preset's citation, or "profiled on <host> <date>").
     matmul_curve: measured matmul throughput by dtype name, ``[[flops_per_call, achieved_flop_per_s], ...]``
       sorted by flops_per_call (see ``matmul_flops``); empty for presets, which have only a peak.
+    op_overhead: seconds of host time each op call costs besides its roofline time (Python, dispatcher,
+      autograd bookkeeping, kernel launch); ``cost_models.compute`` charges it once per op in forward and
+      once more in backward. 0 (the default, and what old cluster files load as) means "negligible", as on
+      GPUs whose launches overlap with running kernels; eager CPU ranks pay it in full.
     """
 
     name: str
@@ -81,6 +87,7 @@ class Cluster:
     device_type: str = "cuda"
     source: str = ""
     matmul_curve: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
+    op_overhead: float = 0.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -97,6 +104,7 @@ class Cluster:
         if not isinstance(self.peak_flops, dict) or not self.peak_flops:
             raise ClusterError(f"cluster {self.name!r}: peak_flops must map dtype names to FLOP/s, e.g. "
                                f"{{'float32': 1e12}}, got {self.peak_flops!r}{_FIX}")
+        _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
         for link_name in ("intra_node", "inter_node"):
@@ -215,15 +223,25 @@ def _check_positive(cluster: str, field: str, value, allow_zero: bool = False) -
         raise ClusterError(f"cluster {cluster!r}: {field} must be a finite number {bound}, got {value!r}{_FIX}")
 
 
+def _valid_fit_key(key: str) -> bool:
+    """"<collective>/<n>" with n >= 2, optionally "@<R>x<C>" (a mesh with both sizes >= 2)."""
+    kind, _, rest = key.partition("/")
+    size, _, mesh = rest.partition("@")
+    rows, _, cols = mesh.partition("x")
+    mesh_ok = not mesh or (rows.isdigit() and cols.isdigit() and min(int(rows), int(cols)) >= 2)
+    return bool(kind) and size.isdigit() and int(size) >= 2 and mesh_ok
+
+
 def _check_link(cluster: str, link_name: str, link: Link) -> None:
-    """latency >= 0, bandwidth > 0, and every fit has alpha >= 0, beta > 0 under a "<collective>/<n>" key."""
+    """latency >= 0, bandwidth > 0, and every fit has alpha >= 0, beta > 0 under a "<collective>/<n>" key
+    (or "<collective>/<n>@<R>x<C>": measured on that mesh, see ``cost_models.communication``)."""
     _check_positive(cluster, f"{link_name}.latency", link.latency, allow_zero=True)
     _check_positive(cluster, f"{link_name}.bandwidth", link.bandwidth)
     for key, fit in link.fits.items():
-        kind, _, size = key.partition("/")
-        if not kind or not size.isdigit() or int(size) < 2:
+        if not _valid_fit_key(key):
             raise ClusterError(f"cluster {cluster!r}: {link_name}.fits key {key!r} must read "
-                               f"'<collective>/<group size>', e.g. 'all_reduce/4'{_FIX}")
+                               f"'<collective>/<group size>', e.g. 'all_reduce/4', or "
+                               f"'<collective>/<group size>@<rows>x<cols>', e.g. 'all_reduce/2@2x2'{_FIX}")
         _check_positive(cluster, f"{link_name}.fits[{key!r}].alpha", fit.alpha, allow_zero=True)
         _check_positive(cluster, f"{link_name}.fits[{key!r}].beta", fit.beta)
 

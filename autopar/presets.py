@@ -112,6 +112,13 @@ _CPU_CORE_FLOPS = 75e9
 _CPU_CORE_MEMBW = 3e9
 _GLOO_LATENCY = 2e-4
 _GLOO_BANDWIDTH = 1e9
+# Host time per eager op call on a dedicated core (cost_models.compute charges it per node, forward and
+# backward): GPTs with 8-wide tensors (kernels ~free; 1 and 4 layers, 31 and 94 graph nodes), forward +
+# backward / (2 · nodes), one thread: 18-25 µs at load 4.5 and 27-31 µs at load 8 from other jobs
+# (2026-11-22, same VM as above); 4 ranks busy at once on the 2 cores: 42-82 µs per call at load 5.
+# Divided by the core share below, like the rates. benchmarks/profile_extras.py measures it for a
+# profiled cluster.
+_CPU_OP_OVERHEAD = 18e-6
 
 
 def local_cpu(n: int, mesh_shape=None, memory_per_device: float | None = None) -> Cluster:
@@ -138,4 +145,5 @@ def local_cpu(n: int, mesh_shape=None, memory_per_device: float | None = None) -
         backend="gloo",
         device_type="cpu",
         source="local CPU defaults (rough; run `autopar profile` for measured values)",
+        op_overhead=_CPU_OP_OVERHEAD / share,
     )

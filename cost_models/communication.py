@@ -9,8 +9,15 @@ ring algorithms (Thakur et al. 2005; NCCL's bus-bandwidth convention):
     all_to_all(m)      = α +  (n-1)/n · m / β        m = the local size
     send(m)            = α +            m / β
 
+Gradient all-reduces that the runtime buckets (``redistribute_cost(bucketed_sync=True)``) pay only their
+bandwidth term per tensor; the bucket's α is paid once per axis per step.
+
 When the cluster carries a measured fit for "<collective>/<n>" on that link class, t = α_fit + m·β_fit
-replaces the formula (the profiler defines m the same way).
+replaces the formula (the profiler defines m the same way). A fit keyed "<collective>/<n>@<R>x<C>" was
+measured on an R×C mesh with both axes' collectives interleaved, as training on that mesh runs them; it
+takes precedence on that mesh. (On an oversubscribed CPU the two axes' groups share cores, so each
+collective waits for ranks busy in the other axis's groups: on 4 gloo ranks of 2 cores an all_reduce/2
+interleaved across the axes of a 2×2 mesh took 3.6 ms against 2.0 ms alone, measured 2026-11-22.)
 
 Axis links: the logical mesh's devices are numbered row-major over (nodes × devices per node). An axis
 whose groups stay inside a node uses the intra-node link; one whose groups span nodes uses the
@@ -43,14 +50,27 @@ class AxisLink:
     latency: float
     bandwidth: float
     link: Link
+    mesh: str = ""  # "<R>x<C>" of the mesh this axis belongs to, when both of its axes have > 1 device
 
     def time(self, kind: str, nbytes: float) -> float:
         if self.size <= 1 or nbytes <= 0:
             return 0.0
-        fit = self.link.fits.get(f"{kind}/{self.size}")
+        key = f"{kind}/{self.size}"
+        fit = self.link.fits.get(f"{key}@{self.mesh}") if self.mesh else None
+        fit = fit or self.link.fits.get(key)
         if fit is not None:
             return fit.time(nbytes)
         return self.latency + RING_FACTOR[kind](self.size) * nbytes / self.bandwidth
+
+    def startup_time(self, kind: str) -> float:
+        """α of one ``kind`` collective on this axis (the fit's, when measured): ``time`` of an empty message."""
+        return self.time(kind, 1e-30)
+
+    def bandwidth_time(self, kind: str, nbytes: float) -> float:
+        """``time`` less its start-up α: what one more tensor adds to a bucketed (flattened) collective."""
+        if self.size <= 1 or nbytes <= 0:
+            return 0.0
+        return self.time(kind, nbytes) - self.startup_time(kind)
 
 
 def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
@@ -60,6 +80,7 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: 
     """
     m = devices_per_node or cluster.devices_per_node
     total = math.prod(mesh_shape)
+    mesh = "x".join(map(str, mesh_shape)) if min(mesh_shape) > 1 else ""
     ids = np.arange(total).reshape(mesh_shape)
     node_of = ids // m
     links = []
@@ -68,7 +89,7 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: 
         spans = any(len(set(g)) > 1 for g in groups)
         if not spans:
             link = cluster.intra_node
-            links.append(AxisLink(size, link.latency, link.bandwidth, link))
+            links.append(AxisLink(size, link.latency, link.bandwidth, link, mesh))
             continue
         per_node = {}
         for g in groups:
@@ -76,7 +97,7 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: 
                 per_node[node] = per_node.get(node, 0) + 1
         concurrent = max(per_node.values())
         link = cluster.inter_node
-        links.append(AxisLink(size, link.latency, link.bandwidth / concurrent, link))
+        links.append(AxisLink(size, link.latency, link.bandwidth / concurrent, link, mesh))
     return tuple(links)
 
 
@@ -106,26 +127,39 @@ def redistribute_messages(shape: tuple[int, ...], itemsize: int, src: Spec, dst:
     Backward messages follow the table in ``autopar.redistribute``; there are none when ``needs_grad``
     is False. Local steps (split, to_partial, forward of sync_grad) send nothing and are left out.
     """
-    out = []
+    return [m[:4] for m in _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad)]
+
+
+def _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad):
+    """``redistribute_messages`` with the kind of the step each message comes from as a fifth field."""
     spec = list(src)
     for step in redistribute_steps(src, dst, grad_axes if needs_grad else ()):
         kind, elems = _step_message(step, shape, spec, mesh_shape)
         if kind in RING_FACTOR:
-            out.append((kind, step.axis, elems * itemsize, "forward"))
+            yield kind, step.axis, elems * itemsize, "forward", step.kind
         back = _backward_kind(step) if needs_grad else None
         if back:
-            out.append((back, step.axis, elems * itemsize, "backward"))
+            yield back, step.axis, elems * itemsize, "backward", step.kind
         spec[step.axis] = _after(step, spec[step.axis], dst)
-    return out
 
 
 def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
-                      links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst``."""
+                      links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True,
+                      bucketed_sync: bool = False) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst``.
+
+    bucketed_sync: the gradient all-reduce of a "sync_grad" step (a replicated parameter read by a
+    sharded op) is flattened with the other parameters' into one all-reduce per axis after backward
+    (``runtime.gradsync.reduce_deferred``, like DDP's buckets), so it costs only its bandwidth term
+    (``AxisLink.bandwidth_time``); the bucket's one α per axis per step is the caller's to add once.
+    """
     fwd = bwd = 0.0
-    for kind, axis, nbytes, phase in redistribute_messages(shape, itemsize, src, dst, mesh_shape, grad_axes,
-                                                           needs_grad):
-        t = links[axis].time(kind, nbytes)
+    for kind, axis, nbytes, phase, step_kind in _messages(shape, itemsize, src, dst, mesh_shape, grad_axes,
+                                                          needs_grad):
+        if bucketed_sync and step_kind == "sync_grad":
+            t = links[axis].bandwidth_time(kind, nbytes)
+        else:
+            t = links[axis].time(kind, nbytes)
         if phase == "forward":
             fwd += t
         else:

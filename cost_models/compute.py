@@ -1,6 +1,7 @@
-"""Compute cost of one op under one strategy: FLOPs and bytes -> seconds by a roofline.
+"""Compute cost of one op under one strategy: FLOPs and bytes -> seconds by a roofline, plus host overhead.
 
-    t(node, strategy) = max( flops · work_fraction / F ,  bytes_local / B )      (forward + backward)
+    t(node, strategy) = max( flops · work_fraction / F ,  bytes_local / B )  +  calls · op_overhead
+                        (forward + backward; calls = 1, or 2 when the op is differentiable)
 
 F = cluster.matmul_flops(dtype, flops of one call): the measured rate at this call's size when the
 cluster has a matmul curve (one call = the forward's local FLOPs; a matmul's backward is two calls of
@@ -9,7 +10,13 @@ that size), else peak × efficiency. B is the cluster's memory bandwidth. FLOPs 
 backward when any float input needs a gradient); ops it does not count (elementwise, norms) have
 0 FLOPs and are priced by bytes. bytes_local = (inputs + outputs, local shapes) × (1 forward +
 2 backward when differentiable): backward reads the output gradient and the saved inputs and writes
-input gradients. Pure views move no data and cost 0.
+input gradients. Pure views, and ops whose output aliases an input (``contiguous`` of a contiguous tensor,
+dropout with p = 0: found by the fake-tensor probe of ``cost_models.saved_tensors``), move no data.
+
+op_overhead (``Cluster.op_overhead``, 0 unless measured) is the host time of one eager op call: Python,
+dispatcher, autograd bookkeeping. Every call_function node pays it once in forward and once more in
+backward when it is differentiable, views included (each is an ATen call and an autograd node). On
+4 CPU ranks of a small model it is a sizeable share of the step; on GPUs it hides behind the kernels.
 """
 from __future__ import annotations
 
@@ -113,11 +120,29 @@ def local_bytes(val: Any, spec, mesh_shape) -> float:
     return math.prod(local_shape(tuple(val.shape), spec, mesh_shape)) * val.element_size()
 
 
+def op_overhead_time(cluster, differentiable: bool) -> float:
+    """Host seconds of one node's op calls: op_overhead × (1 forward + 1 backward when differentiable)."""
+    return getattr(cluster, "op_overhead", 0.0) * (2 if differentiable else 1)
+
+
+def moves_no_data(node: fx.Node) -> bool:
+    """A view, or an op whose output shares an input's storage (measured on fake tensors, cached)."""
+    if is_free_view(node):
+        return True
+    from autopar.cost_models.saved_tensors import saved_rule  # saved_tensors imports this module
+
+    return saved_rule(node, set()).alias_of is not None
+
+
 def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_shape, cluster,
                  differentiable: bool) -> float:
-    """Roofline seconds for forward (+ backward when ``differentiable``) of ``node`` under ``strategy``."""
-    if node.op != "call_function" or is_free_view(node):
+    """Seconds for forward (+ backward when ``differentiable``) of ``node`` under ``strategy``: the
+    roofline of its local FLOPs and bytes, plus ``op_overhead_time`` (see the module docstring)."""
+    if node.op != "call_function":
         return 0.0
+    overhead = op_overhead_time(cluster, differentiable)
+    if moves_no_data(node):
+        return overhead
     fwd_flops, bwd_flops = node_flops(node)
     flops = (fwd_flops + (bwd_flops if differentiable else 0.0)) * strategy.work_fraction
     moved = sum(local_bytes(v, s, mesh_shape) for v, s in zip(in_vals, strategy.in_specs))
@@ -126,4 +151,24 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     dtype = next((v.dtype for v in in_vals + out_vals if isinstance(v, torch.Tensor)), torch.float32)
     name = str(dtype).replace("torch.", "")
     rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
-    return max(flops / rate, moved / cluster.memory_bandwidth)
+    return max(flops / rate, moved / cluster.memory_bandwidth) + overhead
+
+
+# Bytes each optimizer step moves per parameter element, in units of the parameter's itemsize:
+# adamw/adam read p, g, exp_avg, exp_avg_sq and write p, exp_avg, exp_avg_sq (7); sgd with momentum
+# reads p, g, buf and writes p, buf (5); plain sgd reads p, g and writes p (3).
+OPTIMIZER_TRAFFIC = {"adamw": 7, "adam": 7, "sgd_momentum": 5, "sgd": 3}
+OPTIMIZER_CALLS_PER_TENSOR = 3  # torch's foreach AdamW, 65 fp32 tensors: ~75 µs per tensor at ~25 µs per op call
+
+
+def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: str, cluster) -> float:
+    """Seconds of one ``optimizer.step()`` over ``n_tensors`` local parameter tensors of ``numel`` elements:
+
+        t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
+            + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead
+
+    Not yet part of the planner's objective (it shrinks as parameters are sharded, so it belongs to the
+    cost of a parameter's strategy); the fidelity benchmark measures steps that include it.
+    """
+    traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
+    return traffic + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)

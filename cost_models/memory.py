@@ -8,39 +8,32 @@ Parameter state, per parameter element held locally (mixed precision keeps an fp
 
 So fp32 AdamW costs 16 bytes per parameter, and fp16 AdamW 2 + 2 + 8 + 4 = 16 (Megatron's figure).
 
-Activations: a tensor is *saved* when some consumer's backward needs it (``SAVES_INPUTS``) or its
-producer's backward needs its own output (``SAVES_OUTPUT``); it is counted once, at its producer's
-layout. The copy a consumer makes when it reshards an input before saving it is not counted (an
-under-estimate that the fidelity benchmark measures). Dropout also keeps a 1-byte mask per element.
+Activations (``saved_nodes``): what each op's backward keeps is *measured* by running the op once on fake
+tensors (``cost_models.saved_tensors``). A tensor kept by any consumer is counted once, at the layout of
+the node that owns its storage (views and aliases are followed back to it; placeholders are parameters
+or user inputs and are not counted here). Tensors an op creates only for backward (dropout noise,
+log-softmax of a cross-entropy, attention logsumexp, layer-norm statistics) are charged to the largest
+tensor the op touches, as a fraction of that tensor's bytes, so they shard as the op does. The copy a
+consumer makes when it reshards an input before saving it is not counted (an under-estimate the
+fidelity benchmark measures).
+
+Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
+All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
+this sum bounds the real peak from above by at most the gradient bytes (4 of the 16 bytes/parameter).
 """
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 import torch.fx as fx
 
+from autopar.cost_models.compute import is_free_view
+from autopar.cost_models.saved_tensors import saved_rule
 from autopar.passes.strategies.base import OpView
 
-aten = torch.ops.aten
-
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
-
-SAVES_INPUTS = {
-    aten.linear, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.layer_norm,
-    aten.native_layer_norm, aten.rms_norm, aten.scaled_dot_product_attention, aten.gelu, aten.silu,
-    aten.relu, aten.tanh, aten.sigmoid, aten.pow, aten.mul, aten.div, aten.exp, aten.log, aten.sqrt,
-    aten.rsqrt, aten.embedding, aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.where,
-    aten.masked_fill, aten.erf, aten.abs, aten.clamp, aten.minimum, aten.maximum,
-}
-SAVES_OUTPUT = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax,
-                aten.scaled_dot_product_attention, aten.exp, aten.tanh, aten.sigmoid}
-SAVES_NOTHING = {aten.add, aten.sub, aten.neg, aten.sum, aten.mean, aten.view, aten.reshape, aten._unsafe_view,
-                 aten.expand, aten.permute, aten.transpose, aten.t, aten.unsqueeze, aten.squeeze, aten.select,
-                 aten.slice, aten.split, aten.chunk, aten.unbind, aten.alias, aten.clone, aten.contiguous,
-                 aten.to, aten._to_copy, aten.cat, aten.stack, aten.dropout, aten.detach, aten.flatten,
-                 aten.arange, aten.zeros, aten.ones, aten.full, aten.new_zeros, aten.new_ones, aten.cumsum,
-                 aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,43 +56,70 @@ class TrainingSpec:
         return 2 * item + OPTIMIZER_STATE_BYTES[self.optimizer] + master
 
 
-def _packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", node.target)
+def _out_bytes(node: fx.Node) -> float:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return float(sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor)))
 
 
-def consumer_saves_input(consumer: fx.Node) -> bool:
-    """Whether ``consumer``'s backward keeps its tensor inputs (unknown ops: assume yes)."""
-    if consumer.op != "call_function":
-        return False
-    packet = _packet(consumer)
-    if packet in SAVES_INPUTS:
-        return True
-    if packet in SAVES_NOTHING or packet in SAVES_OUTPUT:
-        return False
-    import operator
+class _Owners:
+    """Maps a node to the node owning its output's storage: through views and ops that alias an input."""
 
-    return consumer.target is not operator.getitem
+    def __init__(self, grad_names: set[str], device_type: str):
+        self.grad_names, self.device_type = grad_names, device_type
+        self._memo: dict[str, fx.Node] = {}
+
+    def __call__(self, node: fx.Node) -> fx.Node:
+        if node.name not in self._memo:
+            self._memo[node.name] = self._follow(node)
+        return self._memo[node.name]
+
+    def _follow(self, node: fx.Node) -> fx.Node:
+        if node.op != "call_function":
+            return node
+        args = OpView(node).tensor_args
+        if node.target is operator.getitem:  # an element of a view op's output (split, unbind) is a view
+            src = node.args[0]
+            return self(src) if isinstance(src, fx.Node) and is_free_view(src) else node
+        if is_free_view(node):
+            return self(args[0]) if args else node
+        alias = saved_rule(node, self.grad_names, self.device_type).alias_of
+        return self(args[alias]) if alias is not None and alias < len(args) else node
 
 
-def saved_nodes(gm: fx.GraphModule, requires_grad: set[str]) -> dict[str, float]:
-    """{node name: saved bytes per output byte}: 1.0 for a saved output, plus the dropout mask share.
+def saved_nodes(gm: fx.GraphModule, requires_grad: set[str], device_type: str = "cpu") -> dict[str, float]:
+    """{node name: saved bytes per output byte of that node}: 1.0 for a kept output, plus the share of
+    tensors created for backward that the node is charged with (see the module docstring).
 
-    Only tensors on the gradient path are saved: a consumer whose output needs no gradient keeps nothing.
+    Only ops on the gradient path save anything: a node whose output needs no gradient records no
+    backward. device_type picks the kernels' saving behaviour ("cpu", or "cuda": see saved_tensors).
     """
-    saved: dict[str, float] = {}
+    owner = _Owners(requires_grad, device_type)
+    kept: set[str] = set()
+    extra: dict[str, float] = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.name not in requires_grad:
+        if node.op != "call_function" or node.name not in requires_grad or is_free_view(node):
             continue
-        if _packet(node) in SAVES_OUTPUT:
-            saved[node.name] = 1.0
-        if consumer_saves_input(node):
-            for arg in OpView(node).tensor_args:
-                if arg.op != "placeholder":
-                    saved[arg.name] = 1.0
-        if _packet(node) in (aten.dropout, aten.native_dropout) and float(node.args[1]) > 0:
-            val = node.meta["val"]
-            saved[node.name] = saved.get(node.name, 0.0) + 1.0 / val.element_size()
-    return saved
+        rule = saved_rule(node, requires_grad, device_type)
+        args = OpView(node).tensor_args
+        kept.update(owner(args[i]).name for i in rule.inputs if i < len(args) and owner(args[i]).op != "placeholder")
+        if rule.output:
+            kept.add(owner(node).name)
+        if rule.new_bytes:
+            anchor = _anchor(node, args, owner)
+            extra[anchor.name] = extra.get(anchor.name, 0.0) + rule.new_bytes / max(_out_bytes(anchor), 1.0)
+    return {name: (1.0 if name in kept else 0.0) + extra.get(name, 0.0) for name in kept | set(extra)}
+
+
+def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:
+    """The node charged with ``node``'s new saved tensors: the owner of the largest tensor it touches
+    (its output on ties), or ``node`` itself when that tensor is a placeholder's."""
+    best, best_bytes = node, _out_bytes(node)
+    for arg in args:
+        if _out_bytes(arg) > best_bytes:
+            best, best_bytes = arg, _out_bytes(arg)
+    best = owner(best) if best is not node else node
+    return node if best.op == "placeholder" else best
 
 
 def requires_grad_nodes(gm: fx.GraphModule, trainable: set[str]) -> set[str]:

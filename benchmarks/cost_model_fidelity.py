@@ -1,0 +1,306 @@
+"""Cost-model fidelity: the planner's predicted step time and peak memory vs measured, plan by plan.
+
+    python benchmarks/cost_model_fidelity.py                         # profiles 4 local ranks first
+    python benchmarks/cost_model_fidelity.py --cluster cluster.json  # a saved `autopar profile` result
+    python benchmarks/cost_model_fidelity.py --split                 # also time compute without collectives
+
+On 4 local gloo ranks (``Cluster.local(4)`` semantics, numbers from the profiled cluster file), the GPT
+example (CONFIG, global batch BATCH) is planned under every layout of ``benchmarks.fidelity_plans.PLANS``
+(forced data parallel, Megatron tensor parallel, 2-D mixes, the planner's own choices) and each plan is
+compiled on every rank. Measured, in one launch with all plans interleaved round by round (so load drift
+from other jobs hits every plan alike):
+
+  * step time: median over ``--steps`` timed rounds, after ``--warmup`` untimed ones, of
+    [barrier; train_step + optimizer.step + zero_grad; barrier] on rank 0 (the barriers make it the
+    slowest rank's time);
+  * peak memory per rank: parameters + optimizer state allocated before the step (exact tensor sizes),
+    plus the peak of the running sum of every CPU allocation and free that ``torch.profiler``
+    (profile_memory=True) records over one step; the largest over ranks. RSS is not used: it is
+    dominated by the interpreter and the allocator's cached pages.
+
+Before planning, ``benchmarks.profile_extras`` adds what the profiler does not measure yet: collective fits
+taken with both axes of a 2-D mesh busy, and the per-op host overhead (``--no-extras`` skips them).
+``--split`` also times each single-stage plan with torch.distributed's collectives replaced by local copies,
+so the table shows compute and communication apart (measured comm = step - compute-only step).
+
+Printed: one row per plan, the median absolute time error, the Spearman rank correlation of predicted
+and measured time, the memory error per plan, and whether each auto plan measured no slower than the
+best forced plan. Goals (issue 5): time error <= 15 %, Spearman >= 0.9, memory within 20 %.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autopar  # noqa: E402
+from benchmarks.fidelity_plans import BATCH, CONFIG, PLANS, make_plans  # noqa: E402
+from examples.gpt import make_gpt  # noqa: E402
+
+GOALS = {"time_err": 0.15, "spearman": 0.9, "mem_err": 0.20}
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+def ranks(x) -> np.ndarray:
+    """Ranks 1..n of ``x``, ties sharing their average rank (as scipy.stats.rankdata)."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for value in np.unique(x):
+        tied = x == value
+        r[tied] = r[tied].mean()
+    return r
+
+
+def spearman(a, b) -> float:
+    """Spearman's rho: the Pearson correlation of the ranks (nan when either side is constant)."""
+    ra, rb = ranks(a), ranks(b)
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured: positive when the model over-predicts."""
+    return (predicted - measured) / measured
+
+
+# ---- on every rank --------------------------------------------------------------------------------
+def _state_bytes(pm, opt) -> int:
+    """Bytes of this rank's parameters and optimizer state (all allocated before a step starts)."""
+    params = sum(p.numel() * p.element_size() for p in pm.parameters())
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return params + state
+
+
+def _step(pm, opt, batch) -> None:
+    pm.train_step(*batch)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def peak_allocated_bytes(fn) -> int:
+    """Largest running sum of CPU allocations minus frees that torch.profiler records while ``fn`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    cpu = torch._C._autograd.DeviceType.CPU
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
+    running = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        running += e.nbytes()
+        peak = max(peak, running)
+    return peak
+
+
+def _timed(built, batch, fake_comm: bool) -> float:
+    """Seconds of one step of ``built`` = (name, module, optimizer), between two barriers."""
+    _, pm, opt = built
+    dist.barrier()
+    start = time.perf_counter()
+    with (_local_collectives() if fake_comm else contextlib.nullcontext()):
+        _step(pm, opt, batch)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _reference_rate(side: int = 256, window_s: float = 0.05) -> float:
+    """FLOP/s of a square fp32 ``mm`` of ``side`` on this rank with every rank running it at once: the
+    profiler's own probe, repeated during the measurement to show how busy the machine is then."""
+    a, b, c = (torch.randn(side, side) for _ in range(3))
+    torch.mm(a, b, out=c)
+    dist.barrier()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < window_s:
+        torch.mm(a, b, out=c)
+        calls += 1
+    return 2.0 * side**3 * calls / (time.perf_counter() - start)
+
+
+def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: int, split: bool) -> dict:
+    """Per plan: step times (s) over rounds, compute-only times when ``split``, and this rank's peak bytes."""
+    model, batch = make_gpt(CONFIG, batch_size=BATCH)
+    built = []
+    for name, text in plans:
+        plan = autopar.Plan.from_json(text)
+        pm = autopar.compile(model, autopar.Cluster.from_dict(plan.cluster), batch, plan=plan)
+        built.append((name, pm, torch.optim.AdamW(pm.parameters(), lr=1e-4)))
+    out = {name: {"times": [], "compute": []} for name, _, _ in built}
+    out["reference_rate"] = []
+    for name, pm, opt in built:
+        _step(pm, opt, batch)  # the first step allocates the optimizer state
+        dist.barrier()
+        out[name]["peak"] = _state_bytes(pm, opt) + peak_allocated_bytes(lambda: _step(pm, opt, batch))
+    single = [b for b in built if len(b[1].plan.stages) == 1]  # compute-only needs no sends between stages
+    for r in range(warmup + steps):
+        out["reference_rate"].append(_reference_rate())
+        rotated = built[r % len(built):] + built[:r % len(built)]  # no plan always runs first
+        for b in rotated:
+            t = _timed(b, batch, False)
+            if r >= warmup:
+                out[b[0]]["times"].append(t)
+        for b in single if split else ():
+            t = _timed(b, batch, True)
+            if r >= warmup:
+                out[b[0]]["compute"].append(t)
+    return out
+
+
+@contextlib.contextmanager
+def _local_collectives():
+    """Diagnostic only (``--split``): torch.distributed's SPMD collectives become local copies of the right
+    shapes, so a step times its computation alone (the results are wrong; the timing is what is wanted)."""
+    def gather(out, inp, group=None):
+        out.copy_(inp.repeat((out.shape[0] // inp.shape[0],) + (1,) * (inp.dim() - 1)))
+
+    fakes = {"all_reduce": lambda t, *a, **k: None, "all_gather_single": gather,
+             "reduce_scatter_single": lambda out, inp, group=None: out.copy_(inp[:out.shape[0]]),
+             "all_to_all_single": lambda out, inp, group=None: out.copy_(inp)}
+    saved = {k: getattr(dist, k) for k in fakes}
+    try:
+        for k, f in fakes.items():
+            setattr(dist, k, f)
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(dist, k, f)
+
+
+# ---- in the caller --------------------------------------------------------------------------------
+def load_or_profile(path: str | None, out: str, extras: bool) -> tuple[autopar.Cluster, str]:
+    """The cluster file given, else a fresh 4-rank profile (written to ``out``). With ``extras``, the
+    in-mesh collective fits and op_overhead of ``benchmarks.profile_extras`` are measured when the file has
+    no in-mesh fits (and the result written: to ``out``, or beside a given file as "<name>+extras.json")."""
+    fresh = not path
+    if fresh:
+        print(f"# no --cluster given: profiling 4 local ranks first (writes {out})", flush=True)
+        cluster, path = autopar.Cluster.profile(nprocs=4, progress=False), out
+    else:
+        cluster = autopar.Cluster.from_json(path)
+    if extras and not any("@" in key for key in cluster.intra_node.fits):
+        from benchmarks.profile_extras import add_profile_extras
+
+        print("# measuring in-mesh collectives and op overhead (benchmarks/profile_extras.py)", flush=True)
+        cluster = add_profile_extras(cluster)
+        path = path if fresh else path.removesuffix(".json") + "+extras.json"
+        fresh = True
+    if fresh:
+        cluster.to_json(path)
+    return cluster, path
+
+
+def summarize(plans: dict, measured: list[dict]) -> list[dict]:
+    """One row per plan: predicted and measured time (s) and peak (bytes), and their errors."""
+    rows = []
+    for name, plan in plans.items():
+        times = measured[0][name]["times"]
+        row = {"plan": name, "mesh": "x".join(map(str, plan.stages[0].mesh_shape)), "stages": len(plan.stages),
+               "pred_t": float(plan.predicted["step_time"]), "meas_t": statistics.median(times),
+               "iqr": float(np.subtract(*np.percentile(times, [75, 25]))) / statistics.median(times),
+               "pred_mem": float(plan.predicted["peak_memory"]), "meas_mem": max(r[name]["peak"] for r in measured),
+               "pred_compute": float(plan.predicted.get("compute", float("nan"))),
+               "pred_comm": float(plan.predicted.get("comm", float("nan")))}
+        row["mesh"] = row["mesh"] if len(plan.stages) == 1 else "+".join(
+            "x".join(map(str, s.mesh_shape)) for s in plan.stages)
+        compute = measured[0][name]["compute"]
+        row["meas_compute"] = statistics.median(compute) if compute else float("nan")
+        row["t_err"] = relative_error(row["pred_t"], row["meas_t"])
+        row["mem_err"] = relative_error(row["pred_mem"], row["meas_mem"])
+        rows.append(row)
+    return rows
+
+
+def print_table(rows: list[dict], split: bool) -> None:
+    head = f"{'plan':<14}{'mesh':>12}{'pred ms':>9}{'meas ms':>9}{'iqr':>6}{'t err':>8}{'pred MiB':>10}" \
+           f"{'meas MiB':>10}{'m err':>8}"
+    if split:
+        head += f"{'pred comp':>10}{'meas comp':>10}{'pred comm':>10}{'meas comm':>10}"
+    print(head)
+    for r in rows:
+        line = (f"{r['plan']:<14}{r['mesh']:>12}{r['pred_t'] * 1e3:>9.1f}{r['meas_t'] * 1e3:>9.1f}"
+                f"{r['iqr'] * 100:>5.0f}%{r['t_err'] * 100:>+7.1f}%{r['pred_mem'] / 2**20:>10.1f}"
+                f"{r['meas_mem'] / 2**20:>10.1f}{r['mem_err'] * 100:>+7.1f}%")
+        if split:
+            meas_comm = r["meas_t"] - r["meas_compute"]
+            line += (f"{r['pred_compute'] * 1e3:>10.1f}{r['meas_compute'] * 1e3:>10.1f}"
+                     f"{r['pred_comm'] * 1e3:>10.1f}{meas_comm * 1e3:>10.1f}")
+        print(line)
+
+
+def print_verdict(rows: list[dict]) -> dict:
+    """The three fidelity figures against their goals, and auto vs the best forced plan."""
+    t_err = statistics.median(abs(r["t_err"]) for r in rows)
+    rho = spearman([r["pred_t"] for r in rows], [r["meas_t"] for r in rows])
+    worst_mem = max(abs(r["mem_err"]) for r in rows)
+    ok = lambda good: "ok" if good else "MISSED"  # noqa: E731
+    print(f"median |time error| {t_err * 100:.1f} % (goal <= {GOALS['time_err'] * 100:.0f} %: "
+          f"{ok(t_err <= GOALS['time_err'])});  Spearman rho {rho:.3f} (goal >= {GOALS['spearman']}: "
+          f"{ok(rho >= GOALS['spearman'])});  worst |memory error| {worst_mem * 100:.1f} % "
+          f"(goal <= {GOALS['mem_err'] * 100:.0f} %: {ok(worst_mem <= GOALS['mem_err'])})")
+    forced = [r for r in rows if not r["plan"].startswith(("auto", "pp"))]
+    for r in (r for r in rows if r["plan"].startswith("auto")):
+        same_mesh = [f for f in forced if f["mesh"] == r["mesh"]]
+        for label, pool in (("same mesh", same_mesh), ("any mesh", forced)):
+            if pool:
+                best = min(pool, key=lambda f: f["meas_t"])
+                print(f"{r['plan']} vs the best forced plan ({label}): {_versus(r, best)}")
+    return {"time_err": t_err, "spearman": rho, "worst_mem_err": worst_mem}
+
+
+def _versus(auto: dict, best: dict) -> str:
+    """"no slower" when auto measured at most the best forced plan's time; "within noise" when above it by
+    less than half the larger of their interquartile ranges over rounds; else "SLOWER"."""
+    ratio = auto["meas_t"] / best["meas_t"]
+    band = max(auto["iqr"], best["iqr"]) / 2
+    verdict = "no slower" if ratio <= 1.0 else ("within noise" if ratio <= 1.0 + band else "SLOWER")
+    return (f"{auto['meas_t'] * 1e3:.1f} vs {best['plan']} {best['meas_t'] * 1e3:.1f} ms measured: {ratio:.2f}x, "
+            f"{verdict} (noise band {band * 100:.0f} %; predicted {auto['pred_t'] * 1e3:.1f} vs "
+            f"{best['pred_t'] * 1e3:.1f} ms)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cluster", help="profiled cluster JSON (default: profile 4 local ranks first)")
+    parser.add_argument("--profile-out", default="cluster.json", help="where a fresh profile is written")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
+    parser.add_argument("--steps", type=int, default=7, help="timed rounds (the median is reported)")
+    parser.add_argument("--split", action="store_true", help="also time every step with local stand-ins for "
+                        "collectives (compute alone; diagnostic)")
+    parser.add_argument("--no-extras", action="store_true", help="use the cluster file as it is (default: add "
+                        "in-mesh collective fits and op_overhead when missing, see benchmarks/profile_extras.py)")
+    parser.add_argument("--plans", nargs="+", default=None, help=f"a subset of {[p.name for p in PLANS]}")
+    args = parser.parse_args(argv)
+    cluster, source = load_or_profile(args.cluster, args.profile_out, not args.no_extras)
+    plans = make_plans(cluster, args.plans)
+    load_before = os.getloadavg()
+    start = time.perf_counter()
+    measured = autopar.launch(_measure_rank, cluster.num_devices, [(n, p.to_json()) for n, p in plans.items()],
+                              args.warmup, args.steps, args.split, timeout=600)
+    print(f"# cost-model fidelity, {datetime.datetime.now().isoformat(timespec='minutes')}, GPT {CONFIG}, "
+          f"batch {BATCH}, cluster {source} ({cluster.source[:60]}...)")
+    print(f"# load average before {tuple(round(x, 2) for x in load_before)}, after "
+          f"{tuple(round(x, 2) for x in os.getloadavg())}; {os.cpu_count()} cores; measured in "
+          f"{time.perf_counter() - start:.0f} s; {args.steps} timed rounds")
+    during = statistics.median(x for r in measured for x in r["reference_rate"])
+    print(f"# machine speed: fp32 mm 256^3 with all ranks busy ran at {during / 1e9:.1f} GFLOP/s per rank during "
+          f"the measurement; the cluster file says {cluster.matmul_flops('float32', 2 * 256**3) / 1e9:.1f}")
+    rows = summarize(plans, measured)
+    print_table(rows, args.split)
+    print_verdict(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

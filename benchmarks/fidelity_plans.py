@@ -1,0 +1,117 @@
+"""The plans ``cost_model_fidelity.py`` measures: hand-forced layouts of the GPT example and the planner's own.
+
+Each ``PlanSpec`` is a 2-D mesh of the 4 local ranks plus pins (``PlanOptions.pin``: node-name glob ->
+spec text) that force a layout; the planner fills in everything not pinned. Layouts:
+
+  dp-*        data parallel: the batch split on every mesh axis, every parameter replicated;
+  tp-1x4      Megatron tensor parallel: q, k, v, fc column-parallel (weight and bias Shard(0)), o and
+              proj row-parallel (weight Shard(1)); embeddings, norms and lm_head replicated;
+  tpv-1x4     the same with a vocabulary-parallel wte (Shard(0)); lm_head stays replicated: pinned
+              vocabulary-parallel too, it failed in cross_entropy ("Target ... out of bounds") on commit
+              c72070f; the working tree of 2026-11-22 trains it correctly on a small GPT, so it can
+              join once that is committed;
+  dp2-tp2     2-D: batch split on mesh axis 0, Megatron on axis 1 (Megatron's DP x TP);
+  tp2-dp2     the transpose: Megatron on axis 0, batch on axis 1;
+  rep-1x4     every node replicated: each rank runs the whole step alone (no communication at all);
+  auto-RxC    no pins, one stage on that mesh: the planner's intra-op choice;
+  auto        no pins, no stage count: everything the planner chooses (stages, submeshes, microbatches);
+  pp2-auto    pipeline hook: ``autopar.plan(..., stages=2)``.
+
+Forced layouts and auto-RxC pass ``stages=1`` (one stage on the cluster's mesh). ``auto`` and ``pp2-auto``
+are skipped, with a note, by a planner whose ``PlanOptions`` has no ``stages`` (there ``auto`` is auto-1x4).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import autopar
+from examples.gpt import GPTConfig, make_gpt
+
+# Big enough that a step takes hundreds of ms on 4 ranks of a 2-core machine, so per-op overheads do
+# not swamp the roofline terms; small enough that 8 plans x 9 rounds finish in a few minutes.
+CONFIG = GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, n_embd=256)
+BATCH = 16
+
+COLUMN = ("attn_q", "attn_k", "attn_v", "mlp_fc")
+ROW = ("attn_o", "mlp_proj")
+INPUTS = ("idx", "targets")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpec:
+    """name: row label; mesh: logical mesh of the 4 ranks; pin: PlanOptions.pin or None (auto);
+    stages: PlanOptions.stages (1: one stage on ``mesh``; None: the planner chooses)."""
+
+    name: str
+    mesh: tuple[int, int]
+    pin: dict[str, str] | None = None
+    stages: int | None = 1
+
+
+def _spec(mesh, **dims_by_axis) -> str:
+    """Spec text with Shard(dim) on the given axes (``a0=dim``, ``a1=dim``) and Replicate elsewhere."""
+    out = []
+    for axis in range(len(mesh)):
+        dim = dims_by_axis.get(f"a{axis}")
+        out.append(f"S({dim})" if dim is not None and mesh[axis] > 1 else "R")
+    return "".join(out)
+
+
+def data_parallel(mesh) -> dict[str, str]:
+    split = "".join("S(0)" if n > 1 else "R" for n in mesh)
+    return {"p_*": "R" * len(mesh), **{name: split for name in INPUTS}}
+
+
+def megatron(mesh, tp_axis: int, dp_axis: int | None, vocab: bool = False) -> dict[str, str]:
+    """Megatron pins with tensor parallelism on ``tp_axis`` and the batch split on ``dp_axis``."""
+    t = f"a{tp_axis}"
+    batch = _spec(mesh, **({f"a{dp_axis}": 0} if dp_axis is not None else {}))
+    pins = {"p_*": "R" * len(mesh), **{name: batch for name in INPUTS}}
+    for layer in COLUMN:
+        pins[f"p_blocks_*_{layer}_weight"] = _spec(mesh, **{t: 0})
+        pins[f"p_blocks_*_{layer}_bias"] = _spec(mesh, **{t: 0})
+    for layer in ROW:
+        pins[f"p_blocks_*_{layer}_weight"] = _spec(mesh, **{t: 1})
+    if vocab:
+        pins["p_wte_weight"] = _spec(mesh, **{t: 0})
+    return pins
+
+
+PLANS = [
+    PlanSpec(name="dp-1x4", mesh=(1, 4), pin=data_parallel((1, 4))),
+    PlanSpec(name="dp-2x2", mesh=(2, 2), pin=data_parallel((2, 2))),
+    PlanSpec(name="tp-1x4", mesh=(1, 4), pin=megatron((1, 4), tp_axis=1, dp_axis=None)),
+    PlanSpec(name="tpv-1x4", mesh=(1, 4), pin=megatron((1, 4), tp_axis=1, dp_axis=None, vocab=True)),
+    PlanSpec(name="dp2-tp2", mesh=(2, 2), pin=megatron((2, 2), tp_axis=1, dp_axis=0)),
+    PlanSpec(name="tp2-dp2", mesh=(2, 2), pin=megatron((2, 2), tp_axis=0, dp_axis=1)),
+    PlanSpec(name="rep-1x4", mesh=(1, 4), pin={"*": "RR"}),
+    PlanSpec(name="auto-1x4", mesh=(1, 4)),
+    PlanSpec(name="auto-2x2", mesh=(2, 2)),
+    PlanSpec(name="auto", mesh=(1, 4), stages=None),
+    PlanSpec(name="pp2-auto", mesh=(1, 4), stages=2),
+]
+
+
+def takes_stages() -> bool:
+    """Whether this planner's PlanOptions has ``stages`` (the pipeline planner)."""
+    from autopar.driver import PlanOptions
+
+    return any(f.name == "stages" for f in dataclasses.fields(PlanOptions))
+
+
+def make_plans(cluster: autopar.Cluster, names: list[str] | None = None) -> dict[str, autopar.Plan]:
+    """{name: Plan} for the chosen specs (all by default) on ``cluster`` viewed as each spec's mesh."""
+    model, batch = make_gpt(CONFIG, batch_size=BATCH)
+    staged = takes_stages()
+    plans = {}
+    for spec in PLANS:
+        if names is not None and spec.name not in names:
+            continue
+        if not staged and spec.stages != 1:
+            print(f"# {spec.name}: skipped, this planner's PlanOptions has no stages")
+            continue
+        options = {"pin": spec.pin} if spec.pin else {}
+        if staged:
+            options["stages"] = spec.stages
+        plans[spec.name] = autopar.plan(model, cluster.with_mesh(spec.mesh), batch, **options)
+    return plans

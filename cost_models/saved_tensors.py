@@ -1,0 +1,172 @@
+"""Which tensors an op's backward keeps: measured once per op signature on fake tensors.
+
+``saved_rule(node, grad_names)`` runs the node's ATen op under ``FakeTensorMode`` (CPU fake tensors with
+the node's shapes, strides and dtypes: no memory, no compute) inside
+``torch.autograd.graph.saved_tensors_hooks``, with ``requires_grad`` set on the float inputs that are on
+the gradient path, and sorts every tensor autograd packs by its storage:
+
+    an input's storage   -> SavedRule.inputs   (positions in ``OpView.tensor_args``; a saved view of an
+                                                input, e.g. linear's ``weight.t()``, keeps that input)
+    an output's storage  -> SavedRule.output
+    any other storage    -> SavedRule.new_bytes (each distinct storage once, at its full size: dropout
+                                                 masks, softmax/log-softmax results, logsumexp, ...)
+
+It also records ``alias_of``: the input whose storage output 0 shares (views, ``contiguous`` of a
+contiguous tensor, dropout with p = 0 on CPU), so memory accounting can follow an alias to the tensor
+that really holds the bytes.
+
+Invariants: the rule depends only on the op, its arguments' shapes/dtypes/strides and non-tensor values,
+and which inputs need a gradient, so it is cached by (``node_signature``, gradient flags, device type).
+An op that fake tensors cannot run (data-dependent shapes) gets the hand-written rule of
+``FALLBACK_SAVES_INPUTS`` / ``FALLBACK_SAVES_OUTPUT`` with ``measured=False``.
+
+The probe sees the CPU kernels. For ``device_type="cuda"`` two ops are corrected to their CUDA kernels:
+dropout keeps a 1-byte bool mask (``native_dropout``) instead of CPU's float noise tensor, and
+``scaled_dot_product_attention`` with dropout keeps q, k, v, output and logsumexp (flash attention)
+instead of the CPU math path's T×T probabilities.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from autopar.cost_models.compute import node_signature
+
+aten = torch.ops.aten
+
+FALLBACK_SAVES_INPUTS = {
+    aten.linear, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.layer_norm,
+    aten.native_layer_norm, aten.rms_norm, aten.scaled_dot_product_attention, aten.gelu, aten.silu,
+    aten.relu, aten.tanh, aten.sigmoid, aten.pow, aten.mul, aten.div, aten.exp, aten.log, aten.sqrt,
+    aten.rsqrt, aten.embedding, aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.where,
+    aten.masked_fill, aten.erf, aten.abs, aten.clamp, aten.minimum, aten.maximum,
+}
+FALLBACK_SAVES_OUTPUT = {aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax,
+                         aten.scaled_dot_product_attention, aten.exp, aten.tanh, aten.sigmoid}
+_SAVES_NOTHING = {aten.add, aten.sub, aten.neg, aten.sum, aten.mean, aten.cat, aten.stack, aten.clone,
+                  aten.contiguous, aten.to, aten._to_copy, aten.dropout, aten.cumsum}
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedRule:
+    """What one op's backward keeps alive. inputs: positions in ``OpView.tensor_args``; output: whether
+    it keeps its own output; new_bytes: bytes of tensors it creates only for backward (global shapes);
+    alias_of: the input position whose storage output 0 shares, or None; measured: probed, not a table."""
+
+    inputs: tuple[int, ...] = ()
+    output: bool = False
+    new_bytes: float = 0.0
+    alias_of: int | None = None
+    measured: bool = True
+
+
+_CACHE: dict[tuple, SavedRule] = {}
+
+
+def saved_rule(node: fx.Node, grad_names: set[str], device_type: str = "cpu") -> SavedRule:
+    """The ``SavedRule`` of a call_function node; ``grad_names``: nodes whose output needs a gradient."""
+    if node.op != "call_function" or node.target is operator.getitem or not hasattr(node.target, "_schema"):
+        return SavedRule(measured=False)
+    flags = tuple(isinstance(a, fx.Node) and a.name in grad_names for a in _flat_args(node))
+    key = (node_signature(node), flags, device_type)
+    if key not in _CACHE:
+        rule = _probe(node, flags)
+        _CACHE[key] = _cuda_kernels(node, rule) if device_type == "cuda" else rule
+    return _CACHE[key]
+
+
+def _flat_args(node: fx.Node) -> list:
+    return pytree.tree_flatten((node.args, node.kwargs))[0]
+
+
+def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
+    """Run the op once on fake tensors and classify what autograd packs (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    packed: list[torch.Tensor] = []
+    try:
+        with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            fakes = [_fake(a, grad) if isinstance(a, fx.Node) else a for a, grad in zip(flat, flags)]
+            args, kwargs = pytree.tree_unflatten(fakes, spec)
+            with torch.enable_grad():
+                out = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001: an op fake tensors cannot run is priced by the fallback table
+        return fallback_rule(node)
+    inputs = [f for a, f in zip(flat, fakes) if isinstance(a, fx.Node) and isinstance(f, torch.Tensor)]
+    outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+    return _classify(packed, inputs, outputs)
+
+
+def _fake(arg: fx.Node, grad: bool):
+    """A fake CPU tensor like ``arg``'s value (same shape, stride, dtype); lists of tensors element-wise."""
+    val = arg.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return type(val)(_fake_tensor(v, False) for v in val)
+    return _fake_tensor(val, grad)
+
+
+def _fake_tensor(val, grad: bool):
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="cpu")
+    return t.requires_grad_(True) if grad and val.dtype.is_floating_point else t
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _classify(packed: list, inputs: list, outputs: list) -> SavedRule:
+    in_ids = [_storage_id(t) for t in inputs]
+    out_ids = {_storage_id(t) for t in outputs}
+    saved_inputs, keeps_output, new = set(), False, {}
+    for t in packed:
+        if not isinstance(t, torch.Tensor):
+            continue
+        sid = _storage_id(t)
+        if sid in in_ids:
+            saved_inputs.add(in_ids.index(sid))
+        elif sid in out_ids:
+            keeps_output = True
+        else:
+            new[sid] = t.untyped_storage().nbytes()
+    alias = in_ids.index(_storage_id(outputs[0])) if outputs and _storage_id(outputs[0]) in in_ids else None
+    return SavedRule(tuple(sorted(saved_inputs)), keeps_output, float(sum(new.values())), alias)
+
+
+def fallback_rule(node: fx.Node) -> SavedRule:
+    """The hand-written rule: listed ops keep their inputs and/or output; unknown ops keep their inputs."""
+    packet = getattr(node.target, "overloadpacket", node.target)
+    n_tensors = sum(isinstance(a, fx.Node) for a in _flat_args(node))
+    keeps_inputs = packet in FALLBACK_SAVES_INPUTS or packet not in (_SAVES_NOTHING | FALLBACK_SAVES_OUTPUT)
+    return SavedRule(tuple(range(n_tensors)) if keeps_inputs else (), packet in FALLBACK_SAVES_OUTPUT,
+                     measured=False)
+
+
+def _cuda_kernels(node: fx.Node, rule: SavedRule) -> SavedRule:
+    """The CUDA kernels' saved tensors where they differ from CPU's (see the module docstring)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    p = _dropout_p(node)
+    if packet is aten.dropout and p > 0:
+        numel = math.prod(node.meta["val"].shape)
+        return dataclasses.replace(rule, new_bytes=float(numel))  # bool mask, 1 byte per element
+    if packet is aten.scaled_dot_product_attention and p > 0:
+        q = node.args[0].meta["val"]
+        lse = math.prod(q.shape[:-1]) * 4  # float32 logsumexp per query row
+        return SavedRule((0, 1, 2), True, float(lse), None)
+    return rule
+
+
+def _dropout_p(node: fx.Node) -> float:
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is aten.dropout:
+        return float(node.args[1]) if len(node.args) > 1 else float(node.kwargs.get("p", 0.0))
+    if packet is aten.scaled_dot_product_attention:
+        return float(node.args[4]) if len(node.args) > 4 else float(node.kwargs.get("dropout_p", 0.0))
+    return 0.0
