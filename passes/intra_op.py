@@ -52,12 +52,15 @@ class CostEnv:
         self.links = axis_links(self.cluster, self.mesh_shape, self.devices_per_node)
         self._reshard_cache: dict = {}
 
-    def reshard(self, val: torch.Tensor, src, dst, grad_axes, needs_grad: bool) -> tuple[float, float]:
-        key = (tuple(val.shape), val.dtype, src, dst, grad_axes, needs_grad)
+    def reshard(self, val: torch.Tensor, src, dst, grad_axes, needs_grad: bool,
+                bucketed_sync: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of one redistribution; ``bucketed_sync`` for a parameter, whose
+        gradient all-reduce the runtime flattens with the others (``redistribute_cost``)."""
+        key = (tuple(val.shape), val.dtype, src, dst, grad_axes, needs_grad, bucketed_sync)
         hit = self._reshard_cache.get(key)
         if hit is None:
             hit = redistribute_cost(tuple(val.shape), val.element_size(), src, dst, self.mesh_shape, self.links,
-                                    grad_axes, needs_grad)
+                                    grad_axes, needs_grad, bucketed_sync=bucketed_sync)
             self._reshard_cache[key] = hit
         return hit
 
@@ -114,6 +117,14 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None,
         else:
             class_edges[(cu, cv)] = class_edges.get((cu, cv), 0) + m
     return b, IlpProblem(cost, mem, class_edges, budget, peak), class_of, edges
+
+
+def _bucket_startup(env: CostEnv) -> float:
+    """The α of the flattened gradient all-reduces (``runtime.gradsync.reduce_deferred``: one per synced
+    mesh axis per step), which per-parameter prices leave out (``redistribute_cost(bucketed_sync=True)``).
+    Charged for every axis of size > 1 when any gradient is synced: an upper bound, and a constant the ILP
+    does not need, since it differs between layouts by at most a few α."""
+    return sum(link.startup_time("all_reduce") for link in env.links if link.size > 1)
 
 
 def _share_classes(b: GroupBuilder, blocks) -> list[int]:
@@ -179,6 +190,8 @@ def solve_built(built, env: CostEnv, time_limit: float, budget: float | None = N
     edge_costs = {key: b.weight(key[1]) * float(m[choice[key[0]], choice[key[1]]]) for key, m in edges.items()}
     comm += sum(edge_costs.values())
     assert abs(compute + comm - evaluate(problem, result.choice)) <= 1e-6 * max(1.0, compute + comm)
+    bucket = _bucket_startup(env) if sync > 0 else 0.0
+    comm, sync = comm + bucket, sync + bucket
     solution = IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
                                memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
                                set(b.sends_real))

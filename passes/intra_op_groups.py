@@ -112,10 +112,12 @@ class GroupBuilder:
         self.alias, self.stands_for = _truncation(graph, truncate, subset) if truncate else ({}, {})
         view = graph.view
         self.params = {p.name for p in graph.placeholders if p.kind == "parameter"}
-        if getattr(graph, "_grad_info", None) is None:  # per graph, not per builder
+        device_type = env.cluster.device_type
+        info = getattr(graph, "_grad_info", None)  # per graph and device type, not per builder
+        if info is None or info[0] != device_type:
             needs = requires_grad_nodes(graph.gm, self.params)
-            graph._grad_info = (needs, saved_nodes(graph.gm, needs))
-        self.requires_grad, self.saved = graph._grad_info
+            graph._grad_info = info = (device_type, needs, saved_nodes(graph.gm, needs, device_type))
+        _, self.requires_grad, self.saved = info
         self.order, self.boundary, self.sends = self._scope()
         self.strategies = dict(strategies)
         for name in self.boundary:
@@ -314,7 +316,7 @@ class GroupBuilder:
         val = self.views[node.name].in_vals[idx]
         needs_grad = arg.name in self.requires_grad and node.name in self.requires_grad
         grad_axes = grad_partial_axes(dst, strat.out_spec) if needs_grad else ()
-        fwd, bwd = self.env.reshard(val, src, dst, grad_axes, needs_grad)
+        fwd, bwd = self.env.reshard(val, src, dst, grad_axes, needs_grad, bucketed_sync=arg.name in self.params)
         if arg.name in self.params:
             return self.env.microbatches * fwd, bwd
         return self.env.microbatches * (fwd + bwd), 0.0

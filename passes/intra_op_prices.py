@@ -174,7 +174,10 @@ def _rebate_matrix(b, u, c1, c2, g1, g2) -> np.ndarray | None:
         if not axes1:
             continue
         nbytes = local_bytes(val, dst1, b.env.mesh_shape)
-        refund = b.env.microbatches * sum(b.env.links[a].time("all_reduce", nbytes) for a in axes1)
+        if u.name in b.params:  # a parameter's sync: once per step, bucketed (GroupBuilder.edge_time)
+            refund = sum(b.env.links[a].bandwidth_time("all_reduce", nbytes) for a in axes1)
+        else:
+            refund = b.env.microbatches * sum(b.env.links[a].time("all_reduce", nbytes) for a in axes1)
         for j, key2 in enumerate(keys[1]):
             if key2 == (dst1, axes1):
                 m[i, j] = -refund

@@ -47,13 +47,16 @@ PIPELINES = {
 
 def pipeline_options(layout: str, cluster, model, batch) -> tuple:
     """("pp2x2-1f1b" ...) -> (cluster, options): manual stages, 4 microbatches, and for two-device stages a
-    memory budget under which they must shard (0.3 × the model replicated over two devices)."""
+    memory budget under which they must shard: 0.85 × the largest stage's memory in the plan made without a
+    budget (where every stage replicates, data parallel being the cheapest on 2 CPU ranks). A fixed fraction
+    of the whole model's memory would depend on the schedule (GPipe keeps 4 microbatches' activations,
+    1F1B 2 or 1) and on the memory model, and leave no window that both forces and admits sharding."""
     shape, schedule = layout.split("-")
     stages = PIPELINES[shape]
     options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages)}
     if shape == "pp2x2":
-        _, replicated = memory_bounds(capture(model, batch), autopar.Cluster.local(2), PlanOptions())
-        cluster = cluster.with_memory(0.3 * replicated)
+        free = autopar.plan(model, cluster, batch, **options)
+        cluster = cluster.with_memory(0.85 * max(s.predicted["memory"] for s in free.stages))
     return cluster, options
 
 
