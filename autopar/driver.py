@@ -12,7 +12,7 @@ import torch
 
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec
-from autopar.errors import InfeasibleError, PlanError
+from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import ModelGraph, capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
@@ -87,7 +87,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         except InfeasibleError as e:
             floor = memory_bounds(graph, cluster, options)[0]
             raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
-                                  f"per device ({floor:.0f} bytes); a memory_per_device that large fits it") from None
+                                  f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
+                                  + budget_unit_hint(cluster.memory_per_device)) from None
         clock.lap("stage_dp")
         plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
         clock.lap("stage_ilps")

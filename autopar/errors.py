@@ -25,6 +25,15 @@ class InfeasibleError(AutoparError):
     """No plan fits the per-device memory budget."""
 
 
+def budget_unit_hint(budget: float) -> str:
+    """" Note ..." when a budget of at most 4096 bytes per device looks like GiB given where bytes are
+    expected (no device has 4 TiB, and no model trains in 4 KiB); else ""."""
+    if budget > 4096:
+        return ""
+    return (f" Note that memory_per_device is in bytes: {budget:g} looks like a count of GiB, which would be "
+            f"memory_per_device={budget:g} * 2**30.")
+
+
 class InputError(AutoparError):
     """Inputs passed at run time differ from the example inputs the plan was made for."""
 

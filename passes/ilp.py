@@ -248,8 +248,9 @@ def min_memory(problem: IlpProblem, time_limit: float = 30.0, which: str = "auto
 
 
 def _infeasible_message(budget: float, floor: float) -> str:
+    from autopar.errors import budget_unit_hint
     from autopar.report import fmt_bytes
 
     return (f"no sharding fits the memory budget: {fmt_bytes(budget)} per device, but the smallest plan "
             f"needs {fmt_bytes(floor)} ({floor:.0f} bytes). Fix: give each device at least that much "
-            f"(memory_per_device), use more devices, or add pipeline stages.")
+            f"(memory_per_device), use more devices, or add pipeline stages." + budget_unit_hint(budget))

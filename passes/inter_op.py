@@ -315,9 +315,12 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
         if found is not None and (best is None or found.cost < best[0].cost):
             best = (found, B, table)
     if best is None:
+        from autopar.report import fmt_bytes  # report is a leaf module, imported late like ilp.py does
+
+        budget = costs.cluster.memory_per_device
         raise InfeasibleError(f"no pipeline of the {L} layers over {costs.cluster.num_devices} devices fits "
-                              f"{costs.cluster.memory_per_device / 2**30:.2f} GiB per device with microbatches "
-                              f"{candidates}; use more devices or memory, or more microbatches")
+                              f"{fmt_bytes(budget)} per device with microbatches {candidates}; use more devices "
+                              f"or memory, or more microbatches")
     found, B, table = best
     out = []
     for s, (k, i, j) in enumerate(found.stages):

@@ -95,6 +95,7 @@ def test_a_budget_in_gigabytes_instead_of_bytes_shows_the_budget_in_bytes():
     with pytest.raises(InfeasibleError, match="per device") as err:
         autopar.plan(model, autopar.Cluster.local(2, memory_per_device=80), batch)
     assert "80 B" in str(err.value) or "0.00 GiB" in str(err.value), str(err.value)
+    assert "memory_per_device=80 * 2**30" in str(err.value), "the GiB hint is missing"
 
 
 class FlipModel(torch.nn.Module):
