@@ -93,10 +93,32 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
         clock.lap("stage_ilps")
         plan.planner["mesh_solves"] = costs.solves
+        if options.stages is None and candidates[0] == 1:
+            plan = _or_single_stage(plan, lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
+                                                                at_microbatch))
+            clock.lap("single_stage_check")
     plan.planner["solver"] = backend()
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan
+
+
+def _or_single_stage(pipelined: Plan, single) -> Plan:
+    """The faster (predicted) of the DP's plan and ``single()``: one stage on the whole cluster, B = 1.
+
+    The DP prices each B by scaling solutions made at two small reference microbatches (``inter_op``),
+    which cannot represent layouts that split a large microbatch widely, and charges costs that do not
+    grow with the microbatch (op overhead, collective start-ups) once per sample. The no-pipeline plan is
+    the one those estimates are furthest from, so it is solved exactly and kept when it is predicted
+    faster; both predictions are exact re-solves, so they compare."""
+    try:
+        candidate = single()
+    except InfeasibleError:
+        return pipelined
+    if candidate.predicted["step_time"] < pipelined.predicted["step_time"]:
+        candidate.planner["dp_choice_step_time"] = float(pipelined.predicted["step_time"])
+        return candidate
+    return pipelined
 
 
 class _Clock:
