@@ -17,6 +17,7 @@ from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import ModelGraph, capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
+from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
 from autopar.passes.strategies import generate_strategies
@@ -243,30 +244,35 @@ def _check_manual(stages, costs: StageCosts) -> None:
 
 def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
               choice: StageChoice, at_microbatch) -> Plan:
-    """Place the chosen stages on ranks and solve each exactly at the chosen microbatch."""
+    """Place the chosen stages on ranks and solve each exactly at the chosen microbatch.
+
+    Stages are solved fewest in-flight microbatches first, so an identical stage further up the
+    pipeline (same objective, more memory) can reuse a solution that still fits (``ilp_reuse``)."""
     B = choice.microbatches
     scaled = at_microbatch(B)
     ranks = place_stages(cluster, [option.physical for _, _, option, _ in choice.stages])
-    stages, variables = [], 0
+    memo, solved = SolutionMemo(), {}
     last = len(choice.stages) - 1
-    for s, (k, i, option, f) in enumerate(choice.stages):
+    for s, (k, i, option, f) in sorted(enumerate(choice.stages), key=lambda item: (item[1][3], item[0])):
         subset = {name for layer in range(k, i + 1) for name in layers.nodes[layer]}
         if s == last:
             subset.add("output")
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
                       inflight=f, devices_per_node=option.physical[1])
         solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
-                                  cluster.memory_per_device, options.time_limit, subset=subset, truncate=True)
-        variables += solution.ilp.n_variables
-        stages.append(make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
-                                 layers=(k, i)))
+                                  cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
+                                  memo=memo)
+        solved[s] = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
+                               layers=(k, i)), solution.ilp.n_variables
+    stages = [solved[s][0] for s in range(len(solved))]
+    variables = sum(n for _, n in solved.values())
     transfers = transfers_between(graph, stages, scaled, cluster)
     schedule = options.schedule if len(stages) > 1 or B > 1 else "none"
     plan = assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
                          layers=layers, transfers=transfers, sharded_graph=scaled)
     plan.predicted = predict(stages, B, schedule, transfers)
     plan.planner = {"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
-                    "dp_cost": choice.cost}
+                    "dp_cost": choice.cost, "stage_solves_reused": memo.hits}
     return plan
 
 

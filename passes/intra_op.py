@@ -27,6 +27,7 @@ from autopar.cluster import Cluster
 from autopar.cost_models.communication import axis_links, redistribute_cost
 from autopar.cost_models.memory import TrainingSpec
 from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp
+from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.intra_op_groups import Group, GroupBuilder, is_light  # noqa: F401 (is_light is public)
 from autopar.passes.intra_op_prices import edge_matrices, price_groups, shared_sync_rebates
 from autopar.passes.strategies.base import Strategy
@@ -158,18 +159,25 @@ def _group_key(b: GroupBuilder, group: Group, blocks) -> tuple | None:
 
 
 def solve_intra_op(graph, strategies, blocks, env: CostEnv, budget: float | None = None,
-                   time_limit: float = 60.0, subset: set[str] | None = None, truncate: bool = False) -> IntraOpSolution:
+                   time_limit: float = 60.0, subset: set[str] | None = None, truncate: bool = False,
+                   memo: SolutionMemo | None = None) -> IntraOpSolution:
     """Build and solve the ILP, then read back one strategy per node and the predicted costs."""
     built = build_problem(graph, strategies, blocks, env, budget, subset, truncate)
-    return solve_built(built, env, time_limit)
+    return solve_built(built, env, time_limit, memo=memo)
 
 
-def solve_built(built, env: CostEnv, time_limit: float, budget: float | None = None) -> IntraOpSolution:
-    """Solve an already built problem (with ``budget`` replacing its memory bound when given)."""
+def solve_built(built, env: CostEnv, time_limit: float, budget: float | None = None,
+                memo: SolutionMemo | None = None) -> IntraOpSolution:
+    """Solve an already built problem (with ``budget`` replacing its memory bound when given); ``memo``
+    answers it from an earlier, provably equivalent solve when it can (``ilp_reuse``)."""
     b, problem, class_of, edges = built
     if budget is not None:
         problem = dataclasses.replace(problem, budget=budget)
-    result = solve_ilp(problem, time_limit)
+    result = memo.lookup(problem) if memo is not None else None
+    if result is None:
+        result = solve_ilp(problem, time_limit)
+        if memo is not None:
+            memo.store(problem, result)
     choice = [result.choice[class_of[g]] for g in range(len(b.groups))]
     chosen: dict[str, Strategy] = {}
     inputs: dict[str, tuple] = {}

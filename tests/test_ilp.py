@@ -52,3 +52,43 @@ def test_infeasible_budget_names_the_floor():
     problem.budget = 0.9 * floor
     with pytest.raises(InfeasibleError, match="smallest plan needs"):
         solve_ilp(problem, 30)
+
+
+def _with_more_memory(problem, factor):
+    """Same objective, every memory coefficient scaled by ``factor`` (≥ 1: a tighter feasible set)."""
+    return IlpProblem(problem.cost, [m * factor for m in problem.mem], problem.edges, problem.budget,
+                      [p * factor for p in problem.peak])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reused_solutions_are_optimal_for_tighter_problems(seed):
+    from autopar.passes.ilp_reuse import SolutionMemo
+
+    rng = np.random.default_rng(seed)
+    loose = random_problem(rng)
+    loose.budget = 0.5 * (min_memory(loose) + memory_of(loose, [0] * loose.n_classes))
+    memo = SolutionMemo()
+    memo.store(loose, solve_ilp(loose, 30))
+    for factor in (1.0, 1.02, 1.1, 1.3):
+        tight = _with_more_memory(loose, factor)
+        if min_memory(tight) > tight.budget:
+            continue
+        reused = memo.lookup(tight)
+        if reused is not None:  # answered only when provably optimal: it equals brute force
+            assert reused.objective == pytest.approx(brute(tight), rel=1e-6)
+            assert memory_of(tight, reused.choice) <= tight.budget
+    assert memo.hits >= 1, "the identical problem (factor 1.0) is answered from the memo"
+
+
+def test_memo_never_answers_a_looser_or_different_problem():
+    from autopar.passes.ilp_reuse import SolutionMemo
+
+    rng = np.random.default_rng(3)
+    problem = random_problem(rng)
+    problem.budget = 0.5 * (min_memory(problem) + memory_of(problem, [0] * problem.n_classes))
+    memo = SolutionMemo()
+    memo.store(problem, solve_ilp(problem, 30))
+    assert memo.lookup(problem) is not None, "the same problem is answered"
+    assert memo.lookup(_with_more_memory(problem, 0.9)) is None, "a looser feasible set may have a better optimum"
+    other = IlpProblem([c + 1e-3 for c in problem.cost], problem.mem, problem.edges, problem.budget, problem.peak)
+    assert memo.lookup(other) is None, "another objective is never answered"
