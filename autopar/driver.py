@@ -185,7 +185,7 @@ def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
     Their solutions price every B by scaling; batch splits they chose must divide the microbatch of a
     given B (checked per entry), and each chosen stage is re-solved exactly at its B."""
     batch = graph.input_signature[0][0][0]
-    parts = {max(candidates), max(b for b in candidates if b <= 8)}
+    parts = {max(candidates), max((b for b in candidates if b <= 8), default=min(candidates))}
     return {batch // b: rescale(graph, b) for b in sorted(parts)}
 
 

@@ -105,3 +105,9 @@ def test_bad_manual_stages(stages, match):
 def test_microbatches_that_do_not_split_the_batch():
     with pytest.raises(PlanError, match="does not split the batch of 16"):
         gpt_plan(autopar.Cluster.preset("dgx-a100", nodes=1), 16, microbatches=3)
+
+
+def test_a_user_fixed_microbatch_count_above_eight_plans():
+    """B = 16 leaves no candidate ≤ 8 for the data-parallel reference microbatch (once a crash)."""
+    plan = gpt_plan(autopar.Cluster.preset("dgx-a100", nodes=2), 32, microbatches=16, stages=2)
+    assert plan.microbatches == 16 and len(plan.stages) == 2
