@@ -53,6 +53,7 @@ def has_rule(node: fx.Node) -> bool:
 # Import the rule families so they register themselves.
 from autopar.passes.strategies import (attention, creation, embedding, loss, matmul, norms, pointwise,  # noqa: E402,F401
                                reductions, views)
+from autopar.passes.strategies import conv, einsum, routing  # noqa: E402,F401
 
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:

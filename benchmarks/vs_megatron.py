@@ -1,0 +1,225 @@
+"""autopar against hand-written layouts: Megatron-LM's grid on GPT, DP×PP on Wide-ResNet, DP×EP×PP on MoE.
+
+    python benchmarks/vs_megatron.py --simulate                      # Alpa's suites, cost model (~1 h on 2 cores)
+    python benchmarks/vs_megatron.py --simulate --points gpt:1.3B:4:p3.16xlarge moe:2.4B:8:p3.16xlarge
+    python benchmarks/vs_megatron.py --local [--cluster cluster.json]   # measured on 4 local gloo ranks
+    python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
+
+--simulate: for every point MODEL:NAME:GPUS:PRESET, the best hand configuration of a grid search and
+autopar's own plan (``autopar.plan(model, cluster, batch)``, default options) are both scored by autopar's
+cost model on the meta device, so the comparison is apples to apples (``benchmarks/megatron_configs.py``
+and ``benchmarks/hand_grids.py`` say how a hand configuration becomes a plan). GPT throughput uses
+Megatron's FLOP count, 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), for both sides; Wide-ResNet and MoE use the
+captured graph's forward + backward FLOPs (torch.utils.flop_counter). The ratio autopar/hand is a
+throughput ratio (higher is better; = hand step time / autopar step time).
+
+Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
+vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
+"dgx-a100"; Wide-ResNet (examples/wide_resnet.py, fp32, batch 1536) and GShard MoE (examples/moe.py,
+fp16, batch 1024) at Alpa's 8- and 16-GPU weak-scaling points on p3.16xlarge.
+
+--local: see ``benchmarks/vs_megatron_local.py``. Both modes print a markdown table, write it with a PNG
+chart under benchmarks/results/, and end with the line "min speedup vs hand: X".
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import autopar  # noqa: E402
+from autopar.errors import InfeasibleError  # noqa: E402
+from benchmarks import hand_grids, megatron_configs  # noqa: E402
+from benchmarks import vs_megatron_report as report  # noqa: E402
+from benchmarks.plan_time import cluster_for  # noqa: E402
+
+GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
+PRESETS = ("p3.16xlarge", "dgx-a100")
+OTHER_POINTS = ["wrn:2B:8:p3.16xlarge", "wrn:4B:16:p3.16xlarge", "moe:2.4B:8:p3.16xlarge", "moe:10B:16:p3.16xlarge"]
+DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + OTHER_POINTS
+GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024}
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model on the meta device, its global batch, and its FLOPs per training step."""
+
+    family: str
+    name: str
+    model: torch.nn.Module
+    batch: tuple
+    flops: float
+
+
+def build_workload(family: str, name: str) -> Workload:
+    batch_size = GLOBAL_BATCH[family]
+    if family == "gpt":
+        from examples.gpt import GPT, make_batch, suite_config
+
+        cfg = suite_config(name)
+        with torch.device("meta"):
+            model = GPT(cfg).half()
+        return Workload(family, name, model, make_batch(cfg, batch_size, device="meta"),
+                        megatron_configs.gpt_flops(cfg, batch_size))
+    if family == "wrn":
+        from examples.wide_resnet import WideResNet, make_batch, suite_config
+
+        cfg = suite_config(name)
+        with torch.device("meta"):
+            model = WideResNet(cfg)
+    elif family == "moe":
+        from examples.moe import MoETransformer, make_batch, suite_config
+
+        cfg = suite_config(name)
+        with torch.device("meta"):
+            model = MoETransformer(cfg).half()
+    else:
+        raise ValueError(f"unknown model family {family!r}; use gpt, wrn or moe")
+    batch = make_batch(cfg, batch_size, device="meta")
+    return Workload(family, name, model, batch, graph_flops(model, batch))
+
+
+def graph_flops(model, batch) -> float:
+    """Forward + backward FLOPs of every op of the captured graph (torch.utils.flop_counter's count)."""
+    from autopar.cost_models.compute import node_flops
+    from autopar.passes.capture import capture
+
+    return sum(sum(node_flops(n)) for n in capture(model, batch).gm.graph.nodes)
+
+
+def best_hand(work: Workload, cluster, log) -> tuple:
+    """(best Scored or None, every Scored) of the family's hand grid."""
+    if work.family == "gpt":
+        cfg = work.model.cfg
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log)
+    if work.family == "wrn":
+        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, log=log)
+    return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.moe_pins,
+                                n_experts=work.model.cfg.n_expert, log=log)
+
+
+def describe_plan(plan) -> str:
+    """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages, their submesh and logical mesh, microbatches."""
+    runs: list[list] = []
+    for s in plan.stages:
+        key = (tuple(s.submesh), tuple(s.mesh_shape))
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
+    return " + ".join(parts) + f", B={plan.microbatches}"
+
+
+def run_point(point: str, progress) -> dict:
+    family, name, gpus, preset = point.split(":")
+    cluster = cluster_for(preset, int(gpus))
+    work = build_workload(family, name)
+    start = time.perf_counter()
+    best, scored = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
+                                                                   f"{r.status} {r.step_time or ''}"))
+    grid_s = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        plan = autopar.plan(work.model, cluster, work.batch)
+        auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
+    except InfeasibleError as e:
+        auto_step, auto_desc = None, f"OOM ({e})"
+    plan_s = time.perf_counter() - start
+    return {"point": point, "family": family, "model": name, "gpus": int(gpus), "cluster": preset,
+            "flops": work.flops, "hand": str(best.config) if best else "all OOM",
+            "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
+            "grid_s": grid_s, "plan_s": plan_s, "scored": [(str(s.config), s.status, s.step_time) for s in scored]}
+
+
+def ratio(row: dict) -> float | None:
+    if row["hand_step"] is None or row["auto_step"] is None:
+        return None
+    return row["hand_step"] / row["auto_step"]
+
+
+def pflops(row: dict, key: str) -> float:
+    return row["flops"] / row[key] / 1e15 if row[key] else 0.0
+
+
+HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
+           "autopar / hand", "configs scored (OOM)", "grid s", "autopar plan s"]
+
+
+def table_row(row: dict) -> list:
+    r = ratio(row)
+    oom = sum(1 for s in row["scored"] if s[1] == "OOM")
+    label = {"gpt": "GPT", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
+    return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
+            f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a",
+            f"{len(row['scored'])} ({oom})", f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+
+
+def simulate(points: list[str]) -> int:
+    header = report.machine_line("autopar vs hand-written layouts, simulated (autopar's cost model)")
+    print(header)
+    print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
+    rows = []
+    for point in points:
+        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        rows.append(row)
+        print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
+    return render_simulation(header, rows)
+
+
+def render_simulation(header: str, rows: list[dict]) -> int:
+    """Write the table, the JSON of every scored config and the chart; print the summary line."""
+    text = "\n\n".join([header, report.markdown_table(HEADERS, [table_row(r) for r in rows]), _notes()])
+    path = report.write_results("simulate", text, rows)
+    labels = [f"{r['family']} {r['model']}/{r['gpus']} {r['cluster'].split('.')[0]}" for r in rows]
+    chart = report.throughput_chart("simulate", labels, [pflops(r, "hand_step") for r in rows],
+                                    [pflops(r, "auto_step") for r in rows], "PFLOP/s (predicted)",
+                                    "autopar vs best hand layout (autopar's cost model)")
+    print(f"\nwrote {path} and {chart}")
+    print(report.summary_line([(r["point"], ratio(r)) for r in rows if ratio(r) is not None]))
+    return 0
+
+
+def _notes() -> str:
+    return ("Hand layouts: GPT, Megatron-LM's grid (dp × tp × pp × microbatches, tp inside a node, blocks split "
+            "evenly, 1F1B; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP "
+            "(FLOP-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's cost "
+            "model. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs otherwise.")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--from-json", help="re-render a saved --simulate run (benchmarks/results/vs_megatron_"
+                                          "simulate.json) without planning again")
+    mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
+    mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on 4 gloo ranks")
+    parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
+    parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
+                                          "benchmarks/results/local4_cluster.json)")
+    parser.add_argument("--header", help="--from-json: the header line of the original run")
+    parser.add_argument("--rounds", type=int, default=5, help="--local: round-robin rounds over the layouts")
+    parser.add_argument("--steps", type=int, default=3, help="--local: timed steps per layout and round")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            rows = json.load(f)
+        print(report.markdown_table(HEADERS, [table_row(r) for r in rows]))
+        return render_simulation(args.header or report.machine_line("autopar vs hand-written layouts, simulated "
+                                                                    "(autopar's cost model)"), rows)
+    if args.simulate:
+        return simulate(args.points)
+    from benchmarks.vs_megatron_local import measure
+
+    return measure(args.cluster, rounds=args.rounds, steps=args.steps)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
