@@ -142,9 +142,7 @@ def _cost_charts(plan) -> str:
     if p:
         parts.append(f"<p>step time <b>{fmt_seconds(p.get('step_time', 0))}</b>; peak memory per device "
                      f"<b>{fmt_bytes(p.get('peak_memory', 0))}</b></p>")
-        parts.append(seconds_bars([("step", [("compute", p.get("compute", 0), COMPUTE),
-                                             ("communication", p.get("comm", 0), COMM),
-                                             ("pipeline bubble", p.get("bubble", 0), BUBBLE)])]))
+        parts.append(seconds_bars([("step", _step_parts(plan))]))
     rows = [(f"stage {s.index}", [("compute", (s.predicted or {}).get("compute", 0), COMPUTE),
                                   ("communication", (s.predicted or {}).get("comm", 0), COMM),
                                   ("grad sync", (s.predicted or {}).get("grad_sync", 0), GRAD_SYNC)])
@@ -166,6 +164,22 @@ def _cost_charts(plan) -> str:
     return "".join(parts)
 
 
+def _step_parts(plan) -> list[tuple[str, float, str]]:
+    """The step time split so that the parts add up to it: step = busiest stage's work + bubble + grad
+    sync, the busiest stage's work split between compute and communication in that stage's proportion.
+    (``plan.predicted``'s compute and comm are sums over stages, device-time rather than wall time.)"""
+    p = plan.predicted
+    sync, bubble = float(p.get("grad_sync", 0)), float(p.get("bubble", 0))
+    work = max(0.0, float(p.get("step_time", 0)) - sync - bubble)
+    per_microbatch = lambda s: (s.predicted or {}).get("forward", 0) + (s.predicted or {}).get("backward", 0)  # noqa: E731
+    busiest = max(plan.stages, key=per_microbatch, default=None)
+    q = (busiest.predicted or {}) if busiest is not None else {}
+    total = float(q.get("compute", 0)) + float(q.get("comm", 0))
+    share = float(q.get("compute", 0)) / total if total > 0 else 1.0
+    return [("compute", work * share, COMPUTE), ("communication", work * (1 - share), COMM),
+            ("pipeline bubble", bubble, BUBBLE), ("grad sync", sync, GRAD_SYNC)]
+
+
 # ---- schedule -------------------------------------------------------------------------------------
 
 def _schedule_section(plan) -> str:
@@ -177,7 +191,8 @@ def _schedule_section(plan) -> str:
     estimated = "" if all("forward" in (s.predicted or {}) for s in plan.stages) else \
         " (forward/backward split 1:2 from each stage's latency: the plan does not record them)"
     text = (f"<p>schedule <b>{escape(str(plan.schedule))}</b>, {plan.microbatches} microbatch(es); simulated step "
-            f"{fmt_seconds(max(op.end for op in ops + steps))}, bubble fraction "
+            f"{fmt_seconds(max(op.end for op in ops + steps))}, idle fraction (bubble and imbalance, mean over "
+            f"stages) "
             f"{trace.bubble_fraction(ops, len(plan.stages)):.1%}. Per microbatch: {escape(fb)}{escape(estimated)}. "
             f"Export it for Perfetto with <code>autopar show plan.json --trace trace.json</code>.</p>")
     return (f'<section id="schedule"><h2>Pipeline schedule</h2>{text}{schedule_svg(ops + steps, labels)}'

@@ -166,6 +166,15 @@ def make_gpt(cfg: GPTConfig | None = None, *, batch_size: int = 8, seed: int = 0
     return GPT(cfg), make_batch(cfg, batch_size, seed=seed)
 
 
+def make_suite_gpt(name: str = "2.6B", *, batch_size: int = 1024):
+    """Factory for planning only: Alpa's GPT suite model ``name`` in fp16 on the meta device (no memory),
+    with a global batch of ``batch_size`` sequences. ``autopar plan examples/gpt.py:make_suite_gpt ...``"""
+    cfg = suite_config(name)
+    with torch.device("meta"):
+        model = GPT(cfg).half()
+    return model, make_batch(cfg, batch_size, device="meta")
+
+
 if __name__ == "__main__":
     model, batch = make_gpt()
     loss = model(*batch)

@@ -293,3 +293,16 @@ def test_png_parser_agrees_with_known_images(tmp_path):
     write_png(tmp_path / "two.png", [[255, 255, 255] * 8] * 3 + [[0, 0, 0] * 8])
     assert _png_color_count_zlib(tmp_path / "one.png", 2) == 1
     assert _png_color_count_zlib(tmp_path / "two.png", 2) == 2
+
+
+def test_the_step_bar_adds_up_to_the_predicted_step_time():
+    """Its parts are wall time (busiest stage's work + bubble + grad sync), not sums over stages."""
+    from autopar.plan_builder import predict
+    from autopar.visualize import _step_parts
+
+    model, batch = make_gpt()
+    plan = two_stage_variant(autopar.plan(model, autopar.Cluster.preset("dgx-a100", nodes=2), batch), 8)
+    plan.predicted = predict(plan.stages, plan.microbatches, plan.schedule, [])
+    parts = dict((name, seconds) for name, seconds, _ in _step_parts(plan))
+    assert sum(parts.values()) == pytest.approx(plan.predicted["step_time"], rel=1e-9)
+    assert parts["compute"] / parts["communication"] == pytest.approx(2.5e-3 / 5e-4)
