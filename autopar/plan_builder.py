@@ -65,6 +65,8 @@ def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]
             for kind, axis, nbytes, phase in redistribute_messages(tuple(val.shape), val.element_size(), src, dst,
                                                                   env.mesh_shape, axes, grad):
                 seconds = env.links[axis].time(kind, nbytes)
+                if arg.name in trainable and kind == "all_reduce" and phase == "backward":
+                    phase = "step"  # a parameter's gradient sync: the runtime defers and buckets it per step
                 out.append(Collective(arg.name, node.name, kind, axis, float(nbytes), phase, float(seconds)))
     return out
 

@@ -91,13 +91,19 @@ def _stage_table(plan, stage, max_rows: int) -> list[str]:
 def _collective_lines(stage) -> list[str]:
     if not stage.collectives:
         return ["  collectives: none"]
-    by_kind: Counter = Counter()
-    volume: Counter = Counter()
-    for c in stage.collectives:
-        by_kind[(c.kind, c.phase)] += 1
-        volume[(c.kind, c.phase)] += c.nbytes
-    parts = [f"{n}× {kind} ({phase}, {fmt_bytes(volume[(kind, phase)])})" for (kind, phase), n in sorted(by_kind.items())]
-    return ["  collectives per microbatch: " + "; ".join(parts)]
+    lines = []
+    for title, wanted in (("per microbatch", lambda c: c.phase != "step"),
+                          ("per step (parameters' gradient sync)", lambda c: c.phase == "step")):
+        by_kind: Counter = Counter()
+        volume: Counter = Counter()
+        for c in filter(wanted, stage.collectives):
+            by_kind[(c.kind, c.phase)] += 1
+            volume[(c.kind, c.phase)] += c.nbytes
+        parts = [f"{n}× {kind} ({phase}, {fmt_bytes(volume[(kind, phase)])})" if phase != "step" else
+                 f"{n}× {kind} ({fmt_bytes(volume[(kind, phase)])})" for (kind, phase), n in sorted(by_kind.items())]
+        if parts:
+            lines.append(f"  collectives {title}: " + "; ".join(parts))
+    return lines
 
 
 def plan_summary(plan, max_rows: int = 60) -> str:

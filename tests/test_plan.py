@@ -68,3 +68,15 @@ def test_corrupted_field_is_a_plan_error(plan):
     d["stages"][0]["shardings"]["linear"]["out"] = "Q(9)"
     with pytest.raises(PlanError, match="node linear: bad sharding spec 'Q\\(9\\)'"):
         autopar.Plan.from_json(json.dumps(d))
+
+
+def test_parameter_gradient_syncs_are_listed_per_step_not_per_microbatch():
+    from examples.gpt import make_gpt
+
+    model, batch = make_gpt(batch_size=16)
+    plan = autopar.plan(model, autopar.Cluster.local(4), batch, stages=1, pin={"idx": "RS(0)", "p_*": "RR"})  # DP
+    synced = [c for c in plan.stages[0].collectives if c.phase == "step"]
+    params = {name for name, _ in model.named_parameters()}
+    assert synced and all(c.kind == "all_reduce" for c in synced)
+    assert len(synced) >= len(params) - 1  # every parameter but possibly a tied one, once per step
+    assert "collectives per step (parameters' gradient sync):" in plan.summary()
