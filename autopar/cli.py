@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "torchrun, else the number of cores)")
     f.add_argument("--out", required=True, help="where to write the cluster JSON")
     f.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (seconds, rougher fits)")
+    f.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cuda: one GPU per rank "
+                   "over NCCL, timed with CUDA events; auto (default): cuda when there is a GPU per rank")
     f.set_defaults(run=cmd_profile)
     d = sub.add_parser("demo", help="run examples/demo.py (plan GPT for 2×DGX-A100, train on 4 CPU ranks)",
                        formatter_class=fmt, epilog="examples:\n  autopar demo")
@@ -155,7 +157,8 @@ def cmd_profile(args) -> int:
             raise
         raise AutoparError("`autopar profile` needs autopar.profiler, which this installation lacks; "
                            "update autopar, or describe the cluster with a preset") from None
-    cluster = profile_cluster(nprocs=args.nprocs, quick=args.quick, out=args.out)  # shows its own progress bar
+    # profile_cluster shows its own progress bar
+    cluster = profile_cluster(nprocs=args.nprocs, quick=args.quick, out=args.out, device=args.device)
     print(f"wrote {args.out}: {cluster.name}, {cluster.num_devices} device(s) (use it with: autopar plan "
           f"MODULE:FACTORY --cluster {args.out})", file=sys.stderr)
     return EXIT_OK

@@ -40,7 +40,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -50,6 +49,7 @@ from tqdm import tqdm
 from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.errors import ClusterError
 from autopar.launch import launch
+from autopar.profiler_device import ProbeDevice
 
 KiB, MiB = 2**10, 2**20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -83,24 +83,34 @@ FULL = ProfileSettings(message_bytes=tuple(4 * KiB * 4**k for k in range(7)), ma
                        max_matmul_call_s=0.25, stream_bytes=64 * MiB, warmup=2, windows=4, window_s=0.015)
 QUICK = ProfileSettings(message_bytes=(4 * KiB, 64 * KiB, 1 * MiB), matmul_sizes=(64, 128, 256),
                         max_matmul_call_s=0.05, stream_bytes=8 * MiB, warmup=1, windows=3, window_s=0.005)
+# GPUs: larger matmuls (peak needs s ≥ 4096), messages up to 256 MiB, streams past a 50 MB L2 cache.
+GPU_FULL = dataclasses.replace(FULL, message_bytes=tuple(4 * KiB * 4**k for k in range(9)),
+                               matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), stream_bytes=512 * MiB)
+GPU_QUICK = dataclasses.replace(QUICK, matmul_sizes=(256, 1024, 4096), stream_bytes=256 * MiB)
 MAX_CALLS_PER_WINDOW = 10_000
 
 
 def profile_cluster(nprocs: int | None = None, *, mesh_shape=None, quick: bool = False, progress: bool = True,
-                    out=None) -> Cluster:
-    """Measure this machine as ``nprocs`` gloo ranks (default: WORLD_SIZE under torchrun, else the core count).
+                    out=None, device: str = "auto") -> Cluster:
+    """Measure this machine as ``nprocs`` ranks (default: WORLD_SIZE under torchrun, else the core count).
 
     mesh_shape: the returned cluster's default 2-D mesh (default (1, nprocs)); out: also write the JSON
-    there. Must run outside any process group: it starts its own ranks.
+    there; device: "cpu" (gloo ranks), "cuda" (one GPU per rank, NCCL, CUDA-event timing) or "auto"
+    (cuda when there are nprocs GPUs). Must run outside any process group: it starts its own ranks.
     """
     if dist.is_available() and dist.is_initialized():
         raise ClusterError("profile_cluster starts its own gloo ranks, but a process group is already "
                            "initialized here; call it before init_process_group / outside autopar.launch")
+    if nprocs is None and device != "cpu" and torch.cuda.is_available() and "RANK" not in os.environ:
+        nprocs = torch.cuda.device_count()  # one rank per GPU
     nprocs = _resolve_nprocs(nprocs)
     base = Cluster.local(nprocs, mesh_shape=mesh_shape)  # validates mesh_shape before any rank starts
-    settings = QUICK if quick else FULL
-    per_rank = launch(_profile_rank, nprocs, settings, progress, timeout=settings.timeout_s)[0]
-    cluster = assemble_cluster(base, per_rank, quick=quick)
+    probe = ProbeDevice.choose(device, nprocs)
+    settings = {("cpu", False): FULL, ("cpu", True): QUICK, ("cuda", False): GPU_FULL,
+                ("cuda", True): GPU_QUICK}[(probe.kind, quick)]
+    per_rank = launch(_profile_rank, nprocs, settings, progress, probe, backend=probe.backend,
+                      timeout=settings.timeout_s)[0]
+    cluster = assemble_cluster(base, per_rank, quick=quick, probe=probe)
     if out is not None and int(os.environ.get("RANK", "0")) == 0:
         cluster.to_json(out)
     return cluster
@@ -130,49 +140,44 @@ def group_sizes(world: int) -> list[int]:
 
 
 # ---- on every rank -------------------------------------------------------------------------------
-def _profile_rank(rank: int, settings: ProfileSettings, progress: bool) -> list[dict]:
+def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: ProbeDevice) -> list[dict]:
     """This rank's measurements, then everyone's (all ranks return the same list, in rank order)."""
+    probe = probe.bind(rank)
     world = dist.get_world_size()
     steps = len(MATMUL_DTYPES) * len(settings.matmul_sizes) + 1
     steps += (len(COLLECTIVES) * len(group_sizes(world)) + (world >= 2)) * len(settings.message_bytes)
     bar = tqdm(total=steps, desc=f"profiling {world} ranks", unit="step", file=sys.stderr,
                disable=not (progress and rank == 0))
-    mine = {"matmul": _measure_matmuls(settings, bar), "stream": _measure_stream(settings, bar),
-            "collectives": _measure_collectives(world, settings, bar), "threads": torch.get_num_threads()}
+    mine = {"matmul": _measure_matmuls(settings, bar, probe), "stream": _measure_stream(settings, bar, probe),
+            "collectives": _measure_collectives(world, settings, bar, probe), "threads": torch.get_num_threads()}
     bar.close()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
 
 
-def _warm_up(call, times: int) -> float:
+def _warm_up(call, times: int, probe: ProbeDevice) -> float:
     """Run ``call`` ``times`` times (at least once); the seconds of the last run."""
-    for _ in range(max(1, times)):
-        start = time.perf_counter()
+    for _ in range(max(1, times) - 1):
         call()
-    return time.perf_counter() - start
+    return probe.window_seconds(call, 1)
 
 
-def _slowest_rank(seconds: float) -> float:
+def _slowest_rank(seconds: float, probe: ProbeDevice) -> float:
     """The maximum of ``seconds`` over the world (every rank must call this together)."""
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=probe.torch)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
-def _seconds_per_call(call, calls_per_window: int, windows: int) -> float:
+def _seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDevice) -> float:
     """Median over ``windows`` windows of (window seconds / calls in it).
 
     Windows rather than single calls: one small matmul is shorter than a scheduler time slice, so ranks
     sharing a core would take turns instead of running at once; a window spans many slices and its mean
     includes the stalls that training also sees.
     """
-    per_call = []
-    for _ in range(windows):
-        start = time.perf_counter()
-        for _ in range(calls_per_window):
-            call()
-        per_call.append((time.perf_counter() - start) / calls_per_window)
+    per_call = [probe.window_seconds(call, calls_per_window) / calls_per_window for _ in range(windows)]
     return statistics.median(per_call)
 
 
@@ -180,56 +185,58 @@ def _calls_per_window(slowest_call_s: float, settings: ProfileSettings) -> int:
     return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(settings.window_s / max(slowest_call_s, 1e-9))))
 
 
-def _measure_point(call, settings: ProfileSettings) -> float | None:
+def _measure_point(call, settings: ProfileSettings, probe: ProbeDevice) -> float | None:
     """Seconds per ``call`` (None where this rank idles, call=None); all ranks call this together."""
-    slowest = _slowest_rank(_warm_up(call, settings.warmup) if call else 0.0)
-    return _seconds_per_call(call, _calls_per_window(slowest, settings), settings.windows) if call else None
+    slowest = _slowest_rank(_warm_up(call, settings.warmup, probe) if call else 0.0, probe)
+    if call is None:
+        return None
+    return _seconds_per_call(call, _calls_per_window(slowest, settings), settings.windows, probe)
 
 
-def _measure_matmuls(settings: ProfileSettings, bar) -> dict[str, list[tuple[float, float]]]:
+def _measure_matmuls(settings: ProfileSettings, bar, probe: ProbeDevice) -> dict[str, list[tuple[float, float]]]:
     """{dtype: [(2·s³ FLOPs, seconds per call on this rank), ...]}, dtypes with no usable size left out."""
-    curve = {name: _matmul_ladder(getattr(torch, name), settings, bar) for name in MATMUL_DTYPES}
+    curve = {name: _matmul_ladder(getattr(torch, name), settings, bar, probe) for name in MATMUL_DTYPES}
     return {name: points for name, points in curve.items() if points}
 
 
-def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar) -> list[tuple[float, float]]:
+def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar, probe: ProbeDevice) -> list:
     """Square mm up ``matmul_sizes``, stopping on every rank at once before a call slower than
     ``max_matmul_call_s``: predicted from the previous size as t·(s'/s)³, else measured by the warm-up."""
     points, previous = [], None  # previous: (side, slowest rank's warm-up seconds)
     for i, size in enumerate(settings.matmul_sizes):
         bar.set_postfix_str(f"matmul {str(dtype).replace('torch.', '')} {size}³")
-        a, b, c = (torch.randn(size, size).to(dtype) for _ in range(3))
+        a, b, c = (torch.randn(size, size, device=probe.torch).to(dtype) for _ in range(3))
         dist.barrier()
         predicted = previous[1] * (size / previous[0]) ** 3 if previous else 0.0
         warm = math.inf
         if predicted <= settings.max_matmul_call_s:
             try:
-                warm = _warm_up(lambda: torch.mm(a, b, out=c), settings.warmup)
+                warm = _warm_up(lambda: torch.mm(a, b, out=c), settings.warmup, probe)
             except RuntimeError:  # this build has no kernel for the dtype: leave it out
                 pass
-        slowest = _slowest_rank(warm)
+        slowest = _slowest_rank(warm, probe)
         if slowest > settings.max_matmul_call_s:
             bar.update(len(settings.matmul_sizes) - i)
             break
         seconds = _seconds_per_call(lambda: torch.mm(a, b, out=c), _calls_per_window(slowest, settings),
-                                    settings.windows)
+                                    settings.windows, probe)
         points.append((2.0 * size**3, seconds))
         previous = (size, slowest)
         bar.update()
     return points
 
 
-def _measure_stream(settings: ProfileSettings, bar) -> float:
+def _measure_stream(settings: ProfileSettings, bar, probe: ProbeDevice) -> float:
     """This rank's memory bandwidth in bytes/s: 3·|a| / t of ``add(a, b, out=c)``."""
     bar.set_postfix_str("memory bandwidth")
-    a, b, c = (torch.full((settings.stream_bytes // 4,), 1.0) for _ in range(3))
+    a, b, c = (torch.full((settings.stream_bytes // 4,), 1.0, device=probe.torch) for _ in range(3))
     dist.barrier()
-    t = _measure_point(lambda: torch.add(a, b, out=c), settings)
+    t = _measure_point(lambda: torch.add(a, b, out=c), settings, probe)
     bar.update()
     return 3 * settings.stream_bytes / t
 
 
-def _measure_collectives(world: int, settings: ProfileSettings, bar) -> dict[str, list[tuple[int, float | None]]]:
+def _measure_collectives(world: int, settings: ProfileSettings, bar, probe: ProbeDevice) -> dict[str, list]:
     """{"<collective>/<g>": [(m bytes, seconds per call on this rank, or None when idle), ...]}."""
     timeout = datetime.timedelta(seconds=settings.timeout_s)
     points: dict[str, list] = {}
@@ -242,25 +249,25 @@ def _measure_collectives(world: int, settings: ProfileSettings, bar) -> dict[str
         for kind in COLLECTIVES:
             for nbytes in settings.message_bytes:
                 bar.set_postfix_str(f"{kind}/{g} {nbytes // KiB} KiB")
-                call, m = _collective_call(kind, nbytes, g, my_group)
+                call, m = _collective_call(kind, nbytes, g, my_group, probe.torch)
                 dist.barrier()
-                points.setdefault(f"{kind}/{g}", []).append((m, _measure_point(call, settings)))
+                points.setdefault(f"{kind}/{g}", []).append((m, _measure_point(call, settings, probe)))
                 bar.update()
     if world >= 2:
         for nbytes in settings.message_bytes:
             bar.set_postfix_str(f"send/2 {nbytes // KiB} KiB")
-            call = _ping_pong_call(nbytes, world)
+            call = _ping_pong_call(nbytes, world, probe.torch)
             dist.barrier()
-            round_trip = _measure_point(call, settings)
+            round_trip = _measure_point(call, settings, probe)
             points.setdefault("send/2", []).append((nbytes // 4 * 4, round_trip / 2 if call else None))
             bar.update()
     return points
 
 
-def _collective_call(kind: str, nbytes: int, g: int, group) -> tuple:
+def _collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:
     """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes."""
     elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
-    full, part, source = torch.zeros(elems), torch.zeros(elems // g), torch.zeros(elems)  # sums stay finite
+    full, part, source = (torch.zeros(n, device=device) for n in (elems, elems // g, elems))  # sums stay finite
     calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
              "all_gather": lambda: dist.all_gather_single(full, part, group=group),
              "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
@@ -268,13 +275,13 @@ def _collective_call(kind: str, nbytes: int, g: int, group) -> tuple:
     return calls[kind], elems * 4
 
 
-def _ping_pong_call(nbytes: int, world: int):
+def _ping_pong_call(nbytes: int, world: int, device: torch.device):
     """A round trip of one message between ranks 2i and 2i+1; None on an odd world's last rank."""
     rank = dist.get_rank()
     peer = rank ^ 1
     if peer >= world:
         return None
-    buf = torch.zeros(nbytes // 4)
+    buf = torch.zeros(nbytes // 4, device=device)
     if rank % 2 == 0:
         return lambda: (dist.send(buf, peer), dist.recv(buf, peer))
     return lambda: (dist.recv(buf, peer), dist.send(buf, peer))
@@ -314,7 +321,8 @@ def _median_over_ranks(per_rank: list[list[tuple]]) -> list[tuple[float, float]]
     return out
 
 
-def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False) -> Cluster:
+def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False,
+                     probe: ProbeDevice = ProbeDevice("cpu")) -> Cluster:
     """The profiled cluster: ``base`` (``Cluster.local(n, mesh_shape)``) with every measured field replaced."""
     n = base.num_devices
     curve = {}
@@ -330,15 +338,16 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
         base, name=f"{base.name}-profiled", matmul_curve=curve,
         peak_flops={d: max(rate for _, rate in pts) for d, pts in curve.items()}, matmul_efficiency=1.0,
         memory_bandwidth=statistics.median(r["stream"] for r in per_rank),
-        intra_node=link, inter_node=link, source=_source_line(n, per_rank[0]["threads"], quick))
+        intra_node=link, inter_node=link, source=_source_line(n, per_rank[0]["threads"], quick, probe), **probe.cluster_fields())
 
 
-def _source_line(n: int, threads: int, quick: bool) -> str:
+def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:
     when = datetime.datetime.now().isoformat(timespec="seconds")
+    link = "NVLink/PCIe through NCCL" if probe.kind == "cuda" else "gloo over loopback"
     return (f"profiled on {socket.gethostname()} {when} by autopar.profiler{' (quick)' if quick else ''}: "
-            f"{n} gloo ranks on {os.cpu_count()} cores, {threads} thread(s) per rank, all ranks busy at once; "
-            f"torch {torch.__version__}. One machine: intra_node and inter_node are the same measured link "
-            f"(gloo over loopback); latency/bandwidth restate the all_reduce/{n} fit in ring terms")
+            f"{probe.describe(n, threads)}, all ranks busy at once; torch {torch.__version__}. One machine: "
+            f"intra_node and inter_node are the same measured link ({link}); latency/bandwidth restate the "
+            f"all_reduce/{n} fit in ring terms")
 
 
 def _main(argv=None) -> None:
@@ -349,8 +358,9 @@ def _main(argv=None) -> None:
     parser.add_argument("--out", default="cluster.json", help="where to write the cluster JSON")
     parser.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"))
     parser.add_argument("--quick", action="store_true", help="a coarse profile in a few seconds")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args(argv)
-    profile_cluster(args.nprocs, mesh_shape=args.mesh, quick=args.quick, out=args.out)
+    profile_cluster(args.nprocs, mesh_shape=args.mesh, quick=args.quick, out=args.out, device=args.device)
     print(f"wrote {args.out}")
 
 

@@ -32,7 +32,10 @@ import autopar
 from autopar.cluster import Cluster
 from autopar.profiler import COLLECTIVES, FULL, _calls_per_window, _collective_call, _seconds_per_call, \
     _slowest_rank, _warm_up, fit_alpha_beta
+from autopar.profiler_device import ProbeDevice
 from examples.gpt import GPTConfig, make_gpt
+
+CPU = ProbeDevice("cpu")  # these extras are measured on the local gloo ranks
 
 TINY = GPTConfig(vocab_size=16, seq_len=4, n_layer=2, n_head=2, n_embd=8)
 # The profiler's sizes, with longer and more windows than its 4 × 15 ms: an interleaved pair of small
@@ -60,8 +63,8 @@ def _axis_groups(mesh: tuple[int, int]) -> tuple:
 def _timed_per_call(call) -> float:
     """Seconds per ``call`` by the profiler's method: warm-up, then windows with every rank at once."""
     dist.barrier()
-    slowest = _slowest_rank(_warm_up(call, SETTINGS.warmup))
-    return _seconds_per_call(call, _calls_per_window(slowest, SETTINGS), SETTINGS.windows)
+    slowest = _slowest_rank(_warm_up(call, SETTINGS.warmup, CPU), CPU)
+    return _seconds_per_call(call, _calls_per_window(slowest, SETTINGS), SETTINGS.windows, CPU)
 
 
 def _measure_rank(rank: int, meshes: list[tuple[int, int]]) -> dict:
@@ -71,7 +74,8 @@ def _measure_rank(rank: int, meshes: list[tuple[int, int]]) -> dict:
         groups = _axis_groups(mesh)
         for kind in COLLECTIVES:
             for nbytes in SETTINGS.message_bytes:
-                (call0, m0), (call1, m1) = (_collective_call(kind, nbytes, mesh[a], groups[a]) for a in (0, 1))
+                (call0, m0), (call1, m1) = (_collective_call(kind, nbytes, mesh[a], groups[a], CPU.torch)
+                                              for a in (0, 1))
                 t = _timed_per_call(lambda: (call0(), call1()))
                 out.setdefault((mesh, kind), []).append((m0, m1, t))
     model, batch = make_gpt(TINY, batch_size=1)

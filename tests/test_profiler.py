@@ -170,6 +170,29 @@ def test_profile_rejects_bad_arguments_before_starting_ranks():
         profile_cluster(0, quick=True, progress=False)
     with pytest.raises(ClusterError, match="mesh_shape"):
         profile_cluster(2, mesh_shape=(2, 2), quick=True, progress=False)
+    with pytest.raises(ClusterError, match="device must be one of"):
+        profile_cluster(2, quick=True, progress=False, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ClusterError, match="needs 2 GPUs"):
+            profile_cluster(2, quick=True, progress=False, device="cuda")
+
+
+def test_cpu_machines_profile_on_gloo_and_gpu_machines_on_nccl():
+    from autopar.profiler_device import ProbeDevice
+
+    assert ProbeDevice.choose("cpu", 2).backend == "gloo"
+    auto = ProbeDevice.choose("auto", 1)
+    assert auto.backend == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_profile_uses_nccl_and_cuda_events(tmp_path):
+    n = torch.cuda.device_count()
+    cluster = profile_cluster(n, quick=True, progress=False, device="cuda", out=tmp_path / "gpu.json")
+    assert cluster.backend == "nccl" and cluster.device_type == "cuda"
+    assert "NCCL ranks" in cluster.source and cluster.memory_per_device > 2**30
+    assert cluster.peak_flops["float32"] > 1e12  # any GPU beats a CPU core by far
+    assert Cluster.from_json(tmp_path / "gpu.json") == cluster
 
 
 # ---- one real profile: 2 gloo ranks, quick -------------------------------------------------------
