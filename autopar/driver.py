@@ -292,8 +292,11 @@ def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict
         want = specs[-1]
         kept = [s for s in out[node.name] if s.out_spec == want]
         if not kept:
+            shape = tuple(getattr(node.meta.get("val"), "shape", ()))
             raise PlanError(f"pin {spec_str(want)} for {node.name} is not a valid sharding of it (valid: "
-                            f"{sorted({spec_str(s.out_spec) for s in out[node.name]})}); fix the pin")
+                            f"{sorted({spec_str(s.out_spec) for s in out[node.name]})} for its shape {shape}); fix "
+                            f"the pin. If it is valid for the full batch, the pipeline planner priced a microbatch "
+                            f"or submesh it does not divide: pin with stages=1 (one stage on the whole mesh)")
         out[node.name] = kept
         users = list(node.users)
         if node.op == "placeholder" and len(users) == 1 and users[0].op == "call_function":
