@@ -7,12 +7,13 @@ Pricing (one intra-op ILP per logical mesh, not per stage candidate): for each m
 model is solved once on the graph rescaled to a reference microbatch b₀, identical layers sharing one
 solution; the solution's groups give per-layer costs. For a stage of layers k..i at microbatch b:
 
-    t = (b/b₀) · (Σ_l t_l + Σ_{k ≤ l,l' ≤ i} e_{l,l'}) + Σ_l sync_l / B + transfer_k
+    t = max((b/b₀) · (Σ_l t_l + Σ_{k ≤ l,l' ≤ i} e_{l,l'}) + Σ_l sync_l / B,  transfer_k)
     mem = Σ_l param_l + f · (b/b₀) · Σ_l act_l + (b/b₀) · max_l peak_l  ≤  device memory
 
 with t_l the layer's per-microbatch op and resharding time, e_{l,l'} resharding between layers, sync_l
 its once-per-step gradient sync (spread over the B microbatches for the DP), transfer_k the send of the
-tensors live at the cut before layer k (forward and backward), f the microbatches in flight. A mesh
+tensors live at the cut before layer k (forward and backward; it overlaps compute, so it bounds the
+stage's cycle and enters the DP's sum once as h_k, see ``stage_dp``), f the microbatches in flight. A mesh
 option whose batch split does not divide b is not offered at that B. Where the unconstrained solution
 is unlikely to fit, a lean one (near the least memory any plan needs) is priced too.
 The chosen stages are then re-solved exactly, stage by stage, by the driver.
@@ -233,7 +234,12 @@ class StageCosts:
                 continue
             latency, memory = costs.stage_tables(b / costs.reference_batch, B, max_f)
             fits = memory <= self.cluster.memory_per_device
-            table[:, :, m] = np.minimum(table[:, :, m], np.where(fits, latency[:, :, None] + transfer, INF))
+            cycle = np.maximum(latency[:, :, None], transfer)  # a stage cannot cycle faster than its input link
+            table[:, :, m] = np.minimum(table[:, :, m], np.where(fits, cycle, INF))
+
+    def hops(self, global_batch: int, B: int) -> np.ndarray:
+        """h[k]: the transfer into a stage that starts at layer k, at B microbatches (``stage_dp``)."""
+        return np.array([self._transfer(k, global_batch // B) for k in range(self.layers.count)])
 
     def _transfer(self, k: int, microbatch: int) -> float:
         """Forward send and backward return of the tensors live at the cut before layer k."""
@@ -311,7 +317,8 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     for B in candidates:
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)
-        found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01)
+        found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
+                         hops=costs.hops(global_batch, B))
         if found is not None and (best is None or found.cost < best[0].cost):
             best = (found, B, table)
     if best is None:

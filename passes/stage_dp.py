@@ -5,12 +5,17 @@ table t[k, i, m, f] = latency of a stage running layers k..i on option m while f
 flight (∞ where it does not fit in memory), find stages (k_s, i_s, m_s) covering 0..L-1 in order and
 using exactly D devices that minimize
 
-    T = Σ_s t_s + (B − 1) · max_s t_s.
+    T = Σ_s (t_s + h_{k_s}) + (B − 1) · max_s t_s,
+
+where h_k (``hops``, default 0) is the one-time latency of the cross-stage transfer into a stage starting
+at layer k: sends are asynchronous and overlap compute, so a cut adds its transfer once to the pipeline's
+fill and drain, not to every microbatch's cycle (the caller bounds a stage's cycle by its transfer time
+inside t). ``plan_builder.predict`` replays the schedule with the same assumption.
 
 For a fixed cap t_max on every stage's latency, with σ stages still to place (so f = min(σ, B) under
 1F1B, f = B under GPipe):
 
-    F(σ, k, d) = min_{i ≥ k, m : n_m ≤ d, t[k,i,m,f] ≤ t_max}  t[k,i,m,f] + F(σ − 1, i + 1, d − n_m)
+    F(σ, k, d) = min_{i ≥ k, m : n_m ≤ d, t[k,i,m,f] ≤ t_max}  t[k,i,m,f] + h_k + F(σ − 1, i + 1, d − n_m)
     F(0, L, 0) = 0,      T*(t_max) = min_σ F(σ, 0, D) + (B − 1) · t_max.
 
 t_max runs over the distinct table values in ascending order and stops once B · t_max ≥ the best T found
@@ -43,13 +48,15 @@ def inflight(sigma: int, microbatches: int, schedule: str) -> int:
 
 
 def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: int, *, schedule: str = "1f1b",
-             max_stages: int | None = None, stages: int | None = None, bucket: float = 0.0) -> DPResult | None:
+             max_stages: int | None = None, stages: int | None = None, bucket: float = 0.0,
+             hops: np.ndarray | None = None) -> DPResult | None:
     """Best stages for ``table`` [L, L, M, F] (see module docstring); None when nothing fits.
 
     stages: force exactly this many stages; max_stages: at most this many (default L).
     """
     L = table.shape[0]
     S = min(stages or max_stages or L, L)
+    hops = np.zeros(L) if hops is None else np.asarray(hops, dtype=float)
     by_size = _cheapest_per_size(table, sizes)
     best: DPResult | None = None
     last = -INF
@@ -59,7 +66,7 @@ def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: in
         if bucket and t_max <= last * (1 + bucket):
             continue
         last = t_max
-        found = _solve_capped(by_size, sizes, devices, microbatches, schedule, S, stages, t_max)
+        found = _solve_capped(by_size, sizes, devices, microbatches, schedule, S, stages, t_max, hops)
         if found is not None and (best is None or found.cost < best.cost):
             best = found
     return best
@@ -75,7 +82,7 @@ def _cheapest_per_size(table: np.ndarray, sizes: list[int]) -> np.ndarray:
     return out
 
 
-def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max) -> DPResult | None:
+def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) -> DPResult | None:
     distinct = sorted(set(sizes))
     L = by_size.shape[0]
     capped = np.where(by_size <= t_max, by_size, INF)
@@ -91,7 +98,7 @@ def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max) -> DPR
             for j, n in enumerate(distinct):
                 if n > D:
                     continue
-                lat = capped[: i + 1, i, j, f]                      # stages k..i for every k ≤ i
+                lat = capped[: i + 1, i, j, f] + hops[: i + 1]      # stages k..i for every k ≤ i
                 cand = lat[:, None] + prev[None, : D + 1 - n]        # [k, d - n]
                 cur = F[sigma, : i + 1, n:]
                 better = cand < cur
@@ -124,9 +131,10 @@ def option_for(table: np.ndarray, sizes: list[int], k: int, i: int, size_index: 
 
 
 def brute_force(table: np.ndarray, sizes: list[int], devices: int, microbatches: int, *,
-                schedule: str = "1f1b") -> float:
+                schedule: str = "1f1b", hops: np.ndarray | None = None) -> float:
     """T of the best plan by enumerating every layer partition and submesh assignment (small cases only)."""
     L = table.shape[0]
+    hops = np.zeros(L) if hops is None else hops
     best = INF
     for n_stages in range(1, L + 1):
         for cuts in itertools.combinations(range(1, L), n_stages - 1):
@@ -138,5 +146,6 @@ def brute_force(table: np.ndarray, sizes: list[int], devices: int, microbatches:
                 lats = [table[k, i, m, min(inflight(n_stages - s, microbatches, schedule), table.shape[3]) - 1]
                         for s, ((k, i), m) in enumerate(zip(ranges, options))]
                 if all(math.isfinite(t) for t in lats):
-                    best = min(best, sum(lats) + (microbatches - 1) * max(lats))
+                    fill = sum(hops[k] for k, _ in ranges)
+                    best = min(best, sum(lats) + fill + (microbatches - 1) * max(lats))
     return best

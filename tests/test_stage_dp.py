@@ -21,15 +21,17 @@ def random_table(rng, layers: int, sizes: list[int], max_f: int, holes: float) -
 
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_dp_equals_brute_force(seed, schedule):
+@pytest.mark.parametrize("with_hops", [False, True])
+def test_dp_equals_brute_force(seed, schedule, with_hops):
     rng = np.random.default_rng(seed)
     layers = int(rng.integers(2, 6))
     sizes = [1, 2, 2, 4][: int(rng.integers(2, 5))]
     devices = int(rng.choice([2, 4]))
     B = int(rng.choice([1, 2, 4, 8]))
     table = random_table(rng, layers, sizes, max_f=layers, holes=0.3)
-    want = brute_force(table, sizes, devices, B, schedule=schedule)
-    got = stage_dp(table, sizes, devices, B, schedule=schedule)
+    hops = np.concatenate([[0.0], rng.uniform(0, 0.5, layers - 1)]) if with_hops else np.zeros(layers)
+    want = brute_force(table, sizes, devices, B, schedule=schedule, hops=hops)
+    got = stage_dp(table, sizes, devices, B, schedule=schedule, hops=hops)
     if not np.isfinite(want):
         assert got is None
         return
@@ -40,7 +42,8 @@ def test_dp_equals_brute_force(seed, schedule):
         f = min(inflight(len(got.stages) - s, B, schedule), layers)
         m = option_for(table, sizes, k, i, j, f)
         lats.append(table[k, i, m, f - 1])
-    assert sum(lats) + (B - 1) * max(lats) == pytest.approx(got.cost)
+    fill = sum(hops[k] for k, _, _ in got.stages)
+    assert sum(lats) + fill + (B - 1) * max(lats) == pytest.approx(got.cost)
     assert got.stages[0][0] == 0 and got.stages[-1][1] == layers - 1
 
 
