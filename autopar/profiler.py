@@ -338,7 +338,8 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
         base, name=f"{base.name}-profiled", matmul_curve=curve,
         peak_flops={d: max(rate for _, rate in pts) for d, pts in curve.items()}, matmul_efficiency=1.0,
         memory_bandwidth=statistics.median(r["stream"] for r in per_rank),
-        intra_node=link, inter_node=link, source=_source_line(n, per_rank[0]["threads"], quick, probe), **probe.cluster_fields())
+        intra_node=link, inter_node=link, source=_source_line(n, per_rank[0]["threads"], quick, probe),
+        **probe.cluster_fields())
 
 
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:

@@ -171,8 +171,8 @@ def _step_parts(plan) -> list[tuple[str, float, str]]:
     p = plan.predicted
     sync, bubble = float(p.get("grad_sync", 0)), float(p.get("bubble", 0))
     work = max(0.0, float(p.get("step_time", 0)) - sync - bubble)
-    per_microbatch = lambda s: (s.predicted or {}).get("forward", 0) + (s.predicted or {}).get("backward", 0)  # noqa: E731
-    busiest = max(plan.stages, key=per_microbatch, default=None)
+    busiest = max(plan.stages, key=lambda s: sum((s.predicted or {}).get(k, 0) for k in ("forward", "backward")),
+                  default=None)
     q = (busiest.predicted or {}) if busiest is not None else {}
     total = float(q.get("compute", 0)) + float(q.get("comm", 0))
     share = float(q.get("compute", 0)) / total if total > 0 else 1.0
