@@ -7,18 +7,22 @@ and that order, reshaped to the logical mesh, is the stage's mesh.
 
 Predicted step time: the schedule (``autopar.trace.simulate_schedule``) replayed with each stage's
 forward and backward time per microbatch (backward ≈ 2 × forward) and the cross-stage transfer time,
-plus the slowest stage's gradient synchronization.
+plus the slowest stage's gradient synchronization, plus the slowest stage's optimizer step over its
+local parameter shards (``cost_models.compute.optimizer_step_time``). The optimizer step is predicted
+but not part of the ILP's or the DP's objective.
 """
 from __future__ import annotations
 
 import json
+import math
 
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
+from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import requires_grad_nodes
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.passes.strategies.base import OpView
-from autopar.placement import spec_str
+from autopar.placement import local_shape, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.redistribute import grad_partial_axes
 from autopar.trace import simulate_schedule
@@ -41,8 +45,19 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
     per_mb = (solution.step_time - solution.sync_time) / env.microbatches
     stage.predicted = {"latency": per_mb, "forward": per_mb / 3, "backward": 2 * per_mb / 3,
                        "compute": solution.compute_time, "comm": solution.comm_time,
-                       "grad_sync": solution.sync_time, "memory": solution.memory, "peak_memory": solution.memory}
+                       "grad_sync": solution.sync_time, "memory": solution.memory, "peak_memory": solution.memory,
+                       "optimizer": _optimizer_seconds(graph, solution, env)}
     return stage
+
+
+def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
+    """One optimizer step over the local shards of the parameters this stage holds."""
+    numel, tensors, itemsize = 0.0, 0, 4
+    for p in graph.placeholders:
+        if p.kind == "parameter" and p.name in solution.strategies:
+            numel += math.prod(local_shape(p.shape, solution.strategies[p.name].out_spec, env.mesh_shape))
+            tensors, itemsize = tensors + 1, p.dtype.itemsize
+    return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)
 
 
 def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]) -> list[Collective]:
@@ -107,10 +122,12 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
     ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop)
     makespan = max(op.end for op in ops)
     sync = max(s.predicted["grad_sync"] for s in stages)
+    optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
     busiest = max(microbatches * (f + b) for f, b in zip(forward, backward))
     compute = sum(s.predicted["compute"] for s in stages)
     comm = sum(s.predicted["comm"] for s in stages)
-    return {"step_time": makespan + sync, "compute": compute, "comm": comm, "grad_sync": sync,
+    return {"step_time": makespan + sync + optimizer, "compute": compute, "comm": comm, "grad_sync": sync,
+            "optimizer": optimizer,
             "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
 
 

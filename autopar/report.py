@@ -33,7 +33,8 @@ def _header(plan) -> list[str]:
         summed = " summed over stages" if len(plan.stages) > 1 else ""
         lines.append(f"predicted step time {fmt_seconds(p.get('step_time', 0))} (compute "
                      f"{fmt_seconds(p.get('compute', 0))}, communication {fmt_seconds(p.get('comm', 0))}{summed}; "
-                     f"pipeline bubble {fmt_seconds(p.get('bubble', 0))}); peak memory per device "
+                     f"pipeline bubble {fmt_seconds(p.get('bubble', 0))}; optimizer step "
+                     f"{fmt_seconds(p.get('optimizer', 0))}); peak memory per device "
                      f"{fmt_bytes(p.get('peak_memory', 0))} of {fmt_bytes(c['memory_per_device'])}")
     if plan.planner:
         q = plan.planner

@@ -22,7 +22,7 @@ from autopar.visualize_groups import OpGroup, compress_ranges, group_ops, group_
 from autopar.visualize_svg import bytes_bars, mesh_svg, schedule_svg, seconds_bars, sharding_strip_svg, stage_color
 from autopar.visualize_template import legend_html, page, toolbar_html
 
-COMPUTE, COMM, BUBBLE, GRAD_SYNC = "#4e79a7", "#f28e2b", "#bab0ac", "#9c755f"
+COMPUTE, COMM, BUBBLE, GRAD_SYNC, OPTIMIZER = "#4e79a7", "#f28e2b", "#bab0ac", "#9c755f", "#b07aa1"
 MEMORY, TRANSIENT = "#59a14f", "#a0cf97"
 _TIME_KEYS = ("latency", "forward", "backward", "compute", "comm", "grad_sync")
 _BYTE_WORDS = ("memory", "bytes")
@@ -138,7 +138,8 @@ def _swatches(items: list[tuple[str, str]]) -> str:
 
 def _cost_charts(plan) -> str:
     p, parts = plan.predicted or {}, [_swatches([("compute", COMPUTE), ("communication", COMM),
-                                                 ("pipeline bubble", BUBBLE), ("grad sync", GRAD_SYNC)])]
+                                                 ("pipeline bubble", BUBBLE), ("grad sync", GRAD_SYNC),
+                                                 ("optimizer step", OPTIMIZER)])]
     if p:
         parts.append(f"<p>step time <b>{fmt_seconds(p.get('step_time', 0))}</b>; peak memory per device "
                      f"<b>{fmt_bytes(p.get('peak_memory', 0))}</b></p>")
@@ -166,18 +167,20 @@ def _cost_charts(plan) -> str:
 
 def _step_parts(plan) -> list[tuple[str, float, str]]:
     """The step time split so that the parts add up to it: step = busiest stage's work + bubble + grad
-    sync, the busiest stage's work split between compute and communication in that stage's proportion.
+    sync + optimizer step, the busiest stage's work split between compute and communication in that
+    stage's proportion.
     (``plan.predicted``'s compute and comm are sums over stages, device-time rather than wall time.)"""
     p = plan.predicted
-    sync, bubble = float(p.get("grad_sync", 0)), float(p.get("bubble", 0))
-    work = max(0.0, float(p.get("step_time", 0)) - sync - bubble)
+    sync, bubble, optimizer = (float(p.get(k, 0)) for k in ("grad_sync", "bubble", "optimizer"))
+    work = max(0.0, float(p.get("step_time", 0)) - sync - bubble - optimizer)
     busiest = max(plan.stages, key=lambda s: sum((s.predicted or {}).get(k, 0) for k in ("forward", "backward")),
                   default=None)
     q = (busiest.predicted or {}) if busiest is not None else {}
     total = float(q.get("compute", 0)) + float(q.get("comm", 0))
     share = float(q.get("compute", 0)) / total if total > 0 else 1.0
     return [("compute", work * share, COMPUTE), ("communication", work * (1 - share), COMM),
-            ("pipeline bubble", bubble, BUBBLE), ("grad sync", sync, GRAD_SYNC)]
+            ("pipeline bubble", bubble, BUBBLE), ("grad sync", sync, GRAD_SYNC),
+            ("optimizer step", optimizer, OPTIMIZER)]
 
 
 # ---- schedule -------------------------------------------------------------------------------------

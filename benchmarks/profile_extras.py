@@ -1,5 +1,5 @@
-"""Two measurements ``autopar.profiler`` does not make yet, as a prototype for it: in-mesh collective fits
-and the per-op host overhead.
+"""Three measurements ``autopar.profiler`` does not make yet, as a prototype for it: in-mesh collective
+fits, the per-op host overhead, and how fast training's matmuls run against the square-mm curve.
 
     cluster = add_profile_extras(autopar.Cluster.from_json("cluster.json"))
 
@@ -20,13 +20,23 @@ and the per-op host overhead.
    backward of a tiny GPT (every tensor a few hundred bytes, so kernels cost ~nothing) in timed windows,
    all ranks at once; op_overhead = median over ranks of t / (2 · call_function nodes of its graph),
    the charge ``cost_models.compute`` makes (one call forward, one backward, per node).
+
+3. Training matmuls. The profiler's curve times square ``mm`` calls back to back on the same, cache-hot
+   operands. Training's linears are rectangular, two of their three GEMMs read a transposed operand, and
+   other ops evict their operands in between: measured 2026-11-22 on the development VM (4 ranks at
+   once), the GPT example's linears ran at 0.71× the curve's rate (``benchmarks/op_costs.py``). Method:
+   forward + backward (``torch.autograd.grad`` of ``F.linear``, three GEMMs) for each shape of
+   ``TRAINING_SHAPES``, timed like the rest, all ranks at once; per shape, factor = curve-predicted GEMM
+   time / (measured − 2 · op_overhead); the float32 curve's rates are multiplied by the median factor.
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
 
+import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import autopar
 from autopar.cluster import Cluster
@@ -41,6 +51,8 @@ TINY = GPTConfig(vocab_size=16, seq_len=4, n_layer=2, n_head=2, n_embd=8)
 # The profiler's sizes, with longer and more windows than its 4 × 15 ms: an interleaved pair of small
 # collectives takes a few ms here, and short windows made the in-mesh α vary 2x between runs.
 SETTINGS = dataclasses.replace(FULL, windows=5, window_s=0.1)
+# (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
+TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
 
 
 def meshes_of(world: int) -> list[tuple[int, int]]:
@@ -80,7 +92,26 @@ def _measure_rank(rank: int, meshes: list[tuple[int, int]]) -> dict:
                 out.setdefault((mesh, kind), []).append((m0, m1, t))
     model, batch = make_gpt(TINY, batch_size=1)
     out["tiny_step"] = _timed_per_call(lambda: model(*batch).backward())
+    out["linears"] = [_timed_per_call(_linear_step(*shape)) for shape in TRAINING_SHAPES]
     return out
+
+
+def _linear_step(tokens: int, d_in: int, d_out: int):
+    """Forward + backward of one linear layer (three GEMMs), as a zero-argument call."""
+    x = torch.randn(tokens, d_in, requires_grad=True)
+    w = torch.randn(d_out, d_in, requires_grad=True)
+    g = torch.randn(tokens, d_out)
+    return lambda: torch.autograd.grad(F.linear(x, w), (x, w), g)
+
+
+def training_matmul_factor(cluster: Cluster, seconds: list[float], overhead: float) -> float:
+    """Median over ``TRAINING_SHAPES`` of curve-predicted GEMM seconds / measured kernel seconds."""
+    factors = []
+    for (tokens, d_in, d_out), measured in zip(TRAINING_SHAPES, seconds):
+        flops = 2.0 * tokens * d_in * d_out
+        predicted = 3 * flops / cluster.matmul_flops("float32", flops)
+        factors.append(predicted / max(measured - 2 * overhead, 1e-9))
+    return statistics.median(factors)
 
 
 def add_profile_extras(cluster: Cluster) -> Cluster:
@@ -91,7 +122,7 @@ def add_profile_extras(cluster: Cluster) -> Cluster:
     per_rank = autopar.launch(_measure_rank, cluster.num_devices, meshes, timeout=SETTINGS.timeout_s)
     fits = dict(cluster.intra_node.fits)
     for key, points in per_rank[0].items():
-        if key == "tiny_step":
+        if key in ("tiny_step", "linears"):
             continue
         mesh, kind = key
         times = [statistics.median(r[key][i][2] for r in per_rank) for i in range(len(points))]
@@ -102,9 +133,16 @@ def add_profile_extras(cluster: Cluster) -> Cluster:
     nodes = sum(n.op == "call_function" for n in capture(*make_gpt(TINY, batch_size=1)).gm.graph.nodes)
     overhead = statistics.median(r["tiny_step"] for r in per_rank) / (2 * nodes)
     link = dataclasses.replace(cluster.intra_node, fits=fits)
+    linears = [statistics.median(r["linears"][i] for r in per_rank) for i in range(len(TRAINING_SHAPES))]
+    factor = training_matmul_factor(cluster, linears, overhead)
+    curve = dict(cluster.matmul_curve)
+    if "float32" in curve:
+        curve["float32"] = [[flops, rate * factor] for flops, rate in curve["float32"]]
+    peak = {**cluster.peak_flops, **({"float32": max(r for _, r in curve["float32"])} if "float32" in curve else {})}
     return dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
-                               op_overhead=overhead,
-                               source=cluster.source + "; in-mesh fits and op_overhead by benchmarks/profile_extras.py")
+                               op_overhead=overhead, matmul_curve=curve, peak_flops=peak,
+                               source=cluster.source + "; in-mesh fits, op_overhead and the float32 curve scaled by "
+                                                       f"{factor:.2f} for training matmuls by benchmarks/profile_extras.py")
 
 
 def _share(alone, axis: int, m0: float, m1: float) -> float:

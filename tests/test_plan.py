@@ -80,3 +80,17 @@ def test_parameter_gradient_syncs_are_listed_per_step_not_per_microbatch():
     assert synced and all(c.kind == "all_reduce" for c in synced)
     assert len(synced) >= len(params) - 1  # every parameter but possibly a tied one, once per step
     assert "collectives per step (parameters' gradient sync):" in plan.summary()
+
+
+def test_predicted_step_includes_the_optimizer_step_over_local_shards():
+    from autopar.cost_models.compute import optimizer_step_time
+    from examples.gpt import make_gpt
+
+    model, batch = make_gpt(batch_size=16)
+    cluster = autopar.Cluster.local(4)
+    replicated = autopar.plan(model, cluster, batch, stages=1, pin={"p_*": "RR"})
+    params = list(model.parameters())  # the tied lm_head/wte weight counts once
+    want = optimizer_step_time(sum(p.numel() for p in params), len(params), 4, "adamw", cluster)
+    assert replicated.predicted["optimizer"] == pytest.approx(want)
+    sharded = autopar.plan(model, cluster, batch, stages=1, pin={"p_blocks_*_mlp_fc_weight": "RS(0)"})
+    assert sharded.predicted["optimizer"] < replicated.predicted["optimizer"]
