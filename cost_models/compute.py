@@ -167,8 +167,8 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
         t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
             + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead
 
-    Not yet part of the planner's objective (it shrinks as parameters are sharded, so it belongs to the
-    cost of a parameter's strategy); the fidelity benchmark measures steps that include it.
+    Part of a plan's predicted step time (``plan_builder.predict``), not yet of the ILP's objective: it
+    shrinks as parameters are sharded, so it belongs in the cost of a parameter's strategy.
     """
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
     return traffic + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)
