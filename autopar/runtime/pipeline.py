@@ -23,11 +23,12 @@ import torch.distributed as dist
 from autopar.placement import R, parse_spec
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import faults, gradsync
+from autopar.runtime.spmd import StageModule
 from autopar.runtime.transfer import Route, recv_backward, recv_forward, send_backward, send_forward
 from autopar.trace import BACKWARD, FORWARD, stage_order
 
 
-class PipelineRunner(torch.nn.Module):
+class PipelineRunner(StageModule):
     def __init__(self, gm, plan, stage, graph, coord, shared: dict[str, str], mesh_base: int = 0):
         super().__init__()
         self.gm, self.plan, self.stage, self.coord, self.shared = gm, plan, stage, coord, shared
@@ -132,16 +133,6 @@ class PipelineRunner(torch.nn.Module):
         value = value.to(torch.float32).clone()
         faults.guard("broadcast", None, dist.broadcast, value, src=self.plan.stages[-1].ranks[0])
         return value
-
-    # ---- state -----------------------------------------------------------------------------------
-    @property
-    def code(self) -> str:
-        return self.gm.code
-
-    def local_state(self, name: str):
-        if name not in self.stage.shardings or not hasattr(self.gm, name):
-            return None, None, None
-        return getattr(self.gm, name), self.stage.shardings[name].out, self.mesh_index
 
 
 def _stage_group(index: int):

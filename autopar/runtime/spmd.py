@@ -13,7 +13,24 @@ import torch.fx as fx
 from autopar.runtime import gradsync
 
 
-class SpmdRunner(torch.nn.Module):
+class StageModule(torch.nn.Module):
+    """What both runners share: ``gm`` (this rank's generated module), ``stage`` (its plan stage) and
+    ``mesh_index`` (its mesh in the group registry), set by the subclass."""
+
+    gm: fx.GraphModule
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+    def local_state(self, name: str):
+        """(this rank's shard, its spec text, mesh index) of a parameter/buffer placeholder."""
+        if name not in self.stage.shardings or not hasattr(self.gm, name):
+            return None, None, None
+        return getattr(self.gm, name), self.stage.shardings[name].out, self.mesh_index
+
+
+class SpmdRunner(StageModule):
     def __init__(self, gm: fx.GraphModule, stage, mesh_index: int = 0):
         super().__init__()
         self.gm = gm
@@ -28,13 +45,3 @@ class SpmdRunner(torch.nn.Module):
         loss.backward()
         gradsync.reduce_deferred(self.gm, self.mesh_index)
         return loss.detach()
-
-    @property
-    def code(self) -> str:
-        return self.gm.code
-
-    def local_state(self, name: str):
-        """(this rank's shard, its spec text, mesh index) of a parameter/buffer placeholder."""
-        if name not in self.stage.shardings or not hasattr(self.gm, name):
-            return None, None, None
-        return getattr(self.gm, name), self.stage.shardings[name].out, self.mesh_index
