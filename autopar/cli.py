@@ -21,6 +21,7 @@ import traceback
 from pathlib import Path
 
 from autopar.errors import AutoparError
+from autopar.profiler_device import KINDS as DEVICE_KINDS
 
 EXIT_OK, EXIT_AUTOPAR_ERROR, EXIT_USAGE, EXIT_UNEXPECTED = 0, 1, 2, 3
 
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "torchrun, else the number of cores)")
     f.add_argument("--out", required=True, help="where to write the cluster JSON")
     f.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (seconds, rougher fits)")
-    f.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cuda: one GPU per rank "
+    f.add_argument("--device", choices=DEVICE_KINDS, default="auto", help="cuda: one GPU per rank "
                    "over NCCL, timed with CUDA events; auto (default): cuda when there is a GPU per rank")
     f.set_defaults(run=cmd_profile)
     d = sub.add_parser("demo", help="run examples/demo.py (plan GPT for 2×DGX-A100, train on 4 CPU ranks)",

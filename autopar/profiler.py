@@ -49,7 +49,7 @@ from tqdm import tqdm
 from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.errors import ClusterError
 from autopar.launch import launch
-from autopar.profiler_device import ProbeDevice
+from autopar.profiler_device import KINDS as DEVICE_KINDS, ProbeDevice
 
 KiB, MiB = 2**10, 2**20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -359,7 +359,7 @@ def _main(argv=None) -> None:
     parser.add_argument("--out", default="cluster.json", help="where to write the cluster JSON")
     parser.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"))
     parser.add_argument("--quick", action="store_true", help="a coarse profile in a few seconds")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--device", choices=DEVICE_KINDS, default="auto")
     args = parser.parse_args(argv)
     profile_cluster(args.nprocs, mesh_shape=args.mesh, quick=args.quick, out=args.out, device=args.device)
     print(f"wrote {args.out}")

@@ -135,10 +135,10 @@ def add_profile_extras(cluster: Cluster) -> Cluster:
     link = dataclasses.replace(cluster.intra_node, fits=fits)
     linears = [statistics.median(r["linears"][i] for r in per_rank) for i in range(len(TRAINING_SHAPES))]
     factor = training_matmul_factor(cluster, linears, overhead)
-    curve = dict(cluster.matmul_curve)
+    curve, peak = dict(cluster.matmul_curve), dict(cluster.peak_flops)
     if "float32" in curve:
         curve["float32"] = [[flops, rate * factor] for flops, rate in curve["float32"]]
-    peak = {**cluster.peak_flops, **({"float32": max(r for _, r in curve["float32"])} if "float32" in curve else {})}
+        peak["float32"] = max(rate for _, rate in curve["float32"])
     return dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
                                op_overhead=overhead, matmul_curve=curve, peak_flops=peak,
                                source=cluster.source + "; in-mesh fits, op_overhead and the float32 curve scaled by "

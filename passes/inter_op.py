@@ -228,7 +228,7 @@ class StageCosts:
         return table
 
     def _fill(self, table, m, b, B, max_f) -> None:
-        transfer = np.array([self._transfer(k, b) for k in range(self.layers.count)])[:, None, None]
+        transfer = self.hops_at(b)[:, None, None]
         for costs in self.costs(m):
             if b % costs.batch_split:
                 continue
@@ -237,9 +237,9 @@ class StageCosts:
             cycle = np.maximum(latency[:, :, None], transfer)  # a stage cannot cycle faster than its input link
             table[:, :, m] = np.minimum(table[:, :, m], np.where(fits, cycle, INF))
 
-    def hops(self, global_batch: int, B: int) -> np.ndarray:
-        """h[k]: the transfer into a stage that starts at layer k, at B microbatches (``stage_dp``)."""
-        return np.array([self._transfer(k, global_batch // B) for k in range(self.layers.count)])
+    def hops_at(self, microbatch: int) -> np.ndarray:
+        """h[k]: the transfer into a stage that starts at layer k, at this microbatch size (``stage_dp``)."""
+        return np.array([self._transfer(k, microbatch) for k in range(self.layers.count)])
 
     def _transfer(self, k: int, microbatch: int) -> float:
         """Forward send and backward return of the tensors live at the cut before layer k."""
@@ -318,7 +318,7 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)
         found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
-                         hops=costs.hops(global_batch, B))
+                         hops=costs.hops_at(global_batch // B))
         if found is not None and (best is None or found.cost < best[0].cost):
             best = (found, B, table)
     if best is None:
