@@ -127,7 +127,7 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
     compute = sum(s.predicted["compute"] for s in stages)
     comm = sum(s.predicted["comm"] for s in stages)
     return {"step_time": makespan + sync + optimizer, "compute": compute, "comm": comm, "grad_sync": sync,
-            "optimizer": optimizer,
+            "optimizer": optimizer, "transfer": hop,  # hop: what trace.simulate_plan replays the schedule with
             "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
 
 

@@ -306,3 +306,16 @@ def test_the_step_bar_adds_up_to_the_predicted_step_time():
     parts = dict((name, seconds) for name, seconds, _ in _step_parts(plan))
     assert sum(parts.values()) == pytest.approx(plan.predicted["step_time"], rel=1e-9)
     assert parts["compute"] / parts["communication"] == pytest.approx(2.5e-3 / 5e-4)
+
+
+def test_the_report_replays_the_schedule_the_prediction_used():
+    """``trace.simulate_plan`` (the report, the Chrome trace) and ``predict`` give the same makespan."""
+    from autopar.trace import simulate_plan
+
+    cluster = autopar.Cluster.preset("p3.16xlarge", nodes=2)
+    model, batch = make_gpt()
+    plan = autopar.plan(model, cluster, batch, stages=2, microbatches=4)
+    assert plan.predicted["transfer"] > 0
+    makespan = max(op.end for op in simulate_plan(plan))
+    want = plan.predicted["step_time"] - plan.predicted["grad_sync"] - plan.predicted["optimizer"]
+    assert makespan == pytest.approx(want, rel=1e-9)
