@@ -20,6 +20,7 @@ from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
+from autopar.passes.recompute import check_policy, layer_modes, recompute_seconds, recomputed_ops, stage_modes
 from autopar.passes.strategies import generate_strategies
 from autopar.passes.strategies.base import OpView
 from autopar.placement import R, spec_str
@@ -46,6 +47,9 @@ class PlanOptions:
     schedule: "1f1b" (default) or "gpipe".
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
     debug: check every pass's output invariants (slower).
+    recompute: "auto" (the stage DP chooses, per stage, which layers recompute their activations in
+      backward), "none", "full", or {layer glob: "none" | "full" | "selective" | "auto"}; see
+      ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).
     """
 
     optimizer: str = "adamw"
@@ -56,6 +60,10 @@ class PlanOptions:
     schedule: str = "1f1b"
     layers: int | None = None
     debug: bool = False
+    recompute: str | dict = "auto"
+
+    def __post_init__(self):
+        check_policy(self.recompute)
 
 
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
@@ -81,7 +89,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
                            TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
-                           strategies_for=lambda g, mesh: _strategies(g, mesh, options))
+                           strategies_for=lambda g, mesh: _strategies(g, mesh, options),
+                           recompute_modes=layer_modes(options.recompute, graph, layers))
         clock.lap("layers")
         try:
             choice = _choose(costs, graph, candidates, options)
@@ -91,7 +100,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                                   f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
                                   + budget_unit_hint(cluster.memory_per_device)) from None
         clock.lap("stage_dp")
-        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
+        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch, costs.modes)
         clock.lap("stage_ilps")
         plan.planner["mesh_solves"] = costs.solves
         if options.stages is None and candidates[0] == 1:
@@ -195,12 +204,26 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     scaled = at_microbatch(microbatches)
     strategies = _strategies(scaled, mesh, options)
     _check(options, lambda: _check_strategies(scaled, strategies))
-    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches)
-    solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
+    layers = cluster_layers(graph, blocks, options.layers, is_light) if options.recompute != "none" else None
+    modes = layer_modes(options.recompute, graph, layers) if layers is not None else []
+    attempts = [{n: m for n, m in enumerate(modes) if m in ("full", "selective")}]
+    if "auto" in modes:  # recompute every "auto" layer only when nothing fits without
+        attempts.append({**attempts[0], **{n: "full" for n, m in enumerate(modes) if m == "auto"}})
+    for n, recompute in enumerate(attempts):
+        env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches,
+                      recomputed=recomputed_ops(layers, recompute, scaled) if recompute else frozenset())
+        try:
+            solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
+            break
+        except InfeasibleError:
+            if n == len(attempts) - 1:
+                raise
     stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
                        submesh=(cluster.nodes, cluster.devices_per_node))
+    _record_recompute(stage, solution, scaled, layers, blocks, recompute, microbatches)
     plan = assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
-                         schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled)
+                         schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled,
+                         layers=layers if recompute else None)
     plan.predicted = predict([stage], microbatches, plan.schedule, [])
     plan.planner = {"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status}
     return plan
@@ -229,7 +252,9 @@ def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int
         out.append((first, last, MeshOption(physical, logical), f))
     _check_manual(out, costs)
     B = candidates[-1] if options.microbatches is None else options.microbatches
-    return StageChoice(B, [(k, i, o, min(f, B) if options.schedule != "gpipe" else B) for k, i, o, f in out], 0.0)
+    forced = [tuple(n for n in range(k, i + 1) if costs.modes[n] == "full") for k, i, _, _ in out]
+    return StageChoice(B, [(k, i, o, min(f, B) if options.schedule != "gpipe" else B) for k, i, o, f in out], 0.0,
+                       forced)
 
 
 def _check_manual(stages, costs: StageCosts) -> None:
@@ -243,7 +268,7 @@ def _check_manual(stages, costs: StageCosts) -> None:
 
 
 def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
-              choice: StageChoice, at_microbatch) -> Plan:
+              choice: StageChoice, at_microbatch, costs_modes: list[str]) -> Plan:
     """Place the chosen stages on ranks and solve each exactly at the chosen microbatch.
 
     Stages are solved fewest in-flight microbatches first, so an identical stage further up the
@@ -257,13 +282,16 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         subset = {name for layer in range(k, i + 1) for name in layers.nodes[layer]}
         if s == last:
             subset.add("output")
+        recompute = stage_modes(costs_modes, choice.recompute[s] if choice.recompute else (), k, i)
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
-                      inflight=f, devices_per_node=option.physical[1])
+                      inflight=f, devices_per_node=option.physical[1],
+                      recomputed=recomputed_ops(layers, recompute, scaled))
         solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
-                                  cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
-                                  memo=memo)
-        solved[s] = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
-                               layers=(k, i)), solution.ilp.n_variables
+                                  cluster.memory_per_device, options.time_limit, subset=subset,
+                                  truncate=_uniform(recompute, layers, k, i), memo=memo)
+        stage = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical, layers=(k, i))
+        _record_recompute(stage, solution, scaled, layers, blocks, recompute, B)
+        solved[s] = stage, solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]
     variables = sum(n for _, n in solved.values())
     transfers = transfers_between(graph, stages, scaled, cluster)
@@ -274,6 +302,24 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     plan.planner = {"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
                     "dp_cost": choice.cost, "stage_solves_reused": memo.hits}
     return plan
+
+
+def _uniform(recompute: dict[int, str], layers, k: int, i: int) -> bool:
+    """Whether identical layers k..i all recompute alike, so the ILP may keep one instance for the rest
+    (``intra_op_groups`` truncation); a mixed stage is solved whole."""
+    return len({recompute.get(n) for n in range(k, i + 1)}) <= 1 if layers is not None else True
+
+
+def _record_recompute(stage, solution, graph, layers, blocks, recompute: dict[int, str], microbatches: int) -> None:
+    """Stage.recompute and the predicted seconds of the extra forward (in backward, per microbatch)."""
+    stage.recompute = dict(sorted(recompute.items()))
+    if not recompute:
+        return
+    extra = recompute_seconds(solution, graph, layers, blocks, stage.mesh_shape, recompute) / microbatches
+    p = stage.predicted
+    p["recompute"] = extra
+    p["latency"] += extra
+    p["backward"] += extra
 
 
 def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict:
@@ -311,14 +357,21 @@ def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict
 
 
 def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
-    """(least memory any plan needs, memory of the fully replicated plan) per device, in bytes."""
+    """(least memory any plan needs, memory of the fully replicated plan) per device, in bytes, with the
+    layers that ``options.recompute`` forces to recompute ("full", "selective") recomputing."""
     from autopar.passes.ilp import memory_of, min_memory
     from autopar.passes.intra_op import build_problem
 
     mesh = tuple(cluster.mesh_shape)
     strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
-    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer))
-    _, problem, _, _ = build_problem(graph, strategies, find_repeated_blocks(graph), env, None)
+    blocks = find_repeated_blocks(graph)
+    recomputed = frozenset()
+    if options.recompute not in ("auto", "none"):
+        layers = cluster_layers(graph, blocks, options.layers, is_light)
+        forced = {n: m for n, m in enumerate(layer_modes(options.recompute, graph, layers)) if m in ("full", "selective")}
+        recomputed = recomputed_ops(layers, forced, graph)
+    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), recomputed=recomputed)
+    _, problem, _, _ = build_problem(graph, strategies, blocks, env, None)
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
 
 

@@ -55,6 +55,8 @@ class Stage:
 
     ranks: global ranks of the submesh, row-major over ``mesh_shape``; submesh: its physical shape
     (nodes, devices per node); layers: [first, last] layer index (inclusive), or None.
+    recompute: {layer index: "full" | "selective"} for the layers whose activations backward recomputes
+    (absent layers keep theirs); codegen runs those regions under ``torch.utils.checkpoint``.
     predicted: seconds and bytes the cost model expects (keys: latency, compute, comm, memory, ...).
     """
 
@@ -69,6 +71,7 @@ class Stage:
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # from earlier stages: value -> spec
     outputs: list[str] = dataclasses.field(default_factory=list)       # values later stages read
+    recompute: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class Plan:
     microbatches: int = 1
     schedule: str = "none"
     optimizer: str = "adamw"
+    recompute: Any = "auto"  # the recompute option the plan was made with ("auto", "none", "full" or a dict)
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
     planner: dict[str, Any] = dataclasses.field(default_factory=dict)
     repeated_blocks: dict[str, list[list[str]]] = dataclasses.field(default_factory=dict)
@@ -205,7 +209,8 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
     return Stage(index=int(d["index"]), ranks=[int(r) for r in d["ranks"]], mesh_shape=_tuple2(d["mesh_shape"]),
                  submesh=_tuple2(d["submesh"]), nodes=list(d["nodes"]), shardings=shardings,
                  collectives=collectives, layers=layers, predicted=dict(d.get("predicted", {})),
-                 inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])))
+                 inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])),
+                 recompute={int(k): str(v) for k, v in d.get("recompute", {}).items()})
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -219,7 +224,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         input_signature=[(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in d["input_signature"]],
         cluster=d["cluster"], stages=[_stage_from_dict(s) for s in d["stages"]],
         microbatches=int(d.get("microbatches", 1)), schedule=d.get("schedule", "none"),
-        optimizer=d.get("optimizer", "adamw"), predicted=dict(d.get("predicted", {})),
+        optimizer=d.get("optimizer", "adamw"), recompute=d.get("recompute", "auto"), predicted=dict(d.get("predicted", {})),
         planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
         node_ops=d.get("node_ops", {}), node_layers={k: int(v) for k, v in d.get("node_layers", {}).items()},
         transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)))

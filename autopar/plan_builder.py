@@ -156,6 +156,6 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     sharded = sharded_graph if sharded_graph is not None else graph
     return Plan(model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
-                optimizer=options.optimizer, repeated_blocks=blocks.instances,
+                optimizer=options.optimizer, recompute=getattr(options, "recompute", "auto"), repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},
                 node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [])

@@ -27,6 +27,7 @@ from autopar.redistribute import Step, grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
 from autopar.runtime import kernels as K
 from autopar.runtime.groups import group_key
+from autopar.passes.recompute_regions import outline_recompute
 from autopar.passes.strategies.base import OpView
 
 aten = torch.ops.aten
@@ -259,14 +260,19 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
 
 
 def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
-                          requires_grad: set[str], defer_param_sync: bool = True) -> fx.GraphModule:
+                          requires_grad: set[str], defer_param_sync: bool = True,
+                          recompute: dict[str, object] | None = None) -> fx.GraphModule:
     """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).
 
     Signature: every user input (whole), then the values received from earlier stages, in
     ``sorted(stage.inputs)`` order, each already in its receive spec. Returns: the values later stages
     read (``stage.outputs``, local, in the producer's spec), then — on the stage that owns the graph's
     output — the model's flat outputs, whole. ``gm.meta["deferred_syncs"]``: {parameter: mesh axes}
-    whose gradient all-reduce the runner does once per step (see ``_deferrable_syncs``)."""
+    whose gradient all-reduce the runner does once per step (see ``_deferrable_syncs``).
+
+    ``recompute``: {op name: region key} (``recompute.region_keys``); every node emitted for such an op,
+    its input redistributions included, is tagged, and ``recompute_regions.outline_recompute`` runs each
+    run of tagged nodes under ``torch.utils.checkpoint``."""
     em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync)
     owned = set(stage.shardings)
     for info in graph.placeholders:
@@ -285,11 +291,25 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[st
         if node.op == "placeholder":
             em.emit_placeholder(node, tensors)
         elif node.op == "call_function":
+            mark = next(reversed(em.new.nodes), None)
             em.emit_call(node)
+            if recompute and node.name in recompute:
+                _tag_since(em.new, mark, recompute[node.name])
         elif node.op == "output":
             returns = em.graph_outputs(node)
     em.new.output(tuple([em.env[name] for name in stage.outputs] + returns))
     em.new.lint()
     gm = fx.GraphModule(em.root, em.new, class_name=f"Stage{stage.index}Rank")
+    if recompute:
+        outline_recompute(gm)
     gm.meta["deferred_syncs"] = em.deferred
     return gm
+
+
+def _tag_since(graph: fx.Graph, mark: fx.Node | None, key) -> None:
+    """Tag the call_function nodes emitted after ``mark`` (the graph's last node before them)."""
+    node = mark.next if mark is not None else next(iter(graph.nodes), None)
+    while node is not None and node.op != "root":
+        if node.op == "call_function":
+            node.meta["recompute"] = key
+        node = node.next

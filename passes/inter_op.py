@@ -29,6 +29,7 @@ from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError
 from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
+from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.strategies import generate_strategies
 from autopar.placement import shard_factor
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
@@ -79,6 +80,7 @@ class LayerCosts:
     peak: np.ndarray
     batch_split: int
     reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
+    comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
 
     def __post_init__(self):
         self.ranges = _range_matrices(self)
@@ -116,12 +118,13 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
     """Split a whole-model solution's group prices by layer. A group of a truncated instance 1 stands for
     instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``)."""
     L = layers.count
-    t, sync, param, act, peak = (np.zeros(L) for _ in range(5))
+    t, sync, param, act, peak, comm = (np.zeros(L) for _ in range(6))
     spread = [_instance_layers(g.leader, layers, blocks, solution.weights[n]) for n, g in enumerate(solution.groups)]
     for group, i, where in zip(solution.groups, solution.choice, spread):
         for layer in where:
             t[layer] += group.cost[i] - group.sync[i]
             sync[layer] += group.sync[i]
+            comm[layer] += group.comm[i]
             param[layer] += group.mem_param[i]
             act[layer] += group.mem_act[i]
             peak[layer] = max(peak[layer], group.peak[i])
@@ -133,7 +136,7 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
             edges[lu, lv] += per_instance
     split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
                  if batch_dims.get(n) is not None] or [1])
-    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch)
+    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm)
 
 
 def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:
@@ -170,7 +173,7 @@ class StageCosts:
     """
 
     def __init__(self, graphs: dict, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
-                 strategies_for=generate_strategies):
+                 strategies_for=generate_strategies, recompute_modes: list[str] | None = None):
         self.graphs, self.layers, self.blocks, self.cluster = graphs, layers, blocks, cluster
         self.strategies_for = strategies_for
         self.training, self.batch_dims, self.time_limit = training, batch_dims, time_limit
@@ -178,6 +181,9 @@ class StageCosts:
         self.variants: dict[int, list[LayerCosts]] = {}
         self.cut_bytes = {b0: _cut_bytes(g, layers) / b0 for b0, g in graphs.items()}  # per sample
         self.solves = 0
+        self.modes = recompute_modes or ["none"] * layers.count
+        self.share = forward_share(next(iter(graphs.values())), layers) if set(self.modes) - {"none"} else None
+        self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
 
     def _env(self, option: MeshOption) -> CostEnv:
         return CostEnv(self.cluster, option.logical, self.training, devices_per_node=option.physical[1])
@@ -223,19 +229,46 @@ class StageCosts:
         """t[k, i, m, f-1] for B microbatches (∞ where memory or the batch split rules the entry out)."""
         L, M = self.layers.count, len(self.options)
         table = np.full((L, L, M, max_f), INF)
+        self.picks[B] = np.full((2, L, L, M, max_f), -1, dtype=np.int32)
         for m in range(M):
             self._fill(table, m, global_batch // B, B, max_f)
         return table
 
     def _fill(self, table, m, b, B, max_f) -> None:
         transfer = self.hops_at(b)[:, None, None]
-        for costs in self.costs(m):
+        budget = self.cluster.memory_per_device
+        for v, costs in enumerate(self.costs(m)):
             if b % costs.batch_split:
                 continue
-            latency, memory = costs.stage_tables(b / costs.reference_batch, B, max_f)
-            fits = memory <= self.cluster.memory_per_device
-            cycle = np.maximum(latency[:, :, None], transfer)  # a stage cannot cycle faster than its input link
-            table[:, :, m] = np.minimum(table[:, :, m], np.where(fits, cycle, INF))
+            scale = b / costs.reference_batch
+            latency, memory = costs.stage_tables(scale, B, max_f)
+            rec = self.layer_recompute(costs)
+            if rec is None:
+                lat, fits, prefix = np.broadcast_to(latency[:, :, None], memory.shape), memory <= budget, None
+            else:
+                lat, fits, prefix = rec.tables(latency, memory, scale, budget)
+            cycle = np.maximum(lat, transfer)  # a stage cannot cycle faster than its input link
+            entry = np.where(fits, cycle, INF)
+            better = entry < table[:, :, m]
+            table[:, :, m] = np.where(better, entry, table[:, :, m])
+            picks = self.picks[B][:, :, :, m]
+            picks[0][better] = v
+            picks[1][better] = prefix[better] if prefix is not None else 0
+
+    def layer_recompute(self, costs: LayerCosts) -> LayerRecompute | None:
+        """Recompute prices of one solution, or None when the policy recomputes nothing (``recompute``)."""
+        if self.share is None:
+            return None
+        keep = self.cut_bytes[costs.reference_batch] * costs.reference_batch / costs.batch_split
+        return LayerRecompute(costs, self.share, keep, self.modes)
+
+    def recompute_of(self, B: int, k: int, i: int, m: int, f: int) -> tuple[int, ...]:
+        """The layers recomputed in table entry [k, i, m, f-1] of the last ``table(.., B, ..)``."""
+        picks = self.picks.get(B)
+        if picks is None or picks[0, k, i, m, f - 1] < 0:
+            return ()
+        rec = self.layer_recompute(self.costs(m)[picks[0, k, i, m, f - 1]])
+        return rec.choice(k, i, int(picks[1, k, i, m, f - 1])) if rec is not None else ()
 
     def hops_at(self, microbatch: int) -> np.ndarray:
         """h[k]: the transfer into a stage that starts at layer k, at this microbatch size (``stage_dp``)."""
@@ -300,11 +333,13 @@ def _cut_bytes(graph, layers) -> np.ndarray:
 
 @dataclasses.dataclass
 class StageChoice:
-    """The DP's answer: microbatches and, per stage, (first layer, last layer, mesh option, in-flight)."""
+    """The DP's answer: microbatches and, per stage, (first layer, last layer, mesh option, in-flight);
+    recompute: per stage, the layers whose activations it recomputes (empty when none or not chosen)."""
 
     microbatches: int
     stages: list[tuple[int, int, MeshOption, int]]
     cost: float
+    recompute: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
 
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
@@ -329,9 +364,10 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
                               f"{fmt_bytes(budget)} per device with microbatches {candidates}; use more devices "
                               f"or memory, or more microbatches")
     found, B, table = best
-    out = []
+    out, recompute = [], []
     for s, (k, i, j) in enumerate(found.stages):
         f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
         m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
         out.append((k, i, costs.options[m], f))
-    return StageChoice(B, out, found.cost)
+        recompute.append(costs.recompute_of(B, k, i, m, min(f, table.shape[3])))
+    return StageChoice(B, out, found.cost, recompute)

@@ -40,6 +40,8 @@ class CostEnv:
     microbatches: B, the number of microbatches per step (1 without pipelining);
     inflight: how many microbatches' activations are alive at once (1F1B stage s of S: S - s).
     devices_per_node: width of the physical submesh (defaults to the cluster's node width).
+    recomputed: names of the ops whose activations backward recomputes (they save nothing; see
+    ``intra_op_groups.recompute_saved``).
     """
 
     cluster: Cluster
@@ -48,6 +50,7 @@ class CostEnv:
     microbatches: int = 1
     inflight: int = 1
     devices_per_node: int | None = None
+    recomputed: frozenset[str] = frozenset()
 
     def __post_init__(self):
         self.links = axis_links(self.cluster, self.mesh_shape, self.devices_per_node)

@@ -102,6 +102,18 @@ def _truncation(graph, blocks, subset: set[str] | None = None) -> tuple[dict[str
     return cache[key]
 
 
+def recompute_saved(graph, saved: dict[str, float], recomputed: frozenset[str]) -> dict[str, float]:
+    """``saved`` where backward recomputes the ops in ``recomputed``: they keep nothing, and the values
+    outside the set that they read (a recomputed region's inputs, which checkpoint keeps) keep their output."""
+    out = {name: share for name, share in saved.items() if name not in recomputed}
+    for node in graph.gm.graph.nodes:
+        if node.name in recomputed:
+            for arg in node.all_input_nodes:
+                if arg.name not in recomputed and arg.op == "call_function":
+                    out[arg.name] = max(out.get(arg.name, 0.0), 1.0)
+    return out
+
+
 class GroupBuilder:
     """Builds groups, their prices and the inter-group resharding matrices for one scope and mesh."""
 
@@ -118,6 +130,8 @@ class GroupBuilder:
             needs = requires_grad_nodes(graph.gm, self.params)
             graph._grad_info = info = (device_type, needs, saved_nodes(graph.gm, needs, device_type))
         _, self.requires_grad, self.saved = info
+        if env.recomputed:
+            self.saved = recompute_saved(graph, self.saved, env.recomputed)
         self.order, self.boundary, self.sends = self._scope()
         self.strategies = dict(strategies)
         for name in self.boundary:

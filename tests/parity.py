@@ -20,21 +20,21 @@ import torch
 import autopar
 from autopar.driver import PlanOptions, memory_bounds
 from autopar.passes.capture import capture
-from autopar.runtime import collectives
+from autopar.runtime import collectives, faults
 from tests.models import FACTORIES
 
 LR, EPS, STEPS = 1e-3, 1e-6, 3
 
 
-def layout_options(layout: str, model_name: str, cluster, model, batch) -> tuple:
-    """(cluster, plan options) for a layout: "auto" squeezes memory so the plan must shard; "dp" pins
-    the batch split on every axis and replicated parameters."""
+def layout_options(layout: str, model_name: str, cluster, model, batch, recompute="none") -> tuple:
+    """(cluster, plan options) for a layout: "auto" squeezes memory (with ``recompute``'s forced layers
+    recomputing) so the plan must shard; "dp" pins the batch split on every axis and replicated parameters."""
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)
         return cluster, {"stages": 1, "pin": {"p_*": replicated, batch_pin_name(model_name, 0): split,
                                               batch_pin_name(model_name, 1): split}}
-    floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions())
+    floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute))
     return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1}
 
 
@@ -45,7 +45,7 @@ PIPELINES = {
 }
 
 
-def pipeline_options(layout: str, cluster, model, batch) -> tuple:
+def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tuple:
     """("pp2x2-1f1b" ...) -> (cluster, options): manual stages, 4 microbatches, and for two-device stages a
     memory budget under which they must shard: 0.85 × the largest stage's memory in the plan made without a
     budget (where every stage replicates, data parallel being the cheapest on 2 CPU ranks). A fixed fraction
@@ -55,7 +55,7 @@ def pipeline_options(layout: str, cluster, model, batch) -> tuple:
     stages = PIPELINES[shape]
     options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages)}
     if shape == "pp2x2":
-        free = autopar.plan(model, cluster, batch, **options)
+        free = autopar.plan(model, cluster, batch, **options, recompute=recompute)
         cluster = cluster.with_memory(0.85 * max(s.predicted["memory"] for s in free.stages))
     return cluster, options
 
@@ -68,18 +68,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-30))
 
 
+def recompute_option(text: str):
+    """The recompute option a layout's ":rc-" suffix names: "full", "none", or a layer glob to recompute."""
+    return text if text in ("full", "none", "auto") else {text: "full"}
+
+
 def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
+    """One case; a layout may end in ":rc-<full | layer glob>" to recompute those layers in backward."""
     model, batch = FACTORIES[model_name]()
     reference = copy.deepcopy(model)
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
+    layout, _, rc = layout.partition(":rc-")
+    recompute = recompute_option(rc) if rc else "none"
     if layout.startswith("pp"):
-        cluster, options = pipeline_options(layout, cluster, model, batch)
+        cluster, options = pipeline_options(layout, cluster, model, batch, recompute)
     else:
-        cluster, options = layout_options(layout, model_name, cluster, model, batch)
-    pm = autopar.compile(model, cluster, batch, **options)
+        cluster, options = layout_options(layout, model_name, cluster, model, batch, recompute)
+    pm = autopar.compile(model, cluster, batch, **options, recompute=recompute)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     loss_err = 0.0
+    counted = _count_collectives()
     for _ in range(STEPS):
         loss = pm.train_step(*batch)
         opt.step()
@@ -89,6 +98,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+    comm_calls = counted()
     full = pm.full_state_dict()
     param_err = max(rel(full[k], v) for k, v in reference.state_dict().items())
     stages = pm.plan.stages
@@ -97,7 +107,9 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "sharded_params": sum(1 for s in stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out),
             "stages": [(s.submesh, s.mesh_shape, len(s.ranks)) for s in stages],
-            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
+            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule, "comm_calls": comm_calls[0],
+            "replayed_comm_calls": comm_calls[1],
+            "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
             "keys_match": list(full) == list(reference.state_dict()),
             "shapes_match": all(full[k].shape == v.shape for k, v in reference.state_dict().items())}
 
@@ -105,7 +117,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
 def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     """Every case in one process group. A case's last field names a sabotage (its negative control):
     "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients
-    between pipeline stages."""
+    between pipeline stages; "replay" skips the collectives when a recomputed region re-runs in backward."""
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
@@ -117,8 +129,50 @@ def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     return results
 
 
+def _count_collectives() -> callable:
+    """Count this rank's collectives (every ``faults.guard`` call) from now on; the returned callable stops
+    counting and gives (all of them, those run by a recomputed region's replay in backward)."""
+    original, calls = faults.guard, [0, 0]
+
+    def counting(name, key, fn, *args, **kwargs):
+        calls[0] += 1
+        calls[1] += int(_in_recompute())
+        return original(name, key, fn, *args, **kwargs)
+
+    faults.guard = counting
+
+    def stop() -> tuple[int, int]:
+        faults.guard = original
+        return calls[0], calls[1]
+    return stop
+
+
+def _in_recompute() -> bool:
+    """Inside a backward pass with gradient recording on: only a checkpointed region's replay does that."""
+    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
+
+
+def _skip_collectives_in_replay() -> callable:
+    """Recomputed regions whose backward replay skips every collective (an all-reduce keeps its local
+    value, other outputs stay zero), on every rank alike: nothing hangs, the replayed activations are wrong."""
+    original = faults.guard
+
+    def guard(name, key, fn, *args, **kwargs):
+        if not _in_recompute():
+            return original(name, key, fn, *args, **kwargs)
+        if name != "all_reduce":
+            args[0].zero_()
+        return None
+
+    faults.guard = guard
+    return lambda: setattr(faults, "guard", original)
+
+
 def _sabotage(kind) -> callable:
     from autopar.runtime import pipeline
+
+    if kind == "replay":
+        return _skip_collectives_in_replay()
 
     if kind in (True, "all_reduce"):
         original = collectives._all_reduce

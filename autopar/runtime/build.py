@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from autopar.cost_models.memory import requires_grad_nodes
 from autopar.passes.codegen import generate_stage_module
+from autopar.passes.recompute import region_keys
 from autopar.runtime import groups
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineRunner
@@ -66,7 +67,8 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     coord = groups.coordinate(meshes[stage.index], rank)
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
     needs_grad = requires_grad_nodes(graph.gm, trainable)
-    gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad)
+    regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
+    gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions)
     if len(plan.stages) == 1 and plan.microbatches == 1:
         runner = SpmdRunner(gm, stage, base + stage.index)
     else:

@@ -1,0 +1,225 @@
+r"""Activation recompute in the planner: which layers of a stage keep their activations, which recompute them.
+
+Policy (``PlanOptions.recompute``): "auto" (the planner chooses per stage), "none", "full" (every layer),
+or {layer glob: "none" | "full" | "selective" | "auto"}. A glob matches layer l when it matches ``str(l)``
+or the module path of one of the layer's ops (``"blocks.1"``, ``"transformer.h.*"``); the first matching
+entry wins, unmatched layers are "auto". "selective" recomputes only the attention core of the layer
+(Megatron's selective recompute: the ops in ``ATTENTION_CORE``); "auto" never chooses it, and the
+tables price a selective layer as keeping its activations (an upper bound on its memory).
+
+Pricing of a fully recomputed layer l at the reference microbatch b₀ of a mesh option's solution:
+
+    act'_l   = keep_l = bytes of the tensors live at the cut before l, / batch split  (its boundary input)
+    t'_l     = t_l + fwd_l,   fwd_l = φ_l · compute_l + ½ · (comm_l − sync_l)
+    peak'    = max(peak, act_l)            (backward re-creates one layer's activations at a time)
+
+with t_l the layer's per-microbatch time (compute and communication, gradient sync excluded), comm_l its
+communication (sync_l, the once-per-step gradient sync, included), compute_l = t_l + sync_l − comm_l,
+φ_l = forward FLOPs / (forward + backward FLOPs) of the layer's ops (about ⅓ for matmuls) and half
+of the layer's non-gradient-sync communication (tensor parallelism's collectives come in forward/backward
+pairs of equal size; the once-per-step gradient sync is not repeated).
+
+Choice per table entry (stage k..i, option m, f in flight, microbatch scale s = b/b₀): layers marked
+"full" are always recomputed, "none" never; the "auto" layers are taken in one order, most bytes saved
+per second of extra forward first (ties: lower layer first), and the entry uses the shortest prefix of
+that order, restricted to k..i, whose memory
+
+    mem_p = mem − f · s · Σ_{l ∈ prefix} (act_l − keep_l) + s · max(0, max_{l ∈ prefix} act_l − peak)
+
+fits the device; its latency is lat + s · Σ_{l ∈ prefix} fwd_l. Extra time grows with the prefix, so the
+first fitting prefix is the fastest; with identical layers this is exactly "the fewest recomputed layers
+that fit", and only L + 1 prefixes per (k, i) are ever tried, so the dimension costs O(L³ · F) per option.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+import numpy as np
+import torch
+
+from autopar.errors import PlanError
+
+aten = torch.ops.aten
+MODES = ("none", "full", "selective", "auto")
+ATTENTION_CORE = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
+                  aten._scaled_dot_product_efficient_attention, aten._softmax, aten.softmax}
+
+
+def check_policy(policy) -> None:
+    """PlanError naming the fix when ``policy`` is not a recompute option."""
+    if isinstance(policy, str) and policy in ("auto", "none", "full"):
+        return
+    if isinstance(policy, dict) and policy and all(isinstance(k, str) and v in MODES for k, v in policy.items()):
+        return
+    raise PlanError(f"recompute={policy!r} is not a recompute option; use 'auto', 'none', 'full' or a dict "
+                    f"{{layer glob: 'none' | 'full' | 'selective' | 'auto'}}, e.g. {{'blocks.*': 'full'}}")
+
+
+def layer_modes(policy, graph, layers) -> list[str]:
+    """The mode of every layer (see module docstring)."""
+    check_policy(policy)
+    if isinstance(policy, str):
+        return [policy] * layers.count
+    paths = [_module_paths(graph, names) | {str(layer)} for layer, names in enumerate(layers.nodes)]
+    out = []
+    for here in paths:
+        match = next((mode for glob, mode in policy.items() if any(fnmatch.fnmatchcase(p, glob) for p in here)),
+                     "auto")
+        out.append(match)
+    return out
+
+
+def _module_paths(graph, names: list[str]) -> set[str]:
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    out = set()
+    for name in names:
+        stack = nodes[name].meta.get("nn_module_stack") or {}
+        out.update(path for path, _ in stack.values() if path)
+    return out
+
+
+def forward_share(graph, layers) -> np.ndarray:
+    """φ_l: forward FLOPs / all FLOPs of layer l's ops (⅓ where the layer has none counted)."""
+    from autopar.cost_models.compute import node_flops
+
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    out = np.full(layers.count, 1 / 3)
+    for layer, names in enumerate(layers.nodes):
+        fwd = bwd = 0.0
+        for name in names:
+            try:
+                f, b = node_flops(nodes[name])
+            except Exception:  # an op the FLOP counter cannot run contributes nothing
+                continue
+            fwd, bwd = fwd + f, bwd + b
+        if fwd + bwd > 0:
+            out[layer] = fwd / (fwd + bwd)
+    return out
+
+
+def extra_forward(costs, share: np.ndarray) -> np.ndarray:
+    """fwd_l of every layer of a ``LayerCosts`` (module docstring): the time one more forward costs."""
+    compute = np.maximum(costs.t + costs.sync - costs.comm, 0.0)
+    return share * compute + 0.5 * np.maximum(costs.comm - costs.sync, 0.0)
+
+
+def recomputed_ops(layers, recompute: dict[int, str], graph) -> frozenset[str]:
+    """Names of the ops whose activations backward recomputes under ``recompute`` ({layer: mode})."""
+    node_layers = {name: layer for layer, names in enumerate(layers.nodes) for name in names}
+    return frozenset(region_keys(graph, node_layers, recompute))
+
+
+class LayerRecompute:
+    """Per-layer recompute prices of one mesh option's solution at b₀ (module docstring): save, fwd, act."""
+
+    def __init__(self, costs, share: np.ndarray, keep: np.ndarray, modes: list[str]):
+        self.act = costs.act
+        self.save = np.maximum(costs.act - keep, 0.0)
+        self.fwd = extra_forward(costs, share)
+        self.peak = costs.peak
+        self.forced = np.array([m == "full" for m in modes])
+        auto = [layer for layer, m in enumerate(modes) if m == "auto" and self.save[layer] > 0]
+        self.order = sorted(auto, key=lambda n: (-self.save[n] / max(self.fwd[n], 1e-12), n))
+        self._prefixes: dict[tuple[int, int], list] = {}
+
+    def _forced(self, k: int, i: int) -> tuple[float, float, float]:
+        rng = slice(k, i + 1)
+        on = self.forced[rng]
+        return (float(self.save[rng][on].sum()), float(self.fwd[rng][on].sum()),
+                float(self.act[rng][on].max(initial=0.0)))
+
+    def prefixes(self, k: int, i: int) -> list[tuple[tuple[int, ...], float, float, float]]:
+        """[(recomputed layers, Σ save, Σ fwd, max act)] for the forced layers of k..i plus each prefix of
+        the auto order restricted to k..i, shortest first."""
+        if (k, i) not in self._prefixes:
+            self._prefixes[k, i] = self._build_prefixes(k, i)
+        return self._prefixes[k, i]
+
+    def _build_prefixes(self, k: int, i: int) -> list:
+        save, fwd, top = self._forced(k, i)
+        chosen = tuple(layer for layer in range(k, i + 1) if self.forced[layer])
+        out = [(chosen, save, fwd, top)]
+        for layer in self.order:
+            if k <= layer <= i:
+                save, fwd, top = save + self.save[layer], fwd + self.fwd[layer], max(top, self.act[layer])
+                chosen = tuple(sorted(chosen + (layer,)))
+                out.append((chosen, save, fwd, top))
+        return out
+
+    def tables(self, latency: np.ndarray, memory: np.ndarray, scale: float, budget: float):
+        """(latency [k, i, f], fits [k, i, f], prefix index [k, i, f]) with the first fitting prefix."""
+        L, _, F = memory.shape
+        f = np.arange(1, F + 1)
+        best_lat = np.full(memory.shape, np.inf)
+        best_p = np.full(memory.shape, -1, dtype=int)
+        for k in range(L):
+            for i in range(k, L):
+                for p, (_, save, fwd, top) in enumerate(self.prefixes(k, i)):
+                    peak = max(0.0, top - self.peak[k:i + 1].max())
+                    mem = memory[k, i] - f * scale * save + scale * peak
+                    take = (best_p[k, i] < 0) & (mem <= budget)
+                    best_lat[k, i][take] = latency[k, i] + scale * fwd
+                    best_p[k, i][take] = p
+                    if (best_p[k, i] >= 0).all():
+                        break
+        return best_lat, best_p >= 0, best_p
+
+    def choice(self, k: int, i: int, p: int) -> tuple[int, ...]:
+        return self.prefixes(k, i)[p][0]
+
+
+def region_keys(graph, node_layers: dict[str, int], recompute: dict[int, str]) -> dict[str, object]:
+    """{op name: region key} for codegen: the layer index for a "full" layer's ops, (layer, "selective")
+    for the attention-core ops of a "selective" layer. Outputs and placeholders are never in a region."""
+    out = {}
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in node_layers:
+            continue
+        layer = node_layers[node.name]
+        mode = recompute.get(layer)
+        if mode == "full":
+            out[node.name] = layer
+        elif mode == "selective" and getattr(node.target, "overloadpacket", None) in {
+                getattr(op, "overloadpacket", op) for op in ATTENTION_CORE}:
+            out[node.name] = (layer, "selective")
+    return out
+
+
+def stage_modes(modes: list[str], chosen: tuple[int, ...], k: int, i: int) -> dict[int, str]:
+    """{layer: "full" | "selective"} of stage k..i: the layers the DP chose (forced ones included) and the
+    layers forced to "selective"."""
+    out = {layer: "selective" for layer in range(k, i + 1) if modes[layer] == "selective"}
+    out.update({layer: "full" for layer in chosen})
+    return out
+
+
+def core_share(graph, layers) -> np.ndarray:
+    """Share of each layer's forward FLOPs in its attention-core ops (what selective recompute re-runs)."""
+    from autopar.cost_models.compute import node_flops
+
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    core = {getattr(op, "overloadpacket", op) for op in ATTENTION_CORE}
+    out = np.zeros(layers.count)
+    for layer, names in enumerate(layers.nodes):
+        total = part = 0.0
+        for name in names:
+            try:
+                f = node_flops(nodes[name])[0]
+            except Exception:  # an op the FLOP counter cannot run contributes nothing
+                continue
+            total += f
+            part += f if getattr(nodes[name].target, "overloadpacket", None) in core else 0.0
+        out[layer] = part / total if total else 0.0
+    return out
+
+
+def recompute_seconds(solution, graph, layers, blocks, mesh_shape, recompute: dict[int, str]) -> float:
+    """Seconds per step the stage's ``solution`` spends recomputing: Σ fwd_l over its "full" layers, and
+    the attention core's share of fwd_l for its "selective" ones (module docstring)."""
+    from autopar.passes.batch_dims import batch_dims
+    from autopar.passes.inter_op import layer_costs
+
+    costs = layer_costs(solution, layers, batch_dims(graph), mesh_shape, 1, blocks)
+    fwd = extra_forward(costs, forward_share(graph, layers))
+    core = core_share(graph, layers) if "selective" in recompute.values() else None
+    return float(sum(fwd[layer] * (1.0 if mode == "full" else core[layer]) for layer, mode in recompute.items()))
