@@ -60,12 +60,23 @@ def _is_state(name: str) -> bool:
     return name.startswith(("p_", "b_", "c_"))
 
 
+def recompute_text(stage) -> str:
+    """"layers 0, 2 full; 1 selective" for a stage's recompute choice, or "none"."""
+    by_mode: dict[str, list[str]] = {}
+    for layer, mode in sorted(getattr(stage, "recompute", {}).items()):
+        by_mode.setdefault(mode, []).append(str(layer))
+    return "; ".join(f"layers {', '.join(ls)} {mode}" for mode, ls in by_mode.items()) or "none"
+
+
 def _stage_table(plan, stage, max_rows: int) -> list[str]:
     p = stage.predicted
     layers = f", layers {stage.layers[0]}..{stage.layers[1]}" if stage.layers else ""
     lines = [f"", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
              f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
              f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
+    if getattr(stage, "recompute", None):
+        lines.append(f"  recompute in backward: {recompute_text(stage)} (+{fmt_seconds(p.get('recompute', 0))} "
+                     f"per microbatch)")
     folded = _folded_nodes(plan, stage)
     skipped: Counter = Counter()
     rows = []

@@ -17,7 +17,7 @@ from html import escape
 
 from autopar import trace
 from autopar.placement import parse_spec
-from autopar.report import fmt_bytes, fmt_seconds
+from autopar.report import fmt_bytes, fmt_seconds, recompute_text
 from autopar.visualize_groups import OpGroup, compress_ranges, group_ops, group_placeholders, short_op
 from autopar.visualize_svg import bytes_bars, mesh_svg, schedule_svg, seconds_bars, sharding_strip_svg, stage_color
 from autopar.visualize_template import legend_html, page, toolbar_html
@@ -127,8 +127,8 @@ def _stage_legend(plan) -> str:
         rows.append([f'<span class="stage-dot" style="background:{stage_color(s.index)}"></span>'
                      f'<a href="#stage-{s.index}">stage {s.index}</a>', escape(compress_ranges(s.ranks)),
                      f"{s.mesh_shape[0]}×{s.mesh_shape[1]}", f"{s.submesh[0]}×{s.submesh[1]}", layers,
-                     fmt_seconds(p.get("latency", 0)), fmt_bytes(p.get("peak_memory", 0))])
-    return table(["stage", "ranks", "mesh", "submesh", "layers", "latency", "peak memory"], rows, {5, 6})
+                     escape(recompute_text(s)), fmt_seconds(p.get("latency", 0)), fmt_bytes(p.get("peak_memory", 0))])
+    return table(["stage", "ranks", "mesh", "submesh", "layers", "recompute", "latency", "peak memory"], rows, {6, 7})
 
 
 def _swatches(items: list[tuple[str, str]]) -> str:
