@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView
 from autopar.passes.strategies.einsum import parse_equation
 from autopar.placement import R, local_slice
 from benchmarks.hand_grids import HandLayout, balanced_ranges, hand_grid, moe_pins, wrn_pins
