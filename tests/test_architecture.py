@@ -15,7 +15,7 @@ import functools
 import importlib
 import pathlib
 import pkgutil
-import tomllib
+import re
 
 import networkx as nx
 import pytest
@@ -71,8 +71,8 @@ def unit_of(module: str) -> str:
 @functools.cache
 def all_modules() -> list[str]:
     """Every module of the packages pyproject.toml installs (some live outside autopar/ on disk)."""
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        packages = tomllib.load(f)["tool"]["setuptools"]["packages"]
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # tomllib is 3.11+; the list is one line
+    packages = re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*)\]$", text, re.M).group(1))
     names = set(packages)
     for package in packages:
         path = importlib.import_module(package).__path__
@@ -91,8 +91,9 @@ def imports_of(module: str) -> set[str]:
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            if node.level:  # relative: drop (level - 1) trailing parts of the package
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
             out.add(base)
             out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
     known = set(all_modules())

@@ -125,7 +125,8 @@ def node_signature(node: fx.Node) -> str:
 
     if node.op == "placeholder":
         val = node.meta.get("val")
-        return f"placeholder|{tuple(val.shape) if isinstance(val, torch.Tensor) else None}|{getattr(val, 'dtype', None)}"
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        return f"placeholder|{shape}|{getattr(val, 'dtype', None)}"
     return f"{node.op}|{node.target}|{pytree.tree_map(describe, (node.args, node.kwargs))}"
 
 

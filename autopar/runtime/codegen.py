@@ -133,7 +133,8 @@ class _Emitter:
         kernels = [(int(a), t) for a, t in sharding.kernels]
         args, kwargs = _substitute(node, view, local_args)
         args = self._localize_shapes(node, out_spec, args)
-        target, args, kwargs = self._apply_kernels(node, view, ins, kernels, target=node.target, args=args, kwargs=kwargs)
+        target, args, kwargs = self._apply_kernels(node, view, ins, kernels, target=node.target, args=args,
+                                                   kwargs=kwargs)
         out = self.new.call_function(target, tuple(args), kwargs)
         self.env[node.name] = self._post_kernels(out, kernels)
 
