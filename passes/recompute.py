@@ -35,14 +35,11 @@ from __future__ import annotations
 import fnmatch
 
 import numpy as np
-import torch
 
 from autopar.errors import PlanError
+from autopar.ir.recompute import ATTENTION_CORE, region_keys
 
-aten = torch.ops.aten
 MODES = ("none", "full", "selective", "auto")
-ATTENTION_CORE = {aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
-                  aten._scaled_dot_product_efficient_attention, aten._softmax, aten.softmax}
 
 
 def check_policy(policy) -> None:
@@ -166,23 +163,6 @@ class LayerRecompute:
 
     def choice(self, k: int, i: int, p: int) -> tuple[int, ...]:
         return self.prefixes(k, i)[p][0]
-
-
-def region_keys(graph, node_layers: dict[str, int], recompute: dict[int, str]) -> dict[str, object]:
-    """{op name: region key} for codegen: the layer index for a "full" layer's ops, (layer, "selective")
-    for the attention-core ops of a "selective" layer. Outputs and placeholders are never in a region."""
-    out = {}
-    for node in graph.gm.graph.nodes:
-        if node.op != "call_function" or node.name not in node_layers:
-            continue
-        layer = node_layers[node.name]
-        mode = recompute.get(layer)
-        if mode == "full":
-            out[node.name] = layer
-        elif mode == "selective" and getattr(node.target, "overloadpacket", None) in {
-                getattr(op, "overloadpacket", op) for op in ATTENTION_CORE}:
-            out[node.name] = (layer, "selective")
-    return out
 
 
 def stage_modes(modes: list[str], chosen: tuple[int, ...], k: int, i: int) -> dict[int, str]:

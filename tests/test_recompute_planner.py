@@ -16,7 +16,7 @@ import autopar
 from autopar.cluster import Link
 from autopar.errors import PlanError
 from autopar.passes.recompute import LayerRecompute, check_policy
-from autopar.passes.recompute_regions import outline_recompute
+from autopar.runtime.recompute_regions import outline_recompute
 from autopar.plan import Plan
 from autopar.visualize import plan_to_html
 from examples.gpt import GPT, GPTConfig, make_batch
