@@ -13,9 +13,11 @@ import torch
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
+from autopar.ir.graph import ModelGraph
+from autopar.ir.ops import OpView
+from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
-from autopar.ir.graph import ModelGraph
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
@@ -23,11 +25,9 @@ from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_
 from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
 from autopar.passes.recompute import check_policy, layer_modes, recompute_seconds, recomputed_ops, stage_modes
 from autopar.passes.strategies import generate_strategies
-from autopar.ir.ops import OpView
 from autopar.placement import R, spec_str
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
-from autopar.ir.units import fmt_bytes
 
 SCHEDULES = ("1f1b", "gpipe")
 MAX_MICROBATCHES = 512
@@ -369,7 +369,8 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
     recomputed = frozenset()
     if options.recompute not in ("auto", "none"):
         layers = cluster_layers(graph, blocks, options.layers, is_light)
-        forced = {n: m for n, m in enumerate(layer_modes(options.recompute, graph, layers)) if m in ("full", "selective")}
+        modes = layer_modes(options.recompute, graph, layers)
+        forced = {n: m for n, m in enumerate(modes) if m in ("full", "selective")}
         recomputed = recomputed_ops(layers, forced, graph)
     env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), recomputed=recomputed)
     _, problem, _, _ = build_problem(graph, strategies, blocks, env, None)

@@ -224,7 +224,8 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         input_signature=[(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in d["input_signature"]],
         cluster=d["cluster"], stages=[_stage_from_dict(s) for s in d["stages"]],
         microbatches=int(d.get("microbatches", 1)), schedule=d.get("schedule", "none"),
-        optimizer=d.get("optimizer", "adamw"), recompute=d.get("recompute", "auto"), predicted=dict(d.get("predicted", {})),
+        optimizer=d.get("optimizer", "adamw"), recompute=d.get("recompute", "auto"),
+        predicted=dict(d.get("predicted", {})),
         planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
         node_ops=d.get("node_ops", {}), node_layers={k: int(v) for k, v in d.get("node_layers", {}).items()},
         transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)))

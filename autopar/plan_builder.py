@@ -19,13 +19,12 @@ import math
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
-from autopar.ir.ops import requires_grad_nodes
+from autopar.ir.ops import OpView, requires_grad_nodes
+from autopar.ir.schedule import simulate_schedule
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
-from autopar.ir.ops import OpView
 from autopar.placement import local_shape, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.redistribute import grad_partial_axes
-from autopar.ir.schedule import simulate_schedule
 
 
 def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ranks: list[int],
@@ -156,6 +155,7 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     sharded = sharded_graph if sharded_graph is not None else graph
     return Plan(model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
-                optimizer=options.optimizer, recompute=getattr(options, "recompute", "auto"), repeated_blocks=blocks.instances,
+                optimizer=options.optimizer, recompute=getattr(options, "recompute", "auto"),
+                repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},
                 node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [])

@@ -31,9 +31,9 @@ from autopar.ir.units import fmt_bytes
 from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
 from autopar.passes.recompute import LayerRecompute, forward_share
+from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 from autopar.passes.strategies import generate_strategies
 from autopar.placement import shard_factor
-from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 
 INF = float("inf")
 LEAN_MARGIN = 1.25  # a lean solution may use this much more than the least memory any plan needs

@@ -18,6 +18,14 @@ For a fixed cap t_max on every stage's latency, with σ stages still to place (s
     F(σ, k, d) = min_{i ≥ k, m : n_m ≤ d, t[k,i,m,f] ≤ t_max}  t[k,i,m,f] + h_k + F(σ − 1, i + 1, d − n_m)
     F(0, L, 0) = 0,      T*(t_max) = min_σ F(σ, 0, D) + (B − 1) · t_max.
 
+Activation recompute is a dimension of the table, not of the recurrence: each entry t[k, i, m, f] is
+already the fastest recompute choice of that stage that fits memory (``passes.recompute``),
+
+    t[k, i, m, f] = min_{R ⊆ k..i, mem(k, i, m, f, R) ≤ M}  max(lat(k, i, m) + Σ_{l ∈ R} fwd_l, transfer_k),
+
+with R running over L + 1 nested prefixes only (the "auto" layers ordered by bytes saved per second of
+extra forward), so recompute widens the table's pricing, never the DP's search.
+
 t_max runs over the distinct table values in ascending order and stops once B · t_max ≥ the best T found
 (no plan capped at t_max can beat it). ``bucket`` > 0 skips caps within that relative distance of the
 last one tried (Alpa's ε); 0 makes the search exact. ``brute_force`` enumerates every partition for tests.

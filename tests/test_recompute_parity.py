@@ -4,8 +4,9 @@ single-stage (SPMD, tensor-parallel under a memory squeeze) plan and in 2 × 2 p
 Tolerances as in test_parity (fp32, 3 AdamW steps): loss relative error ≤ 1e-5 at each step, parameters
 ≤ 1e-4. The single-stage cases also check that the recomputed regions ran collectives again in backward
 (counted on every rank; checkpoint stops a replay after the last tensor backward needs, so a collective
-whose output nothing saves is not re-run, which is why the pipelined cases need not replay any). The negative control replays each recomputed region without
-its collectives (on every rank alike, so nothing hangs) and must fail the same check.
+whose output nothing saves is not re-run, which is why the pipelined cases need not replay any). The
+negative control replays each recomputed region without its collectives (on every rank alike, so
+nothing hangs) and must fail the same check.
 """
 import pytest
 

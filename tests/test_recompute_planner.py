@@ -16,8 +16,8 @@ import autopar
 from autopar.cluster import Link
 from autopar.errors import PlanError
 from autopar.passes.recompute import LayerRecompute, check_policy
-from autopar.runtime.recompute_regions import outline_recompute
 from autopar.plan import Plan
+from autopar.runtime.recompute_regions import outline_recompute
 from autopar.visualize import plan_to_html
 from examples.gpt import GPT, GPTConfig, make_batch
 
@@ -26,8 +26,9 @@ GiB = 2 ** 30
 
 
 def _plan(bandwidth: float, budget_gib: float, **options) -> autopar.Plan:
+    link = Link(latency=5e-6, bandwidth=bandwidth)
     cluster = dataclasses.replace(autopar.Cluster.preset("p3.16xlarge"), devices_per_node=2, mesh_shape=None,
-                                  intra_node=Link(latency=5e-6, bandwidth=bandwidth), memory_per_device=budget_gib * GiB)
+                                  intra_node=link, memory_per_device=budget_gib * GiB)
     with torch.device("meta"):
         model = GPT(CFG).half()
     return autopar.plan(model, cluster, make_batch(CFG, 8, device="meta"), microbatches=1, **options)

@@ -17,6 +17,8 @@ with ``autopar.plan``'s own choice is apples to apples (same cost model, same ru
   bias Shard(0)), attn.o and mlp.proj row-parallel (weight Shard(1), bias replicated), LayerNorms
   replicated, wte vocab-parallel (weight Shard(0)), lm_head column-parallel (Shard(0)), wpe replicated;
   inputs idx / targets Shard(0) over dp. Every weight is replicated over dp (no ZeRO).
+* recompute (``RECOMPUTE_LEVERS``): Megatron's --recompute-granularity, none, selective (the attention
+  core of every block) or full (every block keeps only its input), as autopar's recompute option.
 
 This is Megatron's weight layout, activations placed by the same ILP that plans autopar: the ILP may
 only lower the cost of a given weight layout, so it can only help Megatron in the comparison.
@@ -37,6 +39,9 @@ from autopar.driver import PlanOptions, first_microbatch, plan_graph
 from autopar.errors import InfeasibleError
 
 TP_DEGREES = (1, 2, 4, 8)
+# Megatron's --recompute-granularity: none, selective (attention core of every block), full (every block);
+# as autopar recompute options (the blocks are the layers of a Megatron config's plan).
+RECOMPUTE_LEVERS = {"none": "none", "selective": {"*": "selective"}, "full": "full"}
 MAX_MICROBATCHES = 512  # autopar.driver.MAX_MICROBATCHES: the same range autopar searches
 
 # Megatron's tensor-parallel weight specs on the tp axis, by node-name glob (the dp axis is always R).
@@ -62,13 +67,15 @@ class MegatronConfig:
     tp: int
     pp: int
     microbatches: int
+    recompute: str = "none"  # Megatron's activation recompute: "none", "selective" or "full" (RECOMPUTE_LEVERS)
 
     @property
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
 
     def __str__(self) -> str:
-        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}·B{self.microbatches}"
+        rc = f"·rc-{self.recompute}" if self.recompute != "none" else ""
+        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}·B{self.microbatches}{rc}"
 
 
 def spec_text(config: MegatronConfig, dp_axis: str, tp_axis: str) -> str:
@@ -113,7 +120,8 @@ def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: in
         raise ValueError(f"tp={config.tp} exceeds the {devices_per_node} devices of a node; Megatron keeps "
                          f"tensor parallelism inside a node")
     return {"layers": n_blocks, "stages": megatron_stages(config, n_blocks, devices_per_node),
-            "microbatches": config.microbatches, "schedule": "1f1b", "pin": megatron_pins(config)}
+            "microbatches": config.microbatches, "schedule": "1f1b", "pin": megatron_pins(config),
+            "recompute": RECOMPUTE_LEVERS[config.recompute]}
 
 
 def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -127,11 +135,12 @@ def gpt_flops(cfg, batch: int) -> float:
 
 
 def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_batch: int, n_heads: int | None = None,
-                  max_microbatches: int = MAX_MICROBATCHES) -> Iterator[MegatronConfig]:
+                  max_microbatches: int = MAX_MICROBATCHES,
+                  recompute: tuple[str, ...] = tuple(RECOMPUTE_LEVERS)) -> Iterator[MegatronConfig]:
     """Every config with dp·tp·pp = n_devices, tp ∈ {1, 2, 4, 8} ≤ devices_per_node (dividing n_heads),
     pp dividing n_blocks, stages that tile nodes, and microbatches = pp·2^k ≤ max_microbatches splitting the
-    global batch so that every dp replica gets whole sequences (global_batch % (microbatches·dp) == 0).
-    Ordered by (pp, tp, microbatches)."""
+    global batch so that every dp replica gets whole sequences (global_batch % (microbatches·dp) == 0),
+    each with every recompute lever of ``recompute``. Ordered by (pp, tp, recompute, microbatches)."""
     for pp in [p for p in range(1, n_blocks + 1) if n_blocks % p == 0 and n_devices % p == 0]:
         for tp in [t for t in TP_DEGREES if t <= devices_per_node and (n_devices // pp) % t == 0]:
             if n_heads is not None and n_heads % tp:
@@ -140,10 +149,11 @@ def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_b
             width = dp * tp
             if width > devices_per_node and width % devices_per_node:
                 continue
-            microbatches = pp
-            while microbatches <= max_microbatches and global_batch % (microbatches * dp) == 0:
-                yield MegatronConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches)
-                microbatches *= 2
+            for rc in recompute:
+                microbatches = pp
+                while microbatches <= max_microbatches and global_batch % (microbatches * dp) == 0:
+                    yield MegatronConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, recompute=rc)
+                    microbatches *= 2
 
 
 @dataclasses.dataclass
@@ -233,4 +243,4 @@ def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: 
     graph, recapture = capture_once(model, batch)
     grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads))
     return grid_search(grid, lambda c: score_config(graph, cluster, c, n_blocks, recapture),
-                       lambda c: (c.dp, c.tp, c.pp), patience, log)
+                       lambda c: (c.dp, c.tp, c.pp, c.recompute), patience, log)
