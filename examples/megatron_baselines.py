@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,13 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, loss_parallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from examples.gpt import GPTConfig, make_gpt
 
@@ -253,12 +259,14 @@ def check_fits(layout: Layout, model: nn.Module, example_batch: tuple[torch.Tens
 
 
 def build(layout: Layout, model: nn.Module, example_batch: tuple[torch.Tensor, torch.Tensor],
-          microbatches: int = 1, *, block_plan: dict[str, ParallelStyle] | None = None) -> HandParallel:
+          microbatches: int = 1, *, block_plan: dict[str, ParallelStyle] | None = None,
+          recompute: bool = False) -> HandParallel:
     """Parallelize ``model`` (an examples.gpt.GPT with the same weights on every rank) for ``layout``.
 
     Collective: call on every rank. Shards ``model`` in place (pass a copy to keep the original); a
     pipeline rank uses only its stage's modules. ``microbatches`` is used by pipelines only;
-    ``block_plan`` replaces megatron_block_plan() (keys relative to a block), e.g. to test a variant.
+    ``block_plan`` replaces megatron_block_plan() (keys relative to a block), e.g. to test a variant;
+    ``recompute``: Megatron's full activation recompute, every block under ``recompute_blocks``.
     """
     check_fits(layout, model, example_batch, microbatches)
     mesh = make_mesh(layout)
@@ -269,6 +277,8 @@ def build(layout: Layout, model: nn.Module, example_batch: tuple[torch.Tensor, t
     if layout.tp > 1:
         plan = {f"blocks.*.{name}": style for name, style in (block_plan or megatron_block_plan()).items()}
         parallelize_module(stage, mesh["tp"], {**plan, **vocab_parallel_plan(stage)})
+    if recompute:
+        recompute_blocks(stage)
     if layout.dp > 1:
         replicate_over_dp(stage, mesh["dp"])
     pipeline = None
@@ -277,6 +287,18 @@ def build(layout: Layout, model: nn.Module, example_batch: tuple[torch.Tensor, t
                                        group=mesh["pp"].get_group())
         pipeline = pipeline_stage, Schedule1F1B(pipeline_stage, microbatches, loss_fn=next_token_loss)
     return HandParallel(layout, mesh, stage, state_names, pipeline)
+
+
+def recompute_blocks(stage: nn.Module) -> None:
+    """Megatron's full recompute (--recompute-granularity full): each block keeps only its input and runs
+    its forward again in backward, through torch.utils.checkpoint (non-reentrant, RNG state restored). The
+    block's forward is replaced on the instance, so module names, and with them the tensor-parallel plan
+    and the state-dict keys, stay as they are."""
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = stage.blocks.values() if isinstance(stage.blocks, nn.ModuleDict) else stage.blocks
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def replicate_over_dp(stage: nn.Module, dp_mesh: DeviceMesh) -> None:

@@ -2,7 +2,7 @@
 
     python benchmarks/vs_megatron.py --simulate                      # Alpa's suites, cost model (~1 h on 2 cores)
     python benchmarks/vs_megatron.py --simulate --points gpt:1.3B:4:p3.16xlarge moe:2.4B:8:p3.16xlarge
-    python benchmarks/vs_megatron.py --local [--cluster cluster.json]   # measured on 4 local gloo ranks
+    python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
 
 --simulate: for every point MODEL:NAME:GPUS:PRESET, the best hand configuration of a grid search and
@@ -200,11 +200,12 @@ def main(argv=None) -> int:
     mode.add_argument("--from-json", help="re-render a saved --simulate run (benchmarks/results/vs_megatron_"
                                           "simulate.json) without planning again")
     mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
-    mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on 4 gloo ranks")
+    mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
     parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
                                           "benchmarks/results/local4_cluster.json)")
     parser.add_argument("--header", help="--from-json: the header line of the original run")
+    parser.add_argument("--nprocs", type=int, default=2, help="--local: gloo ranks (main figure: one per core)")
     parser.add_argument("--rounds", type=int, default=5, help="--local: round-robin rounds over the layouts")
     parser.add_argument("--steps", type=int, default=3, help="--local: timed steps per layout and round")
     args = parser.parse_args(argv)
@@ -218,7 +219,7 @@ def main(argv=None) -> int:
         return simulate(args.points)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
-    return measure(args.cluster, rounds=args.rounds, steps=args.steps)
+    return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
-"""Measured: autopar's plan against the hand-written Megatron-style layouts on 4 local gloo ranks.
+"""Measured: autopar's plan against the hand-written Megatron-style layouts on N local gloo ranks.
 
-    python benchmarks/vs_megatron.py --local [--cluster cluster.json] [--rounds 5] [--steps 3]
+    python benchmarks/vs_hand/vs_megatron.py --local --nprocs 2 [--cluster cluster.json] [--rounds 5] [--steps 3]
+    python benchmarks/vs_hand/vs_megatron.py --local --nprocs 4
 
-One ``autopar.launch`` of 4 ranks builds every hand layout of ``benchmarks/megatron_baselines.py`` (DP4, TP4,
-DP2xTP2, PP2xDP2, PP2xTP2, PP4; pipelines with ``HAND_MICROBATCHES``) and ``autopar.compile`` of the same
-GPT on the profiled cluster, all from the same weights. Then, after ``WARMUP`` untimed steps each, it runs
+One ``autopar.launch`` of N ranks builds every hand layout of ``examples/megatron_baselines.py`` with
+pp·dp·tp = N (``hand_layouts``: DP2, TP2, PP2 on 2 ranks; DP4, TP4, DP2xTP2, PP2xDP2, PP2xTP2, PP4 on 4;
+pipelines with ``HAND_MICROBATCHES``), each also with Megatron's full activation recompute ("+rc"), and
+``autopar.compile`` of the same GPT on the profiled cluster, with its default recompute="auto" and with
+recompute="full" ("autopar+rc"), all from the same weights. Run as many ranks as the machine has cores for
+the main figure: with more ranks than cores the processes time-share, so a pipeline's idle ranks hand their
+core to the busy ones, which the cost model (every rank busy at once) does not describe.
+
+Then, after ``WARMUP`` untimed steps each, it runs
 ``rounds`` rounds, each visiting every layout in turn (round-robin, so a burst of load from other jobs on the
 machine hits all layouts alike) for ``steps`` timed steps. A step is train_step + AdamW step + zero_grad,
 between two barriers, so it lasts as long as its slowest rank. Reported: the median step time of each
@@ -36,23 +43,40 @@ import autopar  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 from examples.gpt import GPTConfig, make_gpt  # noqa: E402
 
-WORLD = 4
 LOCAL_GPT = GPTConfig(vocab_size=1024, seq_len=64, n_layer=4, n_head=8, n_embd=128)
 BATCH = 16
-HAND_LAYOUTS = ("DP4", "TP4", "DP2xTP2", "PP2xDP2", "PP2xTP2", "PP4")
 HAND_MICROBATCHES = 4
 WARMUP = 2
-CLUSTER_FILE = os.path.join(report.RESULTS, "local4_cluster.json")
+RECOMPUTE = "+rc"  # name suffix of a layout run with full activation recompute
 
 
-def local_cluster(path: str | None) -> autopar.Cluster:
+def hand_layouts(world: int) -> dict[str, object]:
+    """{name: Layout} for every pp·dp·tp = world with pp dividing the blocks and tp the heads; names list the
+    degrees above 1 in (pp, dp, tp) order ("PP2xDP2", "TP4")."""
+    from examples.megatron_baselines import Layout
+
+    out = {}
+    for pp in [p for p in range(1, world + 1) if world % p == 0 and LOCAL_GPT.n_layer % p == 0]:
+        for tp in [t for t in range(1, world // pp + 1) if (world // pp) % t == 0 and LOCAL_GPT.n_head % t == 0]:
+            dp = world // (pp * tp)
+            name = "x".join(f"{axis}{n}" for axis, n in (("PP", pp), ("DP", dp), ("TP", tp)) if n > 1) or "single"
+            out[name] = Layout(pp=pp, dp=dp, tp=tp)
+    return out
+
+
+def cluster_file(world: int) -> str:
+    return os.path.join(report.RESULTS, f"local{world}_cluster.json")
+
+
+def local_cluster(path: str | None, world: int) -> autopar.Cluster:
     """The given cluster file, the saved one, or a fresh profile (saved for the next run)."""
     if path is not None:
         return autopar.Cluster.from_json(path)
-    if os.path.exists(CLUSTER_FILE):
-        return autopar.Cluster.from_json(CLUSTER_FILE)
-    print(f"profiling this machine as {WORLD} gloo ranks (once; saved to {CLUSTER_FILE})", file=sys.stderr)
-    cluster = autopar.Cluster.profile(WORLD)
+    saved = cluster_file(world)
+    if os.path.exists(saved):
+        return autopar.Cluster.from_json(saved)
+    print(f"profiling this machine as {world} gloo ranks (once; saved to {saved})", file=sys.stderr)
+    cluster = autopar.Cluster.profile(world)
     try:
         from benchmarks.profile_extras import add_profile_extras
 
@@ -60,24 +84,28 @@ def local_cluster(path: str | None) -> autopar.Cluster:
     except ImportError:
         pass
     os.makedirs(report.RESULTS, exist_ok=True)
-    cluster.to_json(CLUSTER_FILE)
+    cluster.to_json(saved)
     return cluster
 
 
-def build_runners(cluster: autopar.Cluster) -> tuple[dict, str]:
-    """{layout name: (step fn, optimizer)} for every hand layout and autopar, from the same weights;
-    and autopar's plan in words. Collective: every rank calls it."""
-    from examples.megatron_baselines import LAYOUTS, build
+def build_runners(cluster: autopar.Cluster) -> tuple[dict, dict]:
+    """{layout name: (step fn, optimizer)} for every hand layout (with and without recompute) and autopar
+    (recompute "auto" and "full"), from the same weights; and autopar's plans in words. Collective."""
     from benchmarks.vs_hand.vs_megatron import describe_plan
+    from examples.megatron_baselines import build
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
     runners = {}
-    for name in HAND_LAYOUTS:
-        hp = build(LAYOUTS[name], copy.deepcopy(model), batch, microbatches=HAND_MICROBATCHES)
-        runners[name] = (hp.train_step, torch.optim.AdamW(hp.parameters(), lr=1e-4))
-    pm = autopar.compile(copy.deepcopy(model), cluster, batch)
-    runners["autopar"] = (pm.train_step, torch.optim.AdamW(pm.parameters(), lr=1e-4))
-    return runners, describe_plan(pm.plan)
+    for name, layout in hand_layouts(cluster.num_devices).items():
+        for suffix, recompute in (("", False), (RECOMPUTE, True)):
+            hp = build(layout, copy.deepcopy(model), batch, microbatches=HAND_MICROBATCHES, recompute=recompute)
+            runners[name + suffix] = (hp.train_step, torch.optim.AdamW(hp.parameters(), lr=1e-4))
+    plans = {}
+    for name, recompute in (("autopar", "auto"), ("autopar" + RECOMPUTE, "full")):
+        pm = autopar.compile(copy.deepcopy(model), cluster, batch, recompute=recompute)
+        runners[name] = (pm.train_step, torch.optim.AdamW(pm.parameters(), lr=1e-4))
+        plans[name] = describe_plan(pm.plan)
+    return runners, plans
 
 
 def timed_step(step, optimizer, batch) -> float:
@@ -109,18 +137,18 @@ def predicted_times(cluster: autopar.Cluster) -> dict[str, float | None]:
     """autopar's cost-model step time of every measured layout: each hand layout as the Megatron config it
     is (``megatron_configs``), and autopar's own plan. Shows whether a miss comes from the cost model's
     ranking of the layouts (prediction error) or from the planner's search (a better layout it did not find)."""
-    from examples.megatron_baselines import LAYOUTS
     from autopar.baselines.megatron_configs import MegatronConfig, capture_once, score_config
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
     graph, recapture = capture_once(model, batch)
     out = {}
-    for name in HAND_LAYOUTS:
-        layout = LAYOUTS[name]
-        config = MegatronConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp,
-                                microbatches=HAND_MICROBATCHES if layout.pp > 1 else 1)
-        out[name] = score_config(graph, cluster, config, LOCAL_GPT.n_layer, recapture).step_time
-    out["autopar"] = float(autopar.plan(model, cluster, batch).predicted["step_time"])
+    for name, layout in hand_layouts(cluster.num_devices).items():
+        for suffix, recompute in (("", "none"), (RECOMPUTE, "full")):
+            config = MegatronConfig(dp=layout.dp, tp=layout.tp, pp=layout.pp, recompute=recompute,
+                                    microbatches=HAND_MICROBATCHES if layout.pp > 1 else 1)
+            out[name + suffix] = score_config(graph, cluster, config, LOCAL_GPT.n_layer, recapture).step_time
+    for name, recompute in (("autopar", "auto"), ("autopar" + RECOMPUTE, "full")):
+        out[name] = float(autopar.plan(model, cluster, batch, recompute=recompute).predicted["step_time"])
     return out
 
 
@@ -129,18 +157,22 @@ def quartiles(samples: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(samples), q[2]
 
 
-def measure(cluster_path: str | None, rounds: int = 5, steps: int = 3) -> int:
-    cluster = local_cluster(cluster_path)
+def measure(cluster_path: str | None, rounds: int = 5, steps: int = 3, world: int = 2) -> int:
+    cluster = local_cluster(cluster_path, world)
+    if cluster.num_devices != world:
+        raise SystemExit(f"the cluster file has {cluster.num_devices} devices; pass --nprocs {cluster.num_devices} "
+                         f"or a cluster of {world}")
     predicted = predicted_times(cluster)
     load_before = os.getloadavg()
     start = time.perf_counter()
-    result = autopar.launch(measure_rank, WORLD, cluster, rounds, steps, timeout=900.0)[0]
+    result = autopar.launch(measure_rank, world, cluster, rounds, steps, timeout=900.0)[0]
     wall = time.perf_counter() - start
-    header = report.machine_line("autopar vs hand-written layouts, measured on 4 local gloo ranks")
+    header = report.machine_line(f"autopar vs hand-written layouts, measured on {world} local gloo ranks")
     stats = {name: quartiles(samples) for name, samples in result["times"].items()}
-    best_hand = min((n for n in stats if n != "autopar"), key=lambda n: stats[n][1])
+    best_hand = min((n for n in stats if not n.startswith("autopar")), key=lambda n: stats[n][1])
     speedup = stats[best_hand][1] / stats["autopar"][1]
-    rows = [[name + (f" ({result['plan']})" if name == "autopar" else ""), f"{1e3 * med:.1f}",
+    plans = result["plan"]
+    rows = [[name + (f" ({plans[name]})" if name in plans else ""), f"{1e3 * med:.1f}",
              f"{1e3 * lo:.1f} – {1e3 * hi:.1f}", f"{stats[best_hand][1] / med:.2f}",
              f"{1e3 * predicted[name]:.1f}" if predicted.get(name) else "OOM"]
             for name, (lo, med, hi) in sorted(stats.items(), key=lambda kv: kv[1][1])]
@@ -150,15 +182,15 @@ def measure(cluster_path: str | None, rounds: int = 5, steps: int = 3) -> int:
                f"{rounds} rounds × {steps} steps per layout after {WARMUP} warm-up steps, round-robin; cluster "
                f"{cluster.name!r} ({cluster.source}); load average before {load_before[0]:.1f}, after "
                f"{os.getloadavg()[0]:.1f}; wall {wall:.0f} s.")
-    summary = report.summary_line([(f"local-4 vs {best_hand}", speedup)])
+    summary = report.summary_line([(f"local-{world} vs {best_hand}", speedup)])
     text = "\n\n".join([header, context, table, summary])
     print(text)
-    path = report.write_results("local", text, {"times": result["times"], "plan": result["plan"],
+    path = report.write_results(f"local{world}", text, {"times": result["times"], "plan": result["plan"],
                                                 "predicted": predicted})
     names = [n for n, _ in sorted(stats.items(), key=lambda kv: kv[1][1])]
-    chart = report.step_time_chart("local", names, [stats[n][1] for n in names],
+    chart = report.step_time_chart(f"local{world}", names, [stats[n][1] for n in names],
                                    [(stats[n][0], stats[n][2]) for n in names],
-                                   "measured step time on 4 gloo ranks (lower is better)")
+                                   f"measured step time on {world} gloo ranks (lower is better)")
     print(f"\nwrote {path} and {chart}")
     print(summary)
     return 0
