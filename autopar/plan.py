@@ -162,6 +162,9 @@ class Plan:
         for s in self.stages:
             if math.prod(s.mesh_shape) != len(s.ranks):
                 raise PlanError(f"stage {s.index}: mesh {s.mesh_shape} does not hold its {len(s.ranks)} ranks")
+            bad = {layer: mode for layer, mode in s.recompute.items() if mode not in ("full", "selective")}
+            if bad:
+                raise PlanError(f"stage {s.index}: recompute modes {bad} are not 'full' or 'selective'; re-plan")
         for s in self.stages:
             for name, sh in s.shardings.items():
                 try:

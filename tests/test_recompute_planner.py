@@ -70,6 +70,20 @@ def test_bad_recompute_option_names_the_fix(bad):
         autopar.driver.PlanOptions(recompute=bad)
 
 
+def test_plan_json_with_a_bad_recompute_mode_is_one_plan_error():
+    import json
+
+    from tests.models import make_small_gpt
+
+    model, batch = make_small_gpt()
+    plan = autopar.plan(model, autopar.Cluster.local(2), batch, stages=1, recompute="full")
+    assert plan.stages[0].recompute == {0: "full", 1: "full"}
+    d = json.loads(plan.to_json())
+    d["stages"][0]["recompute"] = {"0": "sometimes"}
+    with pytest.raises(PlanError, match="recompute modes"):
+        Plan.from_json(json.dumps(d))
+
+
 class _Costs:
     """Two identical layers and one whose activations are cheap to keep: the shortest fitting prefix."""
 
