@@ -23,7 +23,7 @@ from autopar.errors import ClusterError
 from autopar.passes.capture import capture
 from autopar.ir.ops import OpView
 from autopar.placement import R, S, local_shape
-from benchmarks.cost_model_fidelity import peak_allocated_bytes, spearman
+from benchmarks.fidelity.cost_model_fidelity import peak_allocated_bytes, spearman
 from examples.gpt import GPTConfig, make_gpt
 
 B, T, C, H = 2, 8, 16, 2  # batch, tokens, width, heads (head dim 8)
