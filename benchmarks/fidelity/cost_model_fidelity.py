@@ -44,36 +44,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
+from autopar.fidelity import peak_allocated_bytes, relative_error, spearman  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 GOALS = {"time_err": 0.15, "spearman": 0.9, "mem_err": 0.20}
-
-
-# ---- statistics -----------------------------------------------------------------------------------
-def ranks(x) -> np.ndarray:
-    """Ranks 1..n of ``x``, ties sharing their average rank (as scipy.stats.rankdata)."""
-    x = np.asarray(x, dtype=float)
-    order = np.argsort(x, kind="mergesort")
-    r = np.empty(len(x))
-    r[order] = np.arange(1, len(x) + 1)
-    for value in np.unique(x):
-        tied = x == value
-        r[tied] = r[tied].mean()
-    return r
-
-
-def spearman(a, b) -> float:
-    """Spearman's rho: the Pearson correlation of the ranks (nan when either side is constant)."""
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def relative_error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured: positive when the model over-predicts."""
-    return (predicted - measured) / measured
 
 
 # ---- on every rank --------------------------------------------------------------------------------
@@ -88,21 +63,6 @@ def _step(pm, opt, batch) -> None:
     pm.train_step(*batch)
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def peak_allocated_bytes(fn) -> int:
-    """Largest running sum of CPU allocations minus frees that torch.profiler records while ``fn`` runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
 
 
 def _timed(built, batch, fake_comm: bool) -> float:
