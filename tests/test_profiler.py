@@ -229,3 +229,12 @@ def test_quick_profile_compute_figures_are_sane(quick_profile):
     assert all(math.isfinite(rate) and rate > 0 for _, rate in curve)
     assert cluster.peak_flops["float32"] == max(rate for _, rate in curve) and cluster.matmul_efficiency == 1.0
     assert cluster.matmul_flops("float32", curve[0][0] / 10) == curve[0][1]
+
+
+def test_quick_profile_measures_training_conditions(quick_profile):
+    """`autopar profile` also measures the host overhead per op call and scales the float32 curve by the
+    speed of training-shaped linears (2 ranks have no 2-D mesh, so no in-mesh fits here)."""
+    cluster, _ = quick_profile
+    assert 1e-7 < cluster.op_overhead < 1e-2
+    assert "op_overhead" in cluster.source and "float32 curve ×" in cluster.source
+    assert not any("@" in key for key in cluster.intra_node.fits)
