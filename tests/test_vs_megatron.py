@@ -22,7 +22,7 @@ from autopar.baselines.megatron_configs import (MegatronConfig, megatron_flops, 
                                                 megatron_pins)
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView
 from autopar.passes.strategies.einsum import parse_equation
 from autopar.placement import R, local_slice
 from examples import moe, wide_resnet
