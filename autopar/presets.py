@@ -9,6 +9,7 @@ profile` replaces all of these with fits measured on the cluster itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from autopar.cluster import Cluster, Link
@@ -152,6 +153,18 @@ def preset(name: str, nodes: int = 1, mesh_shape=None) -> Cluster:
     if not isinstance(nodes, int) or nodes < 1:
         raise ClusterError(f"preset {name!r}: nodes must be a positive integer, got {nodes!r}")
     return PRESETS[name](nodes=nodes, mesh_shape=mesh_shape)
+
+
+def preset_gpus(name: str, gpus: int) -> Cluster:
+    """``gpus`` devices of preset ``name``: whole nodes (gpus a multiple of the node size), or part of one node
+    (a node of ``gpus`` devices, same links), as benchmarks quote runs on 1, 2 or 4 GPUs of a machine."""
+    per_node = preset(name).devices_per_node
+    if not isinstance(gpus, int) or gpus < 1 or (gpus > per_node and gpus % per_node):
+        raise ClusterError(f"preset {name!r}: {gpus!r} GPUs is neither part of one {per_node}-GPU node nor whole "
+                           f"nodes; use 1..{per_node} or a multiple of {per_node}")
+    if gpus < per_node:
+        return dataclasses.replace(preset(name), devices_per_node=gpus, mesh_shape=None)
+    return preset(name, nodes=gpus // per_node)
 
 
 # Measured on the development machine (2-core AMD EPYC VM, torch 2.13 CPU, one thread per rank,

@@ -53,7 +53,8 @@ from tqdm import tqdm
 from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.errors import ClusterError
 from autopar.launch import launch
-from autopar.profiler_device import KINDS as DEVICE_KINDS, ProbeDevice
+from autopar.profiler_device import KINDS as DEVICE_KINDS
+from autopar.profiler_device import ProbeDevice
 from autopar.profiler_training import apply_training_measurements, measure_rank
 
 KiB, MiB = 2**10, 2**20

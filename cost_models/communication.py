@@ -38,12 +38,12 @@ import dataclasses
 import math
 
 import numpy as np
-
 from torch.distributed.tensor import Shard
 
 from autopar.cluster import Cluster, Link
 from autopar.placement import P, R, Spec, local_shape
 from autopar.redistribute import Step, redistribute_steps
+
 
 def algorithm_steps(kind: str, n: int) -> int:
     """Latency steps of one ``kind`` collective over ``n`` devices (module docstring): ring, or tree for
@@ -92,7 +92,8 @@ class AxisLink:
         return self.time(kind, nbytes) - self.startup_time(kind)
 
 
-def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
+def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],
+               devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
     """Links for each axis of a logical mesh laid row-major on nodes of ``devices_per_node`` devices.
 
     devices_per_node defaults to the cluster's; a submesh inside one node passes its own width.

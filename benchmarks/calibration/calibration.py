@@ -46,6 +46,7 @@ from autopar.baselines.megatron_configs import MegatronConfig, megatron_options,
 from autopar.driver import PlanOptions  # noqa: E402
 from autopar.fidelity import log_ratio_summary  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
+from autopar.presets import preset_gpus  # noqa: E402
 from autopar.trace import simulate_schedule  # noqa: E402
 from benchmarks.calibration.published import PENDING, RUNS, Run, published_step_time  # noqa: E402
 from examples.gpt import GPT, GPTConfig, make_batch  # noqa: E402
@@ -57,10 +58,8 @@ LIFTED_MEMORY = 2.0**50  # the labelled recompute adjustment's budget (module do
 
 
 def cluster_for(run: Run, scale: float | None = None) -> autopar.Cluster:
-    """The preset for the run's GPUs: whole nodes, or part of one node."""
-    cluster = autopar.Cluster.preset(run.preset, nodes=max(1, run.gpus // 8))
-    if run.gpus < cluster.devices_per_node:
-        cluster = dataclasses.replace(cluster, devices_per_node=run.gpus, mesh_shape=None)
+    """The preset for the run's GPUs (``preset_gpus``), with ``scale`` as its compute_time_scale when given."""
+    cluster = preset_gpus(run.preset, run.gpus)
     if scale is not None:
         cluster = dataclasses.replace(cluster, compute_time_scale=scale)
     return cluster
@@ -74,8 +73,9 @@ def layout_options(run: Run, cluster) -> dict:
     else:
         stages = [{"layers": [first, last], "submesh": list(submesh), "mesh": list(mesh)}
                   for first, last, submesh, mesh in run.stages]
+        batch_axis = all(mesh[0] > 1 for *_, mesh in run.stages)  # force_batch_dim_to_mesh_dim 0
         options = {"layers": run.alpa_layers, "stages": stages, "microbatches": run.microbatches,
-                   "pin": {"idx": "S(0)R", "targets": "S(0)R"}}
+                   "pin": {"idx": "S(0)R", "targets": "S(0)R"} if batch_axis else None}
     options["schedule"] = run.schedule
     for name, value in (("recompute", run.recompute), ("precision", run.precision)):
         if name in PLANNER_OPTIONS:

@@ -124,8 +124,8 @@ PENDING = [
 
 def model_flops(run: Run) -> float:
     """F of the module docstring: FLOPs of one iteration, recomputed forward included."""
-    b, s, l, h, v = run.batch, run.seq, run.layers, run.hidden, run.vocab
-    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, layers, h, v = run.batch, run.seq, run.layers, run.hidden, run.vocab
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def published_step_time(run: Run) -> float:
