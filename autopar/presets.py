@@ -59,7 +59,8 @@ STREAM_FRACTION = 0.85
 # NCCL communicator holds channel buffers (NCCL_BUFFSIZE 4 MiB per channel and peer): 1 GiB for both is an
 # estimate for dp × tp × pp groups. Reserve: the caching allocator's rounding and fragmentation, 5 % (PyTorch
 # "CUDA semantics: memory management"; plans that fill 99 % of the nominal 80 GiB do not run).
-CUDA_CONTEXT = 1 * 2**30
+NCCL_BUFFERS = 2**29  # 0.5 GiB of the estimate below: what a profile cannot see before training builds its groups
+CUDA_CONTEXT = 2**29 + NCCL_BUFFERS
 ALLOCATOR_RESERVE = 0.05
 MiB = 2**20
 

@@ -190,7 +190,7 @@ def test_gpu_profile_uses_nccl_and_cuda_events(tmp_path):
     n = torch.cuda.device_count()
     cluster = profile_cluster(n, quick=True, progress=False, device="cuda", out=tmp_path / "gpu.json")
     assert cluster.backend == "nccl" and cluster.device_type == "cuda"
-    assert "NCCL ranks" in cluster.source and cluster.memory_per_device > 2**30
+    assert "NCCL ranks" in cluster.source and 2**30 < cluster.memory_per_device < 0.96 * cluster.memory_capacity
     assert cluster.peak_flops["float32"] > 1e12  # any GPU beats a CPU core by far
     assert Cluster.from_json(tmp_path / "gpu.json") == cluster
 

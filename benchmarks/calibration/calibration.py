@@ -122,8 +122,10 @@ def fit_scales(rows: list[Run], graphs: dict, rounds: int = 2) -> dict[str, floa
     for preset in dict.fromkeys(r.preset for r in rows if r.role == "fit"):
         fit_rows = [r for r in rows if r.role == "fit" and r.preset == preset]
         scale = cluster_for(fit_rows[0]).compute_time_scale
-        for _ in range(rounds):
+        for round_ in range(rounds):
             ratios = [published_step_time(r) / predict(r, graphs[r.name], scale)["step"] for r in fit_rows]
+            print(f"# fit {preset} round {round_}: scale {scale:.3f}, ratios "
+                  + ", ".join(f"{r.name} {x:.3f}" for r, x in zip(fit_rows, ratios)), flush=True)
             scale *= math.exp(statistics.fmean(math.log(x) for x in ratios))
         scales[preset] = scale
     return scales

@@ -32,7 +32,9 @@ import dataclasses
 class Run:
     """One published run. layout: "megatron" (dp, tp, pp, microbatches) or "alpa" (``stages``: per stage
     (first layer, last layer, submesh [nodes, width], logical mesh), ``layers`` clusters of blocks);
-    role: "fit" rows set the preset's compute_time_scale, "holdout" rows only check it."""
+    role: "fit" rows set the preset's compute_time_scale, "holdout" rows only check it. The fit rows are one
+    system's runs per GPU type (Megatron's on p3.16xlarge, SC'21's two smallest on DGX A100); the hold-out rows
+    are the other system's plans on the same GPUs (Alpa's) and the larger SC'21 layouts (tp 4-8, pp 2)."""
 
     name: str
     source: str
@@ -73,13 +75,13 @@ RUNS = [
     Run(name="megatron 350M@1", source=ALPA, preset=P3, gpus=1, hidden=1024, layers=24, heads=16, **GPT_1024,
         batch=128, microbatches=8, tflops=47.53, layout="megatron", role="fit"),
     Run(name="megatron 1.3B@4", source=ALPA, preset=P3, gpus=4, hidden=2048, layers=24, heads=32, **GPT_1024,
-        batch=1024, microbatches=128, tflops=55.89, layout="megatron", dp=2, pp=2),
+        batch=1024, microbatches=128, tflops=55.89, layout="megatron", dp=2, pp=2, role="fit"),
     Run(name="megatron 2.6B@8", source=ALPA, preset=P3, gpus=8, hidden=2560, layers=32, heads=32, **GPT_1024,
-        batch=1024, microbatches=128, tflops=50.44, layout="megatron", pp=8),
+        batch=1024, microbatches=128, tflops=50.44, layout="megatron", pp=8, role="fit"),
     Run(name="megatron 6.7B@16", source=ALPA, preset=P3, gpus=16, hidden=4096, layers=32, heads=32, **GPT_1024,
-        batch=1024, microbatches=256, tflops=56.59, layout="megatron", tp=2, pp=8),
+        batch=1024, microbatches=256, tflops=56.59, layout="megatron", tp=2, pp=8, role="fit"),
     Run(name="megatron 15B@32", source=ALPA, preset=P3, gpus=32, hidden=5120, layers=48, heads=40, **GPT_1024,
-        batch=1024, microbatches=256, tflops=58.24, layout="megatron", tp=4, pp=8),
+        batch=1024, microbatches=256, tflops=58.24, layout="megatron", tp=4, pp=8, role="fit"),
     # Alpa's own plans (manual_gpipe stages of the artifact; GPipe schedule, remat on).
     Run(name="alpa 350M@1", source=ALPA, preset=P3, gpus=1, hidden=1024, layers=24, heads=16, **GPT_1024,
         batch=1024, microbatches=64, tflops=45.07, layout="alpa", alpa_layers=1, schedule="gpipe",
@@ -104,7 +106,7 @@ RUNS = [
     Run(name="sc21 1.7B@32", source=SC21, preset=A100, gpus=32, hidden=2304, layers=24, heads=24, **GPT_2048,
         batch=512, microbatches=1, tflops=137, layout="megatron", dp=32, role="fit"),
     Run(name="sc21 3.6B@64", source=SC21, preset=A100, gpus=64, hidden=3072, layers=30, heads=32, **GPT_2048,
-        batch=512, microbatches=1, tflops=138, layout="megatron", dp=32, tp=2),
+        batch=512, microbatches=1, tflops=138, layout="megatron", dp=32, tp=2, role="fit"),
     Run(name="sc21 7.5B@128", source=SC21, preset=A100, gpus=128, hidden=4096, layers=36, heads=32, **GPT_2048,
         batch=512, microbatches=1, tflops=142, layout="megatron", dp=32, tp=4),
     Run(name="sc21 18B@256", source=SC21, preset=A100, gpus=256, hidden=6144, layers=40, heads=48, **GPT_2048,
