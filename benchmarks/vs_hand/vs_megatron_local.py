@@ -20,8 +20,8 @@ layout over its rounds × steps samples, its quartiles, and autopar's speedup ov
 as autopar's cost model predicts it (the hand layouts expressed as Megatron configs, ``megatron_configs``).
 
 The cluster file: ``--cluster``, else ``benchmarks/results/local4_cluster.json`` when present, else it is
-profiled now (``autopar.Cluster.profile(4)``, plus ``benchmarks/profile_extras.add_profile_extras`` when that
-module is there: in-mesh collective fits and the per-op host overhead) and saved there.
+profiled now (``autopar.Cluster.profile(4)``, which includes the training-condition measurements: in-mesh
+collective fits, the per-op host overhead, the training-matmul factor) and saved there.
 
 GPT config (``LOCAL_GPT``): big enough that a step takes tens of ms or more on these ranks, where per-op
 host overheads no longer dominate, and small enough that the whole run takes a few minutes.
@@ -77,12 +77,6 @@ def local_cluster(path: str | None, world: int) -> autopar.Cluster:
         return autopar.Cluster.from_json(saved)
     print(f"profiling this machine as {world} gloo ranks (once; saved to {saved})", file=sys.stderr)
     cluster = autopar.Cluster.profile(world)
-    try:
-        from benchmarks.profile_extras import add_profile_extras
-
-        cluster = add_profile_extras(cluster)
-    except ImportError:
-        pass
     os.makedirs(report.RESULTS, exist_ok=True)
     cluster.to_json(saved)
     return cluster
