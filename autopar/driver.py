@@ -31,6 +31,7 @@ from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
 
 SCHEDULES = ("1f1b", "gpipe")
+MEMORY_BINDS = 0.8  # a single-stage solution above this share of the budget also tries recompute="auto" layers
 MAX_MICROBATCHES = 512
 
 
@@ -209,20 +210,27 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     layers = cluster_layers(graph, blocks, options.layers, is_light) if options.recompute != "none" else None
     modes = layer_modes(options.recompute, graph, layers) if layers is not None else []
     attempts = [{n: m for n, m in enumerate(modes) if m in ("full", "selective")}]
-    if "auto" in modes:  # recompute every "auto" layer only when nothing fits without
+    if "auto" in modes:  # the "auto" layers all recompute, tried where memory binds without
         attempts.append({**attempts[0], **{n: "full" for n, m in enumerate(modes) if m == "auto"}})
-    for n, recompute in enumerate(attempts):
+    tried, error = [], None
+    for recompute in attempts:
         env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches,
                       recomputed=recomputed_ops(layers, recompute, scaled) if recompute else frozenset())
         try:
             solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
+        except InfeasibleError as e:
+            error = e
+            continue
+        stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
+                           submesh=(cluster.nodes, cluster.devices_per_node))
+        _record_recompute(stage, solution, scaled, layers, blocks, recompute, microbatches)
+        step = stage.predicted["latency"] * microbatches + stage.predicted["grad_sync"]
+        tried.append((step, stage, solution, recompute))
+        if solution.memory <= MEMORY_BINDS * cluster.memory_per_device:
             break
-        except InfeasibleError:
-            if n == len(attempts) - 1:
-                raise
-    stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
-                       submesh=(cluster.nodes, cluster.devices_per_node))
-    _record_recompute(stage, solution, scaled, layers, blocks, recompute, microbatches)
+    if not tried:
+        raise error
+    _, stage, solution, recompute = min(tried, key=lambda t: t[0])
     plan = assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
                          schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled,
                          layers=layers if recompute else None)
