@@ -1,4 +1,4 @@
-"""Mistakes a new user makes, each with one clear message naming the cause and the fix (issue 7, item 5).
+"""Mistakes a new user makes, each with one clear message naming the cause and the fix.
 
 Covered elsewhere (not repeated here):
    1. cluster of N devices, process group of M ranks              test_bad_inputs (runtime "world size")

@@ -1,4 +1,4 @@
-"""The autopar-vs-hand benchmark's building blocks (issue 6), without any process group.
+"""The autopar-vs-hand benchmark's building blocks, without any process group.
 
 * a Megatron config becomes manual stages + pins that give Megatron's weight layout (column-parallel
   q/k/v/fc, row-parallel o/proj, vocab-parallel wte and lm_head) on the requested stages and meshes;

@@ -111,7 +111,7 @@ class ParallelModule(torch.nn.Module):
                              f"pass the same shapes and dtypes (every rank passes the global batch), or "
                              f"re-plan with these inputs")
 
-    # ---- checkpoints (autopar.runtime.checkpoint; added for issue 7) ----------------------------------
+    # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
     def save(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
         ``path``: each rank writes only its shards. Call on every rank."""
