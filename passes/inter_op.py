@@ -250,7 +250,7 @@ class StageCosts:
             return 0.0
         per_sample = next(iter(self.cut_bytes.values()))[k]
         link = self.cluster.inter_node if self.cluster.nodes > 1 else self.cluster.intra_node
-        return 2 * (link.latency + microbatch * per_sample / link.bandwidth)
+        return 2 * (link.latency + microbatch * per_sample / link.bandwidth_for(2))
 
 
 _TASK = None  # the callable a forked worker runs (inherited through fork, never pickled)

@@ -27,8 +27,14 @@ import dataclasses
 import math
 from typing import Iterator
 
-from autopar.baselines.megatron_configs import (MAX_MICROBATCHES, Scored, capture_once, grid_search, score_options,
-                                         stage_submesh)
+from autopar.baselines.megatron_configs import (
+    MAX_MICROBATCHES,
+    Scored,
+    capture_once,
+    grid_search,
+    score_options,
+    stage_submesh,
+)
 
 EP_DEGREES = (1, 2, 4, 8)
 
