@@ -44,8 +44,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autopar
-from autopar.errors import (CaptureError, CheckpointError, ClusterError, InfeasibleError, InputError, PlanError,
-                            UsageError)
+from autopar.errors import (
+    CaptureError,
+    CheckpointError,
+    ClusterError,
+    InfeasibleError,
+    InputError,
+    PlanError,
+    UsageError,
+)
 from tests.models import MLP, make_mlp, make_small_gpt
 from tests.parity import layout_options
 from tests.test_checkpoint import one_stage
