@@ -110,19 +110,21 @@ class ParallelModule(torch.nn.Module):
                              f"re-plan with these inputs")
 
     # ---- checkpoints (autopar.runtime.checkpoint; added for issue 7) ----------------------------------
-    def save(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
-        ``path``: each rank writes only its shards. Call on every rank."""
+        ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
+        whole). ``step`` is recorded in its manifest. Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer)
+        checkpoint.save(self, path, optimizer, step)
 
-    def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
-        must be built from ``pm.parameters()``). Call on every rank."""
+        must be built from ``pm.parameters()``), after checking every file against its manifest; returns
+        the manifest (``["step"]``). Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.load(self, path, optimizer)
+        return checkpoint.load(self, path, optimizer)
 
     def export(self, path) -> None:
         """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every
