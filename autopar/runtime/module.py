@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.errors import InputError
 from autopar.placement import parse_spec
 from autopar.runtime.collectives import gather_full
+from autopar.runtime.input_checks import check_index_ranges, index_checks
 
 
 class ParallelModule(torch.nn.Module):
@@ -35,6 +36,7 @@ class ParallelModule(torch.nn.Module):
         self._state_keys = state_keys
         self._unused = unused
         self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
+        self._index_checks = index_checks(graph)
 
     # ---- running -------------------------------------------------------------------------------
     def forward(self, *inputs):
@@ -108,6 +110,7 @@ class ParallelModule(torch.nn.Module):
             raise InputError(f"inputs {got} differ from the example inputs the plan was made for {want}; "
                              f"pass the same shapes and dtypes (every rank passes the global batch), or "
                              f"re-plan with these inputs")
+        check_index_ranges(self._index_checks, inputs, self.plan.microbatches)
 
     # ---- checkpoints (autopar.runtime.checkpoint; added for issue 7) ----------------------------------
     def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
