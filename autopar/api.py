@@ -11,6 +11,7 @@ from autopar.cluster import Cluster
 from autopar.driver import PlanOptions, first_microbatch, plan_model
 from autopar.errors import ClusterError, PlanError
 from autopar.passes.capture import capture, normalize_inputs
+from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
@@ -45,7 +46,8 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     example_inputs = normalize_inputs(example_inputs)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
     graph = capture(model, first_microbatch(example_inputs, chosen.microbatches))
-    chosen.validate(graph, world_size=world)
+    chosen.validate(graph, world_size=world, cluster=cluster)
+    check_shardings(chosen, graph)
     return build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
 
 
