@@ -137,11 +137,7 @@ class Plan:
         """Parse a plan from JSON text or a file path; any malformation is one PlanError."""
         text = str(source)
         if not text.lstrip().startswith(("{", "[")):
-            try:
-                with open(source) as f:
-                    text = f.read()
-            except OSError as e:
-                raise PlanError(f"cannot read plan file {source!r}: {e.strerror}") from None
+            text = _read_text(source)
         try:
             return _plan_from_dict(json.loads(text))
         except PlanError:
@@ -277,12 +273,29 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
                  inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])))
 
 
+def _read_text(source) -> str:
+    try:
+        with open(source, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {str(source)!r}: {e.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"plan file {str(source)!r} is not UTF-8 JSON text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                        f"give a plan written by Plan.to_json or `autopar plan --out`") from None
+
+
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
-    if not isinstance(d, dict):
-        raise PlanError(f"plan JSON must be an object, got {type(d).__name__}")
-    missing = [k for k in ("model", "graph_fingerprint", "input_signature", "cluster", "stages") if k not in d]
-    if missing:
-        raise PlanError(f"plan JSON is missing {missing}; regenerate it with autopar.plan(...)")
+    from autopar.cluster import Cluster
+    from autopar.errors import ClusterError
+    from autopar.plan_schema import check_plan_dict
+
+    check_plan_dict(d)
+    try:
+        Cluster.from_dict(d["cluster"])
+    except ClusterError as e:
+        raise PlanError(f"malformed plan JSON: its cluster is invalid ({e})") from None
     plan = Plan(
         model=d["model"], graph_fingerprint=d["graph_fingerprint"],
         input_signature=[(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in d["input_signature"]],
