@@ -10,7 +10,7 @@ gives that node on its stage's mesh, so it is something codegen knows how to run
 from __future__ import annotations
 
 from autopar.errors import PlanError
-from autopar.passes.capture import ModelGraph
+from autopar.ir.graph import ModelGraph
 from autopar.passes.strategies import node_strategies, output_strategy, placeholder_strategies, rule_for
 from autopar.placement import spec_str
 

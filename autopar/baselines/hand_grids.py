@@ -1,6 +1,6 @@
 """Hand-written layouts for models Megatron-LM does not cover: Wide-ResNet (DP × PP) and MoE (DP × EP × PP).
 
-    from benchmarks.hand_grids import best_hand, wrn_pins, moe_pins
+    from autopar.baselines.hand_grids import best_hand, wrn_pins, moe_pins
     best, scored = best_hand(model, cluster, batch, moe_pins, max_ep=8, n_experts=16)
 
 A ``HandLayout`` (dp, ep, pp, microbatches) is turned into autopar plan options exactly as
@@ -27,8 +27,14 @@ import dataclasses
 import math
 from typing import Iterator
 
-from benchmarks.megatron_configs import (MAX_MICROBATCHES, Scored, capture_once, grid_search, score_options,
-                                         stage_submesh)
+from autopar.baselines.megatron_configs import (
+    MAX_MICROBATCHES,
+    Scored,
+    capture_once,
+    grid_search,
+    score_options,
+    stage_submesh,
+)
 
 EP_DEGREES = (1, 2, 4, 8)
 
@@ -133,7 +139,7 @@ def layer_weights(graph) -> dict[str, list[float]]:
     layer that reads it, ``Layers.of_node``)."""
     from autopar.cost_models.compute import node_flops
     from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
-    from autopar.passes.intra_op import is_light
+    from autopar.passes.intra_op_groups import is_light
 
     layers = cluster_layers(graph, find_repeated_blocks(graph), None, is_light)
     nodes = {n.name: n for n in graph.gm.graph.nodes}
