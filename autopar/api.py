@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,9 @@ from autopar.plan import Plan
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 
-_PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)  # rank 0 may plan for a while
+# How long other ranks wait for a rank 0 that is still planning (a large model may plan for minutes). A
+# rank 0 whose planning fails broadcasts the error at once, so no rank waits this out on a failure.
+_PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) -> Plan:
@@ -65,14 +68,20 @@ def _check_real_weights(model: torch.nn.Module) -> None:
 
 
 def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict) -> Plan:
-    """Rank 0 plans (or takes ``given``) and broadcasts the JSON; every rank checks the same digest."""
+    """Rank 0 plans (or takes ``given``) and broadcasts the JSON, or its planning error, which every rank
+    then raises (the same type and message); every rank checks the same digest."""
     control = dist.new_group(backend="gloo", timeout=_PLAN_EXCHANGE_TIMEOUT)
-    text = [None]
+    box = [None]
     if dist.get_rank() == 0:
-        chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
-        text[0] = chosen.to_json()
-    dist.broadcast_object_list(text, src=0, group=control)
-    chosen = Plan.from_json(text[0])
+        box[0] = _plan_or_error(model, cluster, example_inputs, given, options)
+    dist.broadcast_object_list(box, src=0, group=control)
+    kind, payload = box[0]
+    if kind == "error":
+        dist.destroy_process_group(control)
+        if dist.get_rank() != 0 and hasattr(payload, "add_note"):
+            payload.add_note("(raised on rank 0 while planning, and sent to every rank)")
+        raise payload
+    chosen = Plan.from_json(payload)
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, (chosen.digest(), None if given is None else given.digest()), group=control)
     if len({held for held, _ in digests}) != 1:
@@ -84,6 +93,19 @@ def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: 
                         f"on every rank")
     dist.destroy_process_group(control)
     return chosen
+
+
+def _plan_or_error(model, cluster, example_inputs, given: Plan | None, options: dict) -> tuple:
+    """("plan", JSON) or ("error", the exception, or a PlanError with its text when it cannot be pickled)."""
+    try:
+        chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
+        return "plan", chosen.to_json()
+    except Exception as e:  # noqa: BLE001: every rank must learn of any failure, not only rank 0
+        try:
+            pickle.loads(pickle.dumps(e))
+            return "error", e
+        except Exception:
+            return "error", PlanError(f"planning failed on rank 0: {type(e).__name__}: {e}")
 
 
 def _collective_timeout(seconds: float | None) -> datetime.timedelta:
