@@ -29,12 +29,15 @@ def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) ->
 
 
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
-            timeout: float | None = None, **options) -> ParallelModule:
+            timeout: float | None = None, share_with: ParallelModule | None = None, **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
     timeout: seconds any collective of the compiled module may wait (default: the ``timeout`` given to
     ``autopar.launch``, else 300 s); a dead peer then raises instead of hanging.
+    share_with: a module compiled earlier for other inputs (e.g. the full batch, when these are an epoch's
+    smaller last batch): the plan keeps its stages and parameter/buffer layouts (pins), and the new
+    module uses its very tensors, so training either trains both and one optimizer serves them.
     """
     _check_cluster(cluster)
     if not dist.is_initialized():
@@ -47,11 +50,29 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            f"on (e.g. Cluster.local({world}))")
     _check_real_weights(model)
     example_inputs = normalize_inputs(example_inputs)
+    if share_with is not None:
+        options = _keep_layout_of(share_with.plan, options)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
     graph = capture(model, first_microbatch(example_inputs, chosen.microbatches))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
-    return build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+    if share_with is not None:
+        built.share_state_of(share_with)
+    return built
+
+
+def _keep_layout_of(plan: Plan, options: dict) -> dict:
+    """Plan options that keep ``plan``'s stages and the specs of its parameters and buffers."""
+    pins = dict(options.get("pin") or {})
+    for stage in reversed(plan.stages):  # a parameter held by several stages: the first stage's spec
+        pins.update({name: sh.out for name, sh in stage.shardings.items() if name.startswith(("p_", "b_"))})
+    if len(plan.stages) == 1:
+        stages = 1
+    else:
+        stages = [{"layers": list(s.layers), "submesh": list(s.submesh), "mesh": list(s.mesh_shape)}
+                  for s in plan.stages]
+    return {**options, "pin": pins, "stages": stages, "layers": options.get("layers", plan.planner.get("layers"))}
 
 
 def _check_cluster(cluster) -> None:
