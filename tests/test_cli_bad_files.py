@@ -73,8 +73,8 @@ def test_negative_control_good_files_succeed(good, tmp_path):
 @pytest.mark.parametrize("bytes_case", ["binary", "utf16", "truncated", "empty", "directory"])
 def test_bad_bytes_in_a_json_file(good, tmp_path, kind, bytes_case):
     text = json.dumps(good[kind])
-    data = {"binary": bytes(range(256)) * 4, "utf16": text.encode("utf-16"), "truncated": text.encode()[:len(text) // 2],
-            "empty": b""}
+    data = {"binary": bytes(range(256)) * 4, "utf16": text.encode("utf-16"),
+            "truncated": text.encode()[:len(text) // 2], "empty": b""}
     path = tmp_path / "file.json"
     if bytes_case == "directory":
         path.mkdir()

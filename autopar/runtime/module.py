@@ -110,7 +110,8 @@ class ParallelModule(torch.nn.Module):
                for t in inputs]
         if len(got) != len(want) or any(tuple(g[0] or ()) != tuple(w[0]) or g[1] != w[1] for g, w in zip(got, want)):
             raise InputError(f"inputs {got} differ from the example inputs the plan was made for {want}; "
-                             f"pass the same shapes and dtypes (every rank passes the global batch){_advice(got, want)}")
+                             f"pass the same shapes and dtypes (every rank passes the global batch)"
+                             f"{_advice(got, want)}")
         check_index_ranges(self._index_checks, inputs, self.plan.microbatches)
 
     def share_state_of(self, other: "ParallelModule") -> None:
