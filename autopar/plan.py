@@ -283,7 +283,8 @@ def _read_text(source) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PlanError(f"plan file {str(source)!r} is not UTF-8 JSON text (byte {e.start}: "
-                        f"{raw[e.start:e.start + 1]!r}); give a plan written by Plan.to_json or `autopar plan --out`") from None
+                        f"{raw[e.start:e.start + 1]!r}); give a plan written by Plan.to_json or "
+                        f"`autopar plan --out`") from None
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
