@@ -197,7 +197,13 @@ def import_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:  # bad bytes: not Python source
+        del sys.modules[name]
+        raise FactoryError(f"{str(path)!r} is not a Python source file ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); give a .py file defining the "
+                           f"factory") from None
     return module
 
 

@@ -29,6 +29,7 @@ LAYERS = {
     "autopar.placement": "ir",
     "autopar.redistribute": "ir",
     "autopar.plan": "data",
+    "autopar.plan_schema": "data",
     "autopar.cluster": "data",
     "autopar.presets": "data",
     "autopar.report": "data",
