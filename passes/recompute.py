@@ -149,16 +149,21 @@ class LayerRecompute:
         f = np.arange(1, F + 1)
         best_lat = np.full(memory.shape, np.inf)
         best_p = np.full(memory.shape, -1, dtype=int)
-        for k in range(L):
-            for i in range(k, L):
-                for p, (_, save, fwd, top) in enumerate(self.prefixes(k, i)):
-                    peak = max(0.0, top - self.peak[k:i + 1].max())
-                    mem = memory[k, i] - f * scale * save + scale * peak
-                    take = (best_p[k, i] < 0) & (mem <= budget)
-                    best_lat[k, i][take] = latency[k, i] + scale * fwd
-                    best_p[k, i][take] = p
-                    if (best_p[k, i] >= 0).all():
-                        break
+        if not self.forced.any():  # prefix 0 recomputes nothing: entries that fit as they are need no loop
+            fits = memory <= budget
+            best_lat[fits] = np.broadcast_to(latency[:, :, None], memory.shape)[fits]
+            best_p[fits] = 0
+        can_help = bool(self.order) or bool(self.forced.any())
+        open_pairs = ~(best_p >= 0).all(axis=2) & np.isfinite(memory).any(axis=2) & can_help
+        for k, i in zip(*np.nonzero(open_pairs)):
+            for p, (_, save, fwd, top) in enumerate(self.prefixes(k, i)):
+                peak = max(0.0, top - self.peak[k:i + 1].max())
+                mem = memory[k, i] - f * scale * save + scale * peak
+                take = (best_p[k, i] < 0) & (mem <= budget)
+                best_lat[k, i][take] = latency[k, i] + scale * fwd
+                best_p[k, i][take] = p
+                if (best_p[k, i] >= 0).all():
+                    break
         return best_lat, best_p >= 0, best_p
 
     def choice(self, k: int, i: int, p: int) -> tuple[int, ...]:
