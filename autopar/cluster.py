@@ -329,7 +329,7 @@ def _link_from_dict(d: dict[str, Any], where: str) -> Link:
         raise ClusterError(f"cluster JSON: {where} has unknown fields {sorted(unknown)}; known fields: "
                            f"{sorted(f.name for f in dataclasses.fields(Link))}{_FIX}")
     return Link(latency=d["latency"], bandwidth=d["bandwidth"], fits=fits,
-                group_bandwidth=dict(d.get("group_bandwidth") or {}), hop_latency=d.get("hop_latency", 0.0))
+                group_bandwidth=d.get("group_bandwidth") or {}, hop_latency=d.get("hop_latency", 0.0))
 
 
 def _cluster_from_dict(d: dict[str, Any]) -> Cluster:
