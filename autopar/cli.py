@@ -247,7 +247,8 @@ def call_factory(factory, text: str):
     result = factory()
     if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise FactoryError(f"{text}() must return (model, example_inputs) with an nn.Module first, got "
-                           f"{type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (tuple, list)) else ""))
+                           f"{type(result).__name__}"
+                           + (f" of {len(result)}" if isinstance(result, (tuple, list)) else ""))
     model, inputs = result
     return model, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 

@@ -3,7 +3,7 @@
 A ``Cluster`` is plain, frozen data. The planner reads it; nothing in it needs the devices to exist,
 so a 1024-GPU cluster is planned on a laptop. ``Cluster.local(n)`` is this machine as n CPU ranks
 over gloo; ``Cluster.preset(name, nodes=N)`` describes real GPU clusters (see ``presets.py`` for the
-source of every number); ``Cluster.profile(...)`` measures the machine it runs on (issue 5).
+source of every number); ``Cluster.profile(...)`` measures the machine it runs on.
 
 Units: seconds, bytes, bytes/s, FLOP/s. Bandwidths are per device and unidirectional, the figure a
 ring collective's bandwidth term divides by.

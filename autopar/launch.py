@@ -160,7 +160,7 @@ def _worker(rank: int, fn, world: int, host: str, port: int, backend: str, timeo
         _init(rank, world, backend, timeout, store)
         faults.register(store, rank, world)
         torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException as e:  # noqa: BLE001: every failure must reach the parent before this process ends
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent before this process ends
         _fail(rank, out_dir, e)
     faults.unregister()
     if dist.is_initialized():  # fn may have destroyed it

@@ -134,7 +134,7 @@ class ParallelModule(torch.nn.Module):
             setattr(self.runner.gm, info.name, theirs)
         self._unused = other._unused
 
-    # ---- checkpoints (autopar.runtime.checkpoint; added for issue 7) ----------------------------------
+    # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
     def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
         ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
