@@ -65,8 +65,9 @@ def mean_rule(view: OpView) -> list[AxisRule]:
     return _kept_rules(view, dims, keepdim) + partial + [AxisRule((P,), P)]
 
 
-@register(aten.amax, aten.amin, aten.argmax, aten.argmin, aten.max, aten.min, aten.logsumexp, aten.any,
-          aten.all, aten.prod)
+# max/min are registered per overload: their ``other`` overloads are elementwise (pointwise.py).
+@register(aten.amax, aten.amin, aten.argmax, aten.argmin, aten.max.default, aten.max.dim, aten.min.default,
+          aten.min.dim, aten.logsumexp, aten.any, aten.all, aten.prod)
 def extremum_rule(view: OpView) -> list[AxisRule]:
     if len(view.node.args) < 2 and "dim" not in view.node.kwargs:
         return []  # full reduction to a scalar: keep replicated
