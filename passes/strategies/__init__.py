@@ -29,7 +29,9 @@ _WARNED: set[str] = set()  # ops already reported as rule-less in this process (
 
 
 def register(*targets) -> Callable[[RuleFn], RuleFn]:
-    """Register a rule for ATen op packets (``torch.ops.aten.mm``) or plain callables (operator.getitem)."""
+    """Register a rule for ATen op packets (``torch.ops.aten.mm``), single overloads (``aten.max.other``),
+    plain callables (operator.getitem), or an op's qualified name (``"lib.op.overload"``) for custom ops
+    that exist only once their library is imported."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for t in targets:
@@ -43,7 +45,9 @@ def rule_for(target) -> RuleFn | None:
     if target in _RULES:
         return _RULES[target]
     packet = getattr(target, "overloadpacket", None)
-    return _RULES.get(packet)
+    if packet in _RULES:
+        return _RULES[packet]
+    return _RULES.get(str(target)) if isinstance(target, torch._ops.OpOverload) else None
 
 
 def has_rule(node: fx.Node) -> bool:
@@ -53,7 +57,7 @@ def has_rule(node: fx.Node) -> bool:
 # Import the rule families so they register themselves.
 from autopar.passes.strategies import (attention, creation, embedding, loss, matmul, norms, pointwise,  # noqa: E402,F401
                                reductions, views)
-from autopar.passes.strategies import conv, einsum, routing  # noqa: E402,F401
+from autopar.passes.strategies import conv, einsum, experts, routing  # noqa: E402,F401
 
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
