@@ -20,6 +20,7 @@ from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
+from autopar.passes.stage_owners import subsets_on
 from autopar.passes.strategies import generate_strategies
 from autopar.passes.strategies.base import OpView
 from autopar.placement import R, spec_str
@@ -252,11 +253,11 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     scaled = at_microbatch(B)
     ranks = place_stages(cluster, [option.physical for _, _, option, _ in choice.stages])
     memo, solved = SolutionMemo(), {}
-    last = len(choice.stages) - 1
+    subsets = [{name for layer in range(k, i + 1) for name in layers.nodes[layer]} for k, i, _, _ in choice.stages]
+    subsets[-1].add("output")
+    subsets = subsets_on(graph.gm, scaled.gm, subsets)
     for s, (k, i, option, f) in sorted(enumerate(choice.stages), key=lambda item: (item[1][3], item[0])):
-        subset = {name for layer in range(k, i + 1) for name in layers.nodes[layer]}
-        if s == last:
-            subset.add("output")
+        subset = subsets[s]
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
                       inflight=f, devices_per_node=option.physical[1])
         solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
