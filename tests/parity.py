@@ -28,12 +28,16 @@ LR, EPS, STEPS = 1e-3, 1e-6, 3
 
 def layout_options(layout: str, model_name: str, cluster, model, batch) -> tuple:
     """(cluster, plan options) for a layout: "auto" squeezes memory so the plan must shard; "dp" pins
-    the batch split on every axis and replicated parameters."""
+    the batch split on every axis and replicated parameters; "ep" pins MoE expert weights split by expert."""
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)
         return cluster, {"stages": 1, "pin": {"p_*": replicated, batch_pin_name(model_name, 0): split,
                                               batch_pin_name(model_name, 1): split}}
+    if layout == "ep":  # expert parallel: every MoE expert weight split by experts on the widest axis
+        axis = max(range(len(cluster.mesh_shape)), key=lambda a: cluster.mesh_shape[a])
+        spec = "".join("S(0)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
+        return cluster, {"stages": 1, "pin": {"p_*experts*": spec}}
     floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions())
     return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1}
 
@@ -97,6 +101,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "sharded_params": sum(1 for s in stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out),
             "stages": [(s.submesh, s.mesh_shape, len(s.ranks)) for s in stages],
+            "kernels": sorted({t for s in stages for sh in s.shardings.values() for _, t in sh.kernels}),
             "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
             "keys_match": list(full) == list(reference.state_dict()),
             "shapes_match": all(full[k].shape == v.shape for k, v in reference.state_dict().items())}
