@@ -14,7 +14,8 @@ from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
-from autopar.passes.capture import ModelGraph, capture
+from autopar.passes.capture import capture
+from autopar.ir.graph import ModelGraph
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
@@ -22,11 +23,11 @@ from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_
 from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
 from autopar.passes.stage_owners import subsets_on
 from autopar.passes.strategies import generate_strategies
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView
 from autopar.placement import R, spec_str
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
-from autopar.report import fmt_bytes
+from autopar.ir.units import fmt_bytes
 
 SCHEDULES = ("1f1b", "gpipe")
 MAX_MICROBATCHES = 512
@@ -282,7 +283,7 @@ def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict
     restricts that node to strategies reading it in the pinned spec (it is stored as it is read)."""
     import fnmatch
 
-    from autopar.errors import InfeasibleError, PlanError
+    from autopar.errors import PlanError
     from autopar.placement import parse_spec
 
     out = dict(strategies)

@@ -5,7 +5,7 @@ largest first, at offsets aligned to their width (submesh widths are powers of t
 so the tiling the DP guarantees always packs). A stage's ranks run row-major over its physical submesh,
 and that order, reshaped to the logical mesh, is the stage's mesh.
 
-Predicted step time: the schedule (``autopar.trace.simulate_schedule``) replayed with each stage's
+Predicted step time: the schedule (``autopar.ir.schedule.simulate_schedule``) replayed with each stage's
 forward and backward time per microbatch (backward ≈ 2 × forward) and the cross-stage transfer time,
 plus the slowest stage's gradient synchronization, plus the slowest stage's optimizer step over its
 local parameter shards (``cost_models.compute.optimizer_step_time``). The optimizer step is predicted
@@ -19,13 +19,13 @@ import math
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
-from autopar.cost_models.memory import requires_grad_nodes
+from autopar.ir.ops import requires_grad_nodes
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView
 from autopar.placement import local_shape, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.redistribute import grad_partial_axes
-from autopar.trace import simulate_schedule
+from autopar.ir.schedule import simulate_schedule
 
 
 def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ranks: list[int],

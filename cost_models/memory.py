@@ -29,9 +29,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import is_free_view
+from autopar.ir.ops import is_free_view
 from autopar.cost_models.saved_tensors import saved_rule
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
 
@@ -120,17 +120,3 @@ def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:
             best, best_bytes = arg, _out_bytes(arg)
     best = owner(best) if best is not node else node
     return node if best.op == "placeholder" else best
-
-
-def requires_grad_nodes(gm: fx.GraphModule, trainable: set[str]) -> set[str]:
-    """Names of nodes whose output is a float tensor depending on a trainable placeholder."""
-    out = set(trainable)
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        is_float = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
-        if is_float and any(a.name in out for a in OpView(node).tensor_args):
-            out.add(node.name)
-    return out

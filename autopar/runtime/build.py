@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.memory import requires_grad_nodes
-from autopar.passes.codegen import generate_stage_module
+from autopar.ir.ops import requires_grad_nodes
 from autopar.runtime import groups
+from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner

@@ -1,7 +1,7 @@
 """Gradient synchronization done once per step, after every microbatch's backward.
 
 ``reduce_deferred``: parameters whose every read only all-reduces the gradient over some mesh axes (see
-``codegen._Emitter._deferrable_syncs``) are reduced here instead, in one flat buffer per axis group
+``runtime.codegen._Emitter._deferrable_syncs``) are reduced here instead, in one flat buffer per axis group
 (like DDP's buckets), so B microbatches cost one all-reduce, not B.
 
 ``sync_shared``: a parameter read by several stages (tied embeddings: GPT-2's token embedding is also

@@ -26,7 +26,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.placement import P, R
 from autopar.passes.strategies import register
-from autopar.passes.strategies.base import AxisRule, OpView, norm_dim
+from autopar.ir.ops import OpView
+from autopar.passes.strategies.base import AxisRule, norm_dim
 
 aten = torch.ops.aten
 GROUPED_MM_FALLBACK = "transformers.grouped_mm_fallback.default"
