@@ -85,16 +85,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                            TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options))
         clock.lap("layers")
-        try:
-            choice = _choose(costs, graph, candidates, options)
-        except InfeasibleError as e:
-            floor = memory_bounds(graph, cluster, options)[0]
-            raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
-                                  f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
-                                  + budget_unit_hint(cluster.memory_per_device)) from None
-        clock.lap("stage_dp")
-        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
-        clock.lap("stage_ilps")
+        plan = _plan_stages(graph, layers, blocks, cluster, options, model_name, costs, candidates, at_microbatch,
+                            clock)
         plan.planner["mesh_solves"] = costs.solves
         if options.stages is None and candidates[0] == 1:
             plan = _or_single_stage(plan, lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
@@ -104,6 +96,55 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan
+
+
+MAX_STAGE_RETRIES = 8
+
+
+class _StageInfeasible(InfeasibleError):
+    """The exact solve of one chosen stage found no layout within memory (``entry``: its DP table cell)."""
+
+    def __init__(self, message: str, entry: tuple):
+        super().__init__(message)
+        self.entry = entry
+
+
+def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
+                 costs: StageCosts, candidates: list[int], at_microbatch, clock) -> Plan:
+    """Stage DP, then each chosen stage solved exactly. The DP prices stages from solutions at reference
+    microbatches, so its estimate can admit a stage whose exact solve at the chosen microbatch does not
+    fit. Such a cell (microbatches, first layer, last layer, mesh option, in-flight) is ruled out and the DP
+    re-run, which moves to its next-best choice; only when ``MAX_STAGE_RETRIES`` choices failed, or the DP has
+    nothing left, does planning report, naming what was tried."""
+    excluded: set[tuple] = set()
+    rejected: list[str] = []
+    while True:
+        try:
+            choice = _choose(costs, graph, candidates, options, excluded)
+        except InfeasibleError as e:
+            raise _infeasible(e, graph, cluster, options, rejected) from None
+        clock.lap("stage_dp")
+        try:
+            plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
+        except _StageInfeasible as e:
+            excluded.add(e.entry)
+            rejected.append(str(e))
+            if len(rejected) >= MAX_STAGE_RETRIES:
+                raise _infeasible(InfeasibleError("the stage DP's choices do not fit when solved exactly"), graph,
+                                  cluster, options, rejected) from None
+            continue
+        clock.lap("stage_ilps")
+        plan.planner["dp_rejected_stages"] = len(rejected)
+        return plan
+
+
+def _infeasible(e: InfeasibleError, graph, cluster: Cluster, options: PlanOptions, rejected: list[str]):
+    floor = memory_bounds(graph, cluster, options)[0]
+    tried = (f" The stage DP's {len(rejected)} earlier choice(s) were ruled out by their exact solve: "
+             + "; ".join(rejected[:3]) + ".") if rejected else ""
+    return InfeasibleError(f"{e}.{tried} For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
+                           f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
+                           + budget_unit_hint(cluster.memory_per_device))
 
 
 def _or_single_stage(pipelined: Plan, single) -> Plan:
@@ -208,11 +249,14 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     return plan
 
 
-def _choose(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions) -> StageChoice:
+def _choose(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions,
+            excluded: set[tuple] = frozenset()) -> StageChoice:
     batch = graph.input_signature[0][0][0]
     if isinstance(options.stages, (list, tuple)):
+        if excluded:
+            raise InfeasibleError("the manual stages do not fit when solved exactly")
         return _manual_stages(costs, options, candidates)
-    return choose_stages(costs, batch, candidates, options.schedule, options.stages)
+    return choose_stages(costs, batch, candidates, options.schedule, options.stages, excluded=excluded)
 
 
 def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]) -> StageChoice:
@@ -261,9 +305,13 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         subset = subsets[s]
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
                       inflight=f, devices_per_node=option.physical[1])
-        solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
-                                  cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
-                                  memo=memo)
+        try:
+            solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
+                                      cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
+                                      memo=memo)
+        except InfeasibleError as e:
+            where = f"stage {s} (layers {k}..{i} on {option.physical[0]}×{option.physical[1]}, B={B}): {e}"
+            raise _StageInfeasible(where, (B, k, i, option, f)) from None
         solved[s] = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
                                layers=(k, i)), solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]

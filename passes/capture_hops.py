@@ -22,6 +22,8 @@ Regions nest (Llama's no_grad region holds an autocast-off region): inlining rep
 from __future__ import annotations
 
 import operator
+import os
+import re
 
 import torch
 import torch.fx as fx
@@ -58,7 +60,7 @@ def _is_hop(target) -> bool:
     return isinstance(target, torch._ops.HigherOrderOperator)
 
 
-def _region(node: fx.Node) -> tuple[fx.Node, list, bool]:
+def _region(node: fx.Node, gm: fx.GraphModule) -> tuple[fx.Node, list, bool]:
     """(body get_attr node, operands, whether outputs are cut from autograd) of a supported region."""
     name = node.target.__name__
     if name == "wrap_with_set_grad_enabled":
@@ -67,30 +69,44 @@ def _region(node: fx.Node) -> tuple[fx.Node, list, bool]:
     if name == "wrap_with_autocast" and not node.args[2]:
         _device, _dtype, _enabled, _cache, body, *operands = node.args
         return body, operands, False
-    raise CaptureError(_unsupported(node))
+    raise CaptureError(_unsupported(node, gm))
 
 
-def _unsupported(node: fx.Node) -> str:
+def _unsupported(node: fx.Node, gm: fx.GraphModule) -> str:
     name = node.target.__name__
     detail = f"{name}{tuple(a for a in node.args if not isinstance(a, fx.Node))}"
     fix = _INLINE_FIXES.get(name, "rewrite that region without it (plain tensor ops, torch.where instead of "
                                   "torch.cond), or move it out of forward")
-    return f"cannot capture the model: autopar does not support {detail}{model_line(node)}. Fix: {fix}."
+    return f"cannot capture the model: autopar does not support {detail}{_region_line(node, gm)}. Fix: {fix}."
 
 
-def model_line(node: fx.Node) -> str:
-    """' at file:line (`code`)' of the innermost model frame in the node's stack trace, or ''."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [line.strip() for line in trace.splitlines() if line.strip()]
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].startswith("File "):
-            code = frames[i + 1] if i + 1 < len(frames) and not frames[i + 1].startswith("File ") else ""
-            return f" at {frames[i][5:]}" + (f" (`{code}`)" if code else "")
+def _region_line(node: fx.Node, gm: fx.GraphModule) -> str:
+    """The model line of the region: the op's own stack trace, else the first traced op inside its body."""
+    bodies = [getattr(gm, a.target) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+    for candidate in [node] + [n for body in bodies if isinstance(body, fx.GraphModule) for n in body.graph.nodes]:
+        line = model_line(candidate)
+        if line:
+            return line
     return ""
 
 
+def model_line(node: fx.Node) -> str:
+    """' at file:line (`code`)' of the innermost frame of the node's stack trace outside torch (the model's
+    code), or ''."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines() if line.strip()]
+    frames = [(line[5:], lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else "")
+              for i, line in enumerate(lines) if line.startswith("File ")]
+    outside = [f for f in frames if f"{os.sep}torch{os.sep}" not in f[0]]
+    if not (outside or frames):
+        return ""
+    where, code = (outside or frames)[-1]
+    parsed = re.match(r'"(.*)", line (\d+)', where)
+    where = f"{parsed.group(1)}:{parsed.group(2)}" if parsed else where
+    return f" at {where}" + (f" (`{code}`)" if code else "")
+
+
 def _inline(gm: fx.GraphModule, node: fx.Node, trainable: set[str]) -> None:
-    body_node, operands, cut_grad = _region(node)
+    body_node, operands, cut_grad = _region(node, gm)
     body: fx.GraphModule = getattr(gm, body_node.target)
     env: dict[fx.Node, fx.Node] = {}
     placeholders = iter(operands)

@@ -86,8 +86,11 @@ def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[St
             by_signature[sig] = out[node.name]
     for name in sorted(missing - _WARNED):
         _WARNED.add(name)
-        warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (slower, never wrong). "
-                      f"Add a rule in passes/strategies/ to shard it.", stacklevel=2)
+        warnings.warn(f"autopar: no sharding rule for {name}: it runs replicated, so every device holds its full "
+                      f"inputs and output (extra memory), and the values around it are gathered to it and split "
+                      f"again (extra communication). Results stay exact. If this op is large in your model, "
+                      f"please report it with your model name and this op at the autopar issue tracker.",
+                      stacklevel=2)
     return out
 
 
