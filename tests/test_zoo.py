@@ -244,3 +244,44 @@ def test_no_torch_error_lines_while_planning_a_mask_rescaling_model(capfd, caplo
     out, err = capfd.readouterr()
     logged = [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not logged and not re.search(r"^E\d{4}|Traceback|ERROR", out + err, re.M), (out + err)[:2000]
+
+
+def _reject_first_stage_choice(monkeypatch, always: bool = False) -> list:
+    """Wrap the real intra-op solver: the first stage cell the planner solves (or every one, ``always``) is
+    solved under a 1-byte budget, so the real ILP finds it infeasible, as when the DP's scaled estimate of a
+    stage fits but its exact solve at the chosen microbatch does not. Returns the rejected cells."""
+    from autopar import driver
+
+    real, rejected = driver.solve_intra_op, []
+
+    def solve(graph, strategies, blocks, env, budget, *args, subset=None, **kwargs):
+        cell = (frozenset(subset or ()), tuple(env.mesh_shape), env.microbatches)
+        if always or not rejected or cell == rejected[0]:
+            rejected.append(cell)
+            budget = 1.0
+        return real(graph, strategies, blocks, env, budget, *args, subset=subset, **kwargs)
+
+    monkeypatch.setattr(driver, "solve_intra_op", solve)
+    return rejected
+
+
+def test_stage_dp_moves_to_its_next_best_choice_when_an_exact_stage_solve_does_not_fit(monkeypatch):
+    from tests.models import make_small_gpt
+
+    model, batch = make_small_gpt(n_layer=4)
+    rejected = _reject_first_stage_choice(monkeypatch)
+    plan = autopar.plan(model, autopar.Cluster.local(4), batch, stages=2, microbatches=2, layers=4)
+    assert plan.planner["dp_rejected_stages"] >= 1
+    chosen = {(frozenset(set(s.nodes) - set(s.inputs) - {"output"}), tuple(s.mesh_shape)) for s in plan.stages}
+    assert (rejected[0][0] - {"output"}, rejected[0][1]) not in chosen
+    assert len(plan.stages) == 2 and plan.predicted["peak_memory"] <= plan.cluster["memory_per_device"]
+
+
+def test_stage_dp_reports_only_when_no_choice_fits_exactly(monkeypatch):
+    from autopar.errors import InfeasibleError
+    from tests.models import make_small_gpt
+
+    model, batch = make_small_gpt(n_layer=4)
+    _reject_first_stage_choice(monkeypatch, always=True)
+    with pytest.raises(InfeasibleError, match="ruled out by their exact solve"):
+        autopar.plan(model, autopar.Cluster.local(4), batch, stages=2, microbatches=2, layers=4)
