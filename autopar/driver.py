@@ -13,21 +13,22 @@ import torch
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
+from autopar.ir.graph import ModelGraph
+from autopar.ir.ops import OpView
+from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
-from autopar.ir.graph import ModelGraph
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
-from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
-from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
+from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
+from autopar.passes.intra_op import CostEnv, solve_intra_op
+from autopar.passes.intra_op_groups import is_light
 from autopar.passes.stage_owners import subsets_on
 from autopar.passes.strategies import generate_strategies
-from autopar.ir.ops import OpView
 from autopar.placement import R, spec_str
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
-from autopar.ir.units import fmt_bytes
 
 SCHEDULES = ("1f1b", "gpipe")
 MAX_MICROBATCHES = 512
@@ -272,18 +273,19 @@ def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int
                             f"'submesh': [nodes, devices_per_node]}}, got {entry!r}") from None
         logical = tuple(entry.get("mesh", physical))
         f = n - s if options.schedule != "gpipe" else candidates[-1]
-        out.append((first, last, MeshOption(physical, logical), f))
+        out.append(ChosenStage(first, last, MeshOption(physical, logical), f))
     _check_manual(out, costs)
     B = candidates[-1] if options.microbatches is None else options.microbatches
-    return StageChoice(B, [(k, i, o, min(f, B) if options.schedule != "gpipe" else B) for k, i, o, f in out], 0.0)
+    gpipe = options.schedule == "gpipe"
+    return StageChoice(B, [s._replace(inflight=B if gpipe else min(s.inflight, B)) for s in out], 0.0)
 
 
-def _check_manual(stages, costs: StageCosts) -> None:
+def _check_manual(stages: list[ChosenStage], costs: StageCosts) -> None:
     L, D = costs.layers.count, costs.cluster.num_devices
-    covered = [layer for k, i, _, _ in stages for layer in range(k, i + 1)]
+    covered = [layer for s in stages for layer in range(s.first, s.last + 1)]
     if covered != list(range(L)):
         raise PlanError(f"manual stages must cover layers 0..{L - 1} in order, each once; got layers {covered}")
-    used = sum(o.size for _, _, o, _ in stages)
+    used = sum(s.option.size for s in stages)
     if used != D:
         raise PlanError(f"manual stages use {used} devices but the cluster has {D}; the submeshes must tile it")
 
@@ -296,24 +298,25 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     pipeline (same objective, more memory) can reuse a solution that still fits (``ilp_reuse``)."""
     B = choice.microbatches
     scaled = at_microbatch(B)
-    ranks = place_stages(cluster, [option.physical for _, _, option, _ in choice.stages])
+    ranks = place_stages(cluster, [stage.option.physical for stage in choice.stages])
     memo, solved = SolutionMemo(), {}
-    subsets = [{name for layer in range(k, i + 1) for name in layers.nodes[layer]} for k, i, _, _ in choice.stages]
+    subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
     subsets[-1].add("output")
     subsets = subsets_on(graph.gm, scaled.gm, subsets)
-    for s, (k, i, option, f) in sorted(enumerate(choice.stages), key=lambda item: (item[1][3], item[0])):
-        subset = subsets[s]
+    for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
+        option, subset = chosen.option, subsets[s]
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
-                      inflight=f, devices_per_node=option.physical[1])
+                      inflight=chosen.inflight, devices_per_node=option.physical[1])
         try:
             solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
                                       cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
                                       memo=memo)
         except InfeasibleError as e:
-            where = f"stage {s} (layers {k}..{i} on {option.physical[0]}×{option.physical[1]}, B={B}): {e}"
-            raise _StageInfeasible(where, (B, k, i, option, f)) from None
+            where = (f"stage {s} (layers {chosen.first}..{chosen.last} on {option.physical[0]}×{option.physical[1]}, "
+                     f"B={B}): {e}")
+            raise _StageInfeasible(where, (B, chosen.first, chosen.last, option, chosen.inflight)) from None
         solved[s] = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
-                               layers=(k, i)), solution.ilp.n_variables
+                               layers=(chosen.first, chosen.last)), solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]
     variables = sum(n for _, n in solved.values())
     transfers = transfers_between(graph, stages, scaled, cluster)
@@ -368,7 +371,7 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
     mesh = tuple(cluster.mesh_shape)
     strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
     env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer))
-    _, problem, _, _ = build_problem(graph, strategies, find_repeated_blocks(graph), env, None)
+    problem = build_problem(graph, strategies, find_repeated_blocks(graph), env, None).problem
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
 
 
