@@ -93,7 +93,8 @@ def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     packed: list[torch.Tensor] = []
     try:
-        with _quiet_fake_tensor_log(), FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t)
+        with _quiet_fake_tensor_log(), FakeTensorMode(), hooks:
             fakes = [_fake(a, grad) if isinstance(a, fx.Node) else a for a, grad in zip(flat, flags)]
             args, kwargs = pytree.tree_unflatten(fakes, spec)
             with torch.enable_grad():

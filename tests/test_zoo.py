@@ -121,7 +121,8 @@ class AutocastOn(nn.Module):
 
 
 def _hops(gm) -> list:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)]
+    hop = torch._ops.HigherOrderOperator
+    return [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, hop)]
 
 
 def test_no_grad_and_autocast_off_regions_are_inlined_exactly():
