@@ -1,4 +1,4 @@
-"""Reductions and normalizing ops: sum, mean, amax/amin, max/min.dim, argmax, softmax, cumsum, logsumexp.
+"""Reductions and normalizing ops: sum, mean, amax/amin, max/min.dim, argmax, softmax, cumsum, logsumexp, diff.
 
 A kept dim keeps its shard. A reduced dim may be sharded only for sum and mean, whose local results
 are summands of the global one: the output is Partial, and a mean is scaled by 1/W
@@ -80,4 +80,14 @@ def extremum_rule(view: OpView) -> list[AxisRule]:
 def along_dim_rule(view: OpView) -> list[AxisRule]:
     shape = view.in_shapes[0]
     dim = norm_dim(view.arg(1), len(shape))
+    return [AxisRule((Shard(i),), Shard(i)) for i in range(len(shape)) if i != dim and shape[i] > 1]
+
+
+@register(aten.diff)
+def diff_rule(view: OpView) -> list[AxisRule]:
+    """diff along ``dim`` needs the whole of that dim; every other dim keeps its shard (no prepend/append)."""
+    shape = view.in_shapes[0]
+    if view.n_in != 1:
+        return []
+    dim = norm_dim(view.kwarg("dim", -1), len(shape))
     return [AxisRule((Shard(i),), Shard(i)) for i in range(len(shape)) if i != dim and shape[i] > 1]
