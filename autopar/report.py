@@ -109,8 +109,8 @@ def _stage_table(plan, stage, max_rows: int, glue: bool = False) -> list[str]:
     p = stage.predicted
     layers = f", layers {stage.layers[0]}..{stage.layers[1]}" if stage.layers else ""
     lines = ["", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
-                 f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
-                 f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
+             f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
+             f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
     lines += _param_rows(plan, stage)
     lines += _collective_lines(stage)
     rows, glue_count = _op_rows(plan, stage, glue=False)
