@@ -34,8 +34,8 @@ from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
-from autopar.passes.stage_owners import subsets_on
 from autopar.passes.pins import apply_pins
+from autopar.passes.stage_owners import subsets_on
 from autopar.passes.strategies import generate_strategies
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, transfers_between

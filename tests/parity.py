@@ -30,8 +30,8 @@ LR, EPS, STEPS = 1e-3, 1e-6, 3
 
 def layout_options(layout: str, model_name: str, cluster, model, batch) -> tuple:
     """(cluster, plan options) for a layout: "auto" squeezes memory so the plan must shard; "dp" pins
-    the batch split on every axis and replicated parameters; "ep" pins MoE expert weights split by expert and the grouped matmuls' outputs Partial (each device's experts'
-    rows: expert parallelism)."""
+    the batch split on every axis and replicated parameters; "ep" pins MoE expert weights split by
+    expert and the grouped matmuls' outputs Partial (each device's experts' rows: expert parallelism)."""
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)

@@ -99,8 +99,8 @@ def t5(seed=0):
 
 
 def vit(seed=0):
-    from transformers import ViTConfig
     import transformers
+    from transformers import ViTConfig
 
     cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64, num_hidden_layers=2,
                     num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.placement import P, R
-from autopar.passes.strategies import register
 from autopar.ir.ops import OpView
+from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
+from autopar.placement import P, R
 
 aten = torch.ops.aten
 GROUPED_MM_FALLBACK = "transformers.grouped_mm_fallback.default"
