@@ -12,6 +12,8 @@ from autopar.driver import PlanOptions, first_microbatch, plan_model
 from autopar.errors import ClusterError, PlanError
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.plan import Plan
+from autopar.precision import apply_to_graph
+from autopar.precision import resolve as resolve_precision
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 
@@ -44,7 +46,8 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     _check_real_weights(model)
     example_inputs = normalize_inputs(example_inputs)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
-    graph = capture(model, first_microbatch(example_inputs, chosen.microbatches))
+    graph = apply_to_graph(capture(model, first_microbatch(example_inputs, chosen.microbatches)),
+                           resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world)
     return build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
 

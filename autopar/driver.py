@@ -11,7 +11,7 @@ import time
 import torch
 
 from autopar.cluster import Cluster
-from autopar.cost_models.memory import TrainingSpec
+from autopar.cost_models.memory import TrainingSpec, zero_levels
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import ModelGraph, capture
@@ -24,6 +24,8 @@ from autopar.passes.strategies import generate_strategies
 from autopar.passes.strategies.base import OpView
 from autopar.placement import R, spec_str
 from autopar.plan import Plan
+from autopar.precision import apply_to_graph
+from autopar.precision import resolve as resolve_precision
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
 from autopar.report import fmt_bytes
 
@@ -46,6 +48,10 @@ class PlanOptions:
     schedule: "1f1b" (default) or "gpipe".
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
     debug: check every pass's output invariants (slower).
+    precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.precision.PrecisionPolicy``.
+    zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the planner
+      keeps 0 unless forced), 0, 1, 2, or {parameter-fqn glob: level} (see ``cost_models.memory``).
+    bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
     """
 
     optimizer: str = "adamw"
@@ -56,12 +62,20 @@ class PlanOptions:
     schedule: str = "1f1b"
     layers: int | None = None
     debug: bool = False
+    precision: object = "fp32"
+    zero: object = "auto"
+    bucket_bytes: int = 25 * 2 ** 20
+
+    def __post_init__(self):
+        resolve_precision(self.precision)
+        check_zero(self.zero)
 
 
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
     start = time.perf_counter()
-    graph = capture(model, example_inputs)
-    recapture = lambda b: capture(model, first_microbatch(example_inputs, b))  # noqa: E731
+    policy = resolve_precision(options.precision)
+    graph = apply_to_graph(capture(model, example_inputs), policy)
+    recapture = lambda b: apply_to_graph(capture(model, first_microbatch(example_inputs, b)), policy)  # noqa: E731
     plan = plan_graph(graph, cluster, options, model_name=type(model).__name__, recapture=recapture)
     plan.timings["capture"] = round(time.perf_counter() - start - plan.timings["seconds"], 3)
     return plan
@@ -80,7 +94,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     else:
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
-                           TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
+                           training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options))
         clock.lap("layers")
         try:
@@ -195,7 +209,7 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     scaled = at_microbatch(microbatches)
     strategies = _strategies(scaled, mesh, options)
     _check(options, lambda: _check_strategies(scaled, strategies))
-    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches)
+    env = CostEnv(cluster, mesh, training_spec(graph, options), microbatches=microbatches)
     solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
     stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
                        submesh=(cluster.nodes, cluster.devices_per_node))
@@ -257,7 +271,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         subset = {name for layer in range(k, i + 1) for name in layers.nodes[layer]}
         if s == last:
             subset.add("output")
-        env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
+        env = CostEnv(cluster, option.logical, training_spec(graph, options), microbatches=B,
                       inflight=f, devices_per_node=option.physical[1])
         solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
                                   cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
@@ -317,9 +331,31 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
 
     mesh = tuple(cluster.mesh_shape)
     strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
-    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer))
+    env = CostEnv(cluster, mesh, training_spec(graph, options))
     _, problem, _, _ = build_problem(graph, strategies, find_repeated_blocks(graph), env, None)
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
+
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+def check_zero(zero) -> None:
+    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise (level 3 is not run by the runtime)."""
+    levels = list(zero.values()) if isinstance(zero, dict) else [zero]
+    if zero == "auto" or (levels and all(isinstance(v, int) and v in ZERO_LEVELS for v in levels)):
+        return
+    raise PlanError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
+                    f"{{parameter-fqn glob: level}} (level 3, parameters sharded between uses, is not run by "
+                    f"autopar's runtime)")
+
+
+def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
+    """The memory model's view of ``options``: optimizer, forced ZeRO levels, autocast's weight copies."""
+    policy = resolve_precision(options.precision)
+    names = {p.name: p.fqn for p in graph.placeholders if p.kind == "parameter"}
+    copy = policy.compute_dtype.itemsize if policy.compute_dtype is not None else 0
+    return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
+                        compute_itemsize=copy)
 
 
 def _check(options: PlanOptions, fn) -> None:

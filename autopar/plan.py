@@ -69,6 +69,7 @@ class Stage:
     predicted: dict[str, float] = dataclasses.field(default_factory=dict)
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # from earlier stages: value -> spec
     outputs: list[str] = dataclasses.field(default_factory=list)       # values later stages read
+    zero: dict[str, int] = dataclasses.field(default_factory=dict)     # parameter -> ZeRO level (absent: 0)
 
 
 @dataclasses.dataclass
@@ -89,6 +90,8 @@ class Plan:
     node_ops: dict[str, str] = dataclasses.field(default_factory=dict)
     node_layers: dict[str, int] = dataclasses.field(default_factory=dict)
     transfers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    precision: str = "fp32"
+    bucket_bytes: int = 25 * 2 ** 20
     version: int = PLAN_VERSION
     # How long planning took, by phase: not part of the plan (not saved, not compared), so the same
     # inputs give byte-identical JSON.
@@ -205,7 +208,8 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
     return Stage(index=int(d["index"]), ranks=[int(r) for r in d["ranks"]], mesh_shape=_tuple2(d["mesh_shape"]),
                  submesh=_tuple2(d["submesh"]), nodes=list(d["nodes"]), shardings=shardings,
                  collectives=collectives, layers=layers, predicted=dict(d.get("predicted", {})),
-                 inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])))
+                 inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])),
+                 zero={k: int(v) for k, v in d.get("zero", {}).items()})
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
@@ -222,6 +226,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         optimizer=d.get("optimizer", "adamw"), predicted=dict(d.get("predicted", {})),
         planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
         node_ops=d.get("node_ops", {}), node_layers={k: int(v) for k, v in d.get("node_layers", {}).items()},
-        transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)))
+        transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)),
+        precision=str(d.get("precision", "fp32")), bucket_bytes=int(d.get("bucket_bytes", 25 * 2 ** 20)))
     plan.validate()
     return plan

@@ -17,6 +17,15 @@ tensor the op touches, as a fraction of that tensor's bytes, so they shard as th
 consumer makes when it reshards an input before saving it is not counted (an under-estimate the
 fidelity benchmark measures).
 
+Weight-update sharding (ZeRO, over the data-parallel axes of a parameter: the mesh axes it is replicated on),
+per parameter element, with n = the product of those axes' sizes:
+
+    level 0: weight + gradient + optimizer state          level 1: weight + gradient + state / n
+    level 2: weight + (gradient + state) / n              (level 3, weights sharded between uses: not run)
+
+The runtime keeps the synced gradients of each bucket (``bucket_layout``) in one flat buffer, padded for
+levels ≥ 1 to n equal shards; ``held_state_bytes`` counts exactly what a rank then holds.
+
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
 All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
 this sum bounds the real peak from above by at most the gradient bytes (4 of the 16 bytes/parameter).
@@ -24,6 +33,7 @@ this sum bounds the real peak from above by at most the gradient bytes (4 of the
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 
 import torch
@@ -44,11 +54,25 @@ class TrainingSpec:
     """
 
     optimizer: str = "adamw"
+    zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, level); absent: 0
+    compute_itemsize: int = 0                # autocast's weight copies (saved for backward); 0 for fp32
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer {self.optimizer!r} is not modelled; use one of "
                              f"{sorted(OPTIMIZER_STATE_BYTES)}")
+
+    def zero_level(self, name: str) -> int:
+        return dict(self.zero).get(name, 0)
+
+    def param_bytes(self, name: str, numel: float, dtype: torch.dtype, dp_ways: int) -> float:
+        """Bytes one device keeps for ``numel`` local elements of parameter ``name`` replicated ``dp_ways``
+        times (see the module docstring), plus the compute-dtype copy autocast saves for backward."""
+        item = torch.empty((), dtype=dtype).element_size()
+        level, n = self.zero_level(name), max(dp_ways, 1)
+        grad = item / n if level >= 2 else item
+        state = OPTIMIZER_STATE_BYTES[self.optimizer] / (n if level >= 1 else 1)
+        return numel * (item + grad + state + self.compute_itemsize)
 
     def param_state_bytes_per_element(self, dtype: torch.dtype) -> float:
         item = torch.empty((), dtype=dtype).element_size()
@@ -134,3 +158,81 @@ def requires_grad_nodes(gm: fx.GraphModule, trainable: set[str]) -> set[str]:
         if is_float and any(a.name in out for a in OpView(node).tensor_args):
             out.add(node.name)
     return out
+
+
+def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
+    """{parameter placeholder: forced ZeRO level} from the ``zero`` option: an int for all parameters, or
+    {fqn glob: level} (first matching glob wins). "auto" forces nothing (the planner keeps level 0)."""
+    import fnmatch
+
+    if zero == "auto":
+        return {}
+    if isinstance(zero, dict):
+        out = {}
+        for name, fqn in names_to_fqns.items():
+            hit = next((lvl for glob, lvl in zero.items() if fnmatch.fnmatch(fqn, glob) or fnmatch.fnmatch(name, glob)),
+                       None)
+            if hit is not None:
+                out[name] = hit
+        return out
+    return {name: zero for name in names_to_fqns}
+
+
+def bucket_layout(params: list[tuple[str, int, tuple, int]], cap_bytes: float, itemsize: int) -> list[list[str]]:
+    """Buckets of gradient sync, in launch order: ``params`` are (name, numel, axes, level) in the order their
+    gradients become ready (reverse order of first use); consecutive parameters with the same (axes, level)
+    share a bucket until it holds ``cap_bytes`` (as DDP's ``bucket_cap_mb``)."""
+    buckets, keys, sizes = [], [], []
+    for name, numel, axes, level in params:
+        key = (tuple(axes), level)
+        if buckets and keys[-1] == key and sizes[-1] < cap_bytes:
+            buckets[-1].append(name)
+            sizes[-1] += numel * itemsize
+        else:
+            buckets.append([name])
+            keys.append(key)
+            sizes.append(numel * itemsize)
+    return buckets
+
+
+def sync_buckets(gm: fx.GraphModule, deferred: dict[str, tuple], levels: dict[str, int], mesh_shape,
+                 local_numel: dict[str, int], cap_bytes: float, itemsize: int = 4) -> list[dict]:
+    """The gradient-sync buckets of one stage, shared by the planner's prediction and the runtime:
+    ``deferred`` {parameter: mesh axes its gradient is all-reduced over}, in reverse order of first use
+    (the order backward produces gradients). Each: {names, numel, ways, level, axes, count}."""
+    position = {}
+    for i, node in enumerate(gm.graph.nodes):
+        for arg in node.all_input_nodes:
+            position.setdefault(arg.name, i)
+    order = sorted(deferred, key=lambda n: (-position.get(n, 0), n))
+    rows = [(n, local_numel[n], tuple(deferred[n]), levels.get(n, 0)) for n in order]
+    out = []
+    for names in bucket_layout(rows, cap_bytes, itemsize):
+        axes, level = tuple(deferred[names[0]]), levels.get(names[0], 0)
+        ways = int(math.prod(mesh_shape[a] for a in axes))
+        out.append({"names": names, "numel": sum(local_numel[n] for n in names), "ways": ways,
+                    "level": level if ways > 1 else 0, "axes": axes, "count": len(names)})
+    return out
+
+
+def padded_numel(numel: int, ways: int, level: int) -> int:
+    """Elements of a bucket's flat buffer: ``numel``, padded for ZeRO (level ≥ 1) to ``ways`` equal shards."""
+    return numel if level == 0 else -(-numel // ways) * ways
+
+
+def held_state_bytes(buckets: list[dict], loose: list[int], optimizer: str, itemsize: int = 4) -> dict[str, float]:
+    """{params, grads, optimizer}: bytes one rank holds. ``buckets``: {numel, ways, level} per synced bucket;
+    ``loose``: numel of every other trainable local tensor (its own gradient and state). The optimizer keeps
+    its state per tensor it steps (a bucket's shard at level ≥ 1, else each parameter) plus a 4-byte step
+    counter per tensor for adam/adamw."""
+    per_elem, step = OPTIMIZER_STATE_BYTES[optimizer], 4 if optimizer.startswith("adam") else 0
+    params = grads = state = 0.0
+    for n in loose:
+        params, grads, state = params + n * itemsize, grads + n * itemsize, state + n * per_elem + step
+    for b in buckets:
+        padded = padded_numel(b["numel"], b["ways"], b["level"])
+        shard = padded // b["ways"] if b["level"] >= 1 else None
+        params += padded * itemsize
+        grads += (shard if b["level"] >= 2 else padded) * itemsize
+        state += (shard * per_elem + step) if shard is not None else b["numel"] * per_elem + step * b["count"]
+    return {"params": params, "grads": grads, "optimizer": state}
