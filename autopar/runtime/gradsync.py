@@ -37,6 +37,10 @@ from autopar.runtime import faults, groups
 from autopar.runtime.collectives import gather_full
 
 
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
 class Bucket:
     """One gradient-sync bucket of a stage (see module docstring)."""
 
@@ -102,7 +106,7 @@ class Bucket:
             self.out = self.buffer
         else:
             self.out = torch.empty(self.shard_size, dtype=reduce_dtype)
-            self.work = _start("reduce_scatter", self.key, dist.reduce_scatter_tensor, self.out, self.buffer,
+            self.work = _start("reduce_scatter", self.key, _REDUCE_SCATTER, self.out, self.buffer,
                                group=self.group)
 
     def complete(self, timeout) -> None:
@@ -119,7 +123,7 @@ class Bucket:
 
     def gather_params(self) -> None:
         """All-gather the updated shards into the flat parameter buffer (ZeRO ≥ 1)."""
-        faults.guard("all_gather", self.key, dist.all_gather_into_tensor, self.param_flat, self.shard.detach().clone(),
+        faults.guard("all_gather", self.key, _ALL_GATHER, self.param_flat, self.shard.detach().clone(),
                      group=self.group)
 
 
@@ -135,7 +139,8 @@ class GradSync:
         self.microbatches, self.reduce_dtype = microbatches, reduce_dtype
         self.timeout = timeout or datetime.timedelta(seconds=300)
         self.armed = False
-        self.events: list[tuple[str, int, float]] = []  # (event, bucket, perf_counter): for tests and traces
+        # (event, bucket, perf_counter, buckets whose gradients are not all in yet): for tests and traces
+        self.events: list[tuple[str, int, float, int]] = []
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _, b=bucket: self._accumulated(b))
@@ -155,7 +160,8 @@ class GradSync:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        self.events.append(("launch", self.buckets.index(bucket), time.perf_counter()))
+        waiting = sum(1 for b in self.buckets if b.seen < b.expected)  # > 0: backward is still running
+        self.events.append(("launch", self.buckets.index(bucket), time.perf_counter(), waiting))
         bucket.launch(self.reduce_dtype)
 
     def finish(self) -> None:
@@ -166,7 +172,7 @@ class GradSync:
                 self._launch(bucket)
         for i, bucket in enumerate(self.buckets):
             bucket.complete(self.timeout)
-            self.events.append(("done", i, time.perf_counter()))
+            self.events.append(("done", i, time.perf_counter(), 0))
 
     def gather_params(self) -> None:
         for bucket in self.buckets:
