@@ -2,7 +2,7 @@
 # The two commands a new user needs (each installs what it needs into .venv first):
 #   ./run.sh demo     plan a GPT for 2×8 DGX-A100, then train the GPT example on 4 local CPU ranks
 #   ./run.sh test     the test suite (extra arguments go to pytest)
-# and, for maintainers: ./run.sh bench <script> [args]   runs benchmarks/<script>.py
+# and, for maintainers: ./run.sh bench <script> [args]   runs benchmarks/<suite>/<script>.py
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
@@ -31,6 +31,11 @@ case "$cmd" in
         rc=$?
         [ $rc -eq 5 ] && echo "run.sh: pytest collected no tests: that is a failure" >&2
         exit $rc ;;
-    bench) setup; script="$1"; shift; exec "$PY" "benchmarks/$script.py" "$@" ;;
+    bench)
+        setup
+        script="${1:?usage: ./run.sh bench <script> [args]  (benchmarks/README.md lists them)}"; shift
+        matches=(benchmarks/*/"$script".py)
+        [ -f "${matches[0]}" ] || { echo "run.sh: no benchmarks/<suite>/$script.py (see benchmarks/README.md)" >&2; exit 2; }
+        exec "$PY" "${matches[0]}" "$@" ;;
     *) echo "usage: ./run.sh demo | test [pytest args] | bench <script> [args]" >&2; exit 2 ;;
 esac

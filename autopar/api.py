@@ -10,10 +10,10 @@ import torch.distributed as dist
 from autopar.cluster import Cluster
 from autopar.driver import PlanOptions, first_microbatch, plan_model
 from autopar.errors import ClusterError, PlanError
+from autopar.ir.precision import apply_to_graph
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.plan import Plan
-from autopar.precision import apply_to_graph
-from autopar.precision import resolve as resolve_precision
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 

@@ -13,21 +13,22 @@ import torch
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec, zero_levels
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
+from autopar.ir.graph import ModelGraph
+from autopar.ir.ops import OpView
+from autopar.ir.precision import apply_to_graph
+from autopar.ir.precision import resolve as resolve_precision
+from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
-from autopar.passes.capture import ModelGraph, capture
+from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
 from autopar.passes.strategies import generate_strategies
-from autopar.passes.strategies.base import OpView
 from autopar.placement import R, spec_str
 from autopar.plan import Plan
-from autopar.precision import apply_to_graph
-from autopar.precision import resolve as resolve_precision
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
-from autopar.report import fmt_bytes
 
 SCHEDULES = ("1f1b", "gpipe")
 MAX_MICROBATCHES = 512
@@ -48,7 +49,7 @@ class PlanOptions:
     schedule: "1f1b" (default) or "gpipe".
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
     debug: check every pass's output invariants (slower).
-    precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.precision.PrecisionPolicy``.
+    precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.ir.precision.PrecisionPolicy``.
     zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the planner
       keeps 0 unless forced), 0, 1, 2, or {parameter-fqn glob: level} (see ``cost_models.memory``).
     bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
@@ -295,7 +296,7 @@ def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict
     restricts that node to strategies reading it in the pinned spec (it is stored as it is read)."""
     import fnmatch
 
-    from autopar.errors import InfeasibleError, PlanError
+    from autopar.errors import PlanError
     from autopar.placement import parse_spec
 
     out = dict(strategies)

@@ -5,7 +5,7 @@ largest first, at offsets aligned to their width (submesh widths are powers of t
 so the tiling the DP guarantees always packs). A stage's ranks run row-major over its physical submesh,
 and that order, reshaped to the logical mesh, is the stage's mesh.
 
-Predicted step time: the schedule (``autopar.trace.simulate_schedule``) replayed with each stage's
+Predicted step time: the schedule (``autopar.ir.schedule.simulate_schedule``) replayed with each stage's
 forward and backward time per microbatch (backward ≈ 2 × forward) and the cross-stage transfer time,
 plus the slowest stage's gradient synchronization, plus the slowest stage's optimizer step over its
 local parameter shards (``cost_models.compute.optimizer_step_time``). The optimizer step is predicted
@@ -19,14 +19,15 @@ import math
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
-from autopar.cost_models.memory import held_state_bytes, requires_grad_nodes, sync_buckets
+from autopar.cost_models.memory import held_state_bytes
+from autopar.ir.buckets import deferrable_syncs, sync_buckets
+from autopar.ir.ops import OpView, requires_grad_nodes
+from autopar.ir.precision import resolve as resolve_precision
+from autopar.ir.schedule import simulate_schedule
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
-from autopar.passes.strategies.base import OpView
 from autopar.placement import local_shape, parse_spec, spec_str
-from autopar.precision import resolve as resolve_precision
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.redistribute import grad_partial_axes
-from autopar.trace import simulate_schedule
 
 
 def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ranks: list[int],
@@ -91,8 +92,6 @@ def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]
 def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
     """The gradient-sync buckets the runtime builds for ``stage`` (``cost_models.memory.sync_buckets``),
     from the parameters whose gradient codegen leaves to the once-per-step sync."""
-    from autopar.passes.codegen import deferrable_syncs
-
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
     deferred = deferrable_syncs(graph, stage, requires_grad_nodes(graph.gm, trainable))
     numel = {p.name: math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
@@ -208,7 +207,8 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     sharded = sharded_graph if sharded_graph is not None else graph
     for stage in stages:
         stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer))
-    return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
+    return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
+                model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
                 optimizer=options.optimizer, repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},

@@ -7,20 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} µs"
-
-
-def fmt_bytes(b: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{b:.0f} B"
+from autopar.ir.units import fmt_bytes, fmt_seconds
 
 
 def _header(plan) -> list[str]:
@@ -46,7 +33,7 @@ def _header(plan) -> list[str]:
 
 def _precision_line(plan) -> str:
     """Precision policy, ZeRO levels per stage and the gradient sync's exposed share."""
-    from autopar.precision import resolve
+    from autopar.ir.precision import resolve
 
     zero = []
     for s in plan.stages:
@@ -82,7 +69,7 @@ def _is_state(name: str) -> bool:
 def _stage_table(plan, stage, max_rows: int) -> list[str]:
     p = stage.predicted
     layers = f", layers {stage.layers[0]}..{stage.layers[1]}" if stage.layers else ""
-    lines = [f"", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
+    lines = ["", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
              f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
              f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
     folded = _folded_nodes(plan, stage)

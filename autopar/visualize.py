@@ -17,7 +17,7 @@ from html import escape
 
 from autopar import trace
 from autopar.placement import parse_spec
-from autopar.report import fmt_bytes, fmt_seconds
+from autopar.ir.units import fmt_bytes, fmt_seconds
 from autopar.visualize_groups import OpGroup, compress_ranges, group_ops, group_placeholders, short_op
 from autopar.visualize_svg import bytes_bars, mesh_svg, schedule_svg, seconds_bars, sharding_strip_svg, stage_color
 from autopar.visualize_template import legend_html, page, toolbar_html

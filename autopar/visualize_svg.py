@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from html import escape
 
-from autopar.report import fmt_bytes, fmt_seconds
+from autopar.ir.units import fmt_bytes, fmt_seconds
 
 # Tableau 10: distinguishable, colour-blind-aware; stage i gets STAGE_COLORS[i % 10].
 STAGE_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
@@ -106,7 +106,7 @@ def _time_ticks(total: float, x0: float, width: float, y: float) -> list[str]:
 def schedule_svg(ops, stage_labels: list[str], width: int = 1180) -> str:
     """Gantt chart of ScheduledOps: one row per stage, forwards light, backwards dark, per-step ops grey.
 
-    ops: (stage, microbatch, kind, start, end) tuples as ``autopar.trace.simulate_schedule`` returns.
+    ops: (stage, microbatch, kind, start, end) tuples as ``autopar.ir.schedule.simulate_schedule`` returns.
     """
     label_w, row_h = 130, 26
     plot_w = width - label_w - 20

@@ -28,26 +28,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.ir.ops import is_free_view, node_signature
 from autopar.placement import local_shape
 
 aten = torch.ops.aten
-
-FREE_VIEWS = {
-    aten.view, aten._unsafe_view, aten.expand, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
-    aten.squeeze, aten.select, aten.slice, aten.split, aten.split_with_sizes, aten.chunk, aten.unbind,
-    aten.alias, aten.detach, aten.lift_fresh_copy, aten.numpy_T, aten.narrow, aten.tensor_split,
-    aten.broadcast_tensors,
-}
-
-
-def is_free_view(node: fx.Node) -> bool:
-    import operator
-
-    if node.target is operator.getitem:
-        return True
-    packet = getattr(node.target, "overloadpacket", None)
-    return packet in FREE_VIEWS
-
 
 def _meta_like(val: Any, requires_grad: bool) -> Any:
     if isinstance(val, torch.Tensor):
@@ -56,24 +40,6 @@ def _meta_like(val: Any, requires_grad: bool) -> Any:
             t.requires_grad_(True)
         return t
     return val
-
-
-def node_signature(node: fx.Node) -> str:
-    """Op and argument shapes/values: nodes with equal signatures have equal strategies and costs."""
-    def describe(a):
-        if isinstance(a, fx.Node):
-            v = a.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                return ("T", tuple(v.shape), str(v.dtype))
-            if isinstance(v, (tuple, list)) and all(isinstance(x, torch.Tensor) for x in v):
-                return ("TT", tuple((tuple(x.shape), str(x.dtype)) for x in v))
-            return ("N", a.name)
-        return a
-
-    if node.op == "placeholder":
-        val = node.meta.get("val")
-        return f"placeholder|{tuple(val.shape) if isinstance(val, torch.Tensor) else None}|{getattr(val, 'dtype', None)}"
-    return f"{node.op}|{node.target}|{pytree.tree_map(describe, (node.args, node.kwargs))}"
 
 
 def node_flops(node: fx.Node) -> tuple[float, float]:

@@ -23,7 +23,7 @@ per parameter element, with n = the product of those axes' sizes:
     level 0: weight + gradient + optimizer state          level 1: weight + gradient + state / n
     level 2: weight + (gradient + state) / n              (level 3, weights sharded between uses: not run)
 
-The runtime keeps the synced gradients of each bucket (``bucket_layout``) in one flat buffer, padded for
+The runtime keeps the synced gradients of each bucket (``autopar.ir.buckets``) in one flat buffer, padded for
 levels ≥ 1 to n equal shards; ``held_state_bytes`` counts exactly what a rank then holds.
 
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
@@ -33,15 +33,13 @@ this sum bounds the real peak from above by at most the gradient bytes (4 of the
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import is_free_view
 from autopar.cost_models.saved_tensors import saved_rule
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView, is_free_view
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
 
@@ -146,20 +144,6 @@ def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:
     return node if best.op == "placeholder" else best
 
 
-def requires_grad_nodes(gm: fx.GraphModule, trainable: set[str]) -> set[str]:
-    """Names of nodes whose output is a float tensor depending on a trainable placeholder."""
-    out = set(trainable)
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        is_float = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
-        if is_float and any(a.name in out for a in OpView(node).tensor_args):
-            out.add(node.name)
-    return out
-
-
 def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
     """{parameter placeholder: forced ZeRO level} from the ``zero`` option: an int for all parameters, or
     {fqn glob: level} (first matching glob wins). "auto" forces nothing (the planner keeps level 0)."""
@@ -178,53 +162,13 @@ def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
     return {name: zero for name in names_to_fqns}
 
 
-def bucket_layout(params: list[tuple[str, int, tuple, int]], cap_bytes: float, itemsize: int) -> list[list[str]]:
-    """Buckets of gradient sync, in launch order: ``params`` are (name, numel, axes, level) in the order their
-    gradients become ready (reverse order of first use); consecutive parameters with the same (axes, level)
-    share a bucket until it holds ``cap_bytes`` (as DDP's ``bucket_cap_mb``)."""
-    buckets, keys, sizes = [], [], []
-    for name, numel, axes, level in params:
-        key = (tuple(axes), level)
-        if buckets and keys[-1] == key and sizes[-1] < cap_bytes:
-            buckets[-1].append(name)
-            sizes[-1] += numel * itemsize
-        else:
-            buckets.append([name])
-            keys.append(key)
-            sizes.append(numel * itemsize)
-    return buckets
-
-
-def sync_buckets(gm: fx.GraphModule, deferred: dict[str, tuple], levels: dict[str, int], mesh_shape,
-                 local_numel: dict[str, int], cap_bytes: float, itemsize: int = 4) -> list[dict]:
-    """The gradient-sync buckets of one stage, shared by the planner's prediction and the runtime:
-    ``deferred`` {parameter: mesh axes its gradient is all-reduced over}, in reverse order of first use
-    (the order backward produces gradients). Each: {names, numel, ways, level, axes, count}."""
-    position = {}
-    for i, node in enumerate(gm.graph.nodes):
-        for arg in node.all_input_nodes:
-            position.setdefault(arg.name, i)
-    order = sorted(deferred, key=lambda n: (-position.get(n, 0), n))
-    rows = [(n, local_numel[n], tuple(deferred[n]), levels.get(n, 0)) for n in order]
-    out = []
-    for names in bucket_layout(rows, cap_bytes, itemsize):
-        axes, level = tuple(deferred[names[0]]), levels.get(names[0], 0)
-        ways = int(math.prod(mesh_shape[a] for a in axes))
-        out.append({"names": names, "numel": sum(local_numel[n] for n in names), "ways": ways,
-                    "level": level if ways > 1 else 0, "axes": axes, "count": len(names)})
-    return out
-
-
-def padded_numel(numel: int, ways: int, level: int) -> int:
-    """Elements of a bucket's flat buffer: ``numel``, padded for ZeRO (level ≥ 1) to ``ways`` equal shards."""
-    return numel if level == 0 else -(-numel // ways) * ways
-
-
 def held_state_bytes(buckets: list[dict], loose: list[int], optimizer: str, itemsize: int = 4) -> dict[str, float]:
     """{params, grads, optimizer}: bytes one rank holds. ``buckets``: {numel, ways, level} per synced bucket;
     ``loose``: numel of every other trainable local tensor (its own gradient and state). The optimizer keeps
     its state per tensor it steps (a bucket's shard at level ≥ 1, else each parameter) plus a 4-byte step
     counter per tensor for adam/adamw."""
+    from autopar.ir.buckets import padded_numel
+
     per_elem, step = OPTIMIZER_STATE_BYTES[optimizer], 4 if optimizer.startswith("adam") else 0
     params = grads = state = 0.0
     for n in loose:

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from autopar.cost_models.compute import node_signature
+from autopar.ir.ops import node_signature
 
 aten = torch.ops.aten
 

@@ -22,7 +22,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.placement import R
 from autopar.passes.strategies import rule_for
-from autopar.passes.strategies.base import OpView, all_replicated_rule
+from autopar.passes.strategies.base import all_replicated_rule
+from autopar.ir.ops import OpView
 
 
 def batch_dims(graph) -> dict[str, int | None]:

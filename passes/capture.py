@@ -14,87 +14,24 @@ export captures them (DESIGN.md). A model export rejects gets one ``CaptureError
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import io
 import logging
 import os
+import sys
 import traceback
-from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 
 from autopar.errors import CaptureError
+from autopar.ir.graph import ModelGraph, PlaceholderInfo
 
 _ASSERT_OPS = {
     torch.ops.aten._assert_tensor_metadata.default,
     torch.ops.aten._assert_scalar.default,
     torch.ops.aten.sym_constrain_range_for_size.default,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class PlaceholderInfo:
-    """One graph input: ``kind`` is "parameter", "buffer", "constant" or "input"; ``fqn`` the state-dict
-    key (parameters/buffers), the constant's name, or ``"input.<i>"`` for the i-th user input."""
-
-    name: str
-    kind: str
-    fqn: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclasses.dataclass
-class ModelGraph:
-    """The captured model: the graph plus what codegen and the runtime need to run it.
-
-    param_aliases maps every state-dict key of a parameter (tied weights included) to the key of the
-    placeholder that carries it; ``constants`` holds lifted tensor constants by fqn.
-    """
-
-    gm: fx.GraphModule
-    placeholders: list[PlaceholderInfo]
-    out_spec: pytree.TreeSpec
-    param_aliases: dict[str, str]
-    buffer_keys: list[str]
-    constants: dict[str, torch.Tensor]
-    input_signature: list[tuple[tuple[int, ...], str]]
-
-    @property
-    def nodes(self) -> list[fx.Node]:
-        return list(self.gm.graph.nodes)
-
-    def placeholder(self, name: str) -> PlaceholderInfo:
-        return self._by_name[name]
-
-    def __post_init__(self):
-        self._by_name = {p.name: p for p in self.placeholders}
-        self._views: dict = {}
-
-    def view(self, node: fx.Node):
-        """The node's ``OpView`` (cached: the planner asks for it many times per ILP)."""
-        from autopar.passes.strategies.base import OpView
-
-        hit = self._views.get(node.name)
-        if hit is None or hit.node is not node:
-            hit = self._views[node.name] = OpView(node)
-        return hit
-
-    def fingerprint(self) -> str:
-        """A hash of the model's structure: its ops and their wiring, and the shapes and dtypes of its
-        parameters and buffers. Activation shapes and the batch-dependent literals in op arguments are
-        left out, so the same model captured at a microbatch has the same fingerprint (the plan's
-        ``input_signature`` pins the batch). Plans record it to refuse being applied to another model."""
-        h = hashlib.sha256()
-        state = {p.name: (p.shape, str(p.dtype)) for p in self.placeholders if p.kind != "input"}
-        for node in self.gm.graph.nodes:
-            wiring = [a.name for a in node.all_input_nodes]
-            h.update(f"{node.op}|{node.name}|{node.target}|{wiring}|{state.get(node.name)}\n".encode())
-        return h.hexdigest()[:16]
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:
@@ -172,11 +109,8 @@ def _is_export_specific(e: BaseException) -> bool:
 
 def _user_frame(e: BaseException):
     """The innermost traceback frame outside torch and autopar: the user's model code."""
-    import autopar
-    import autopar.cost_models
-    import autopar.passes
-
-    ours = [os.path.dirname(m.__file__) + os.sep for m in (torch, autopar, autopar.passes, autopar.cost_models)]
+    packages = [sys.modules[name] for name in ("autopar", "autopar.passes", "autopar.cost_models")]  # loaded
+    ours = [os.path.dirname(torch.__file__) + os.sep] + [d + os.sep for p in packages for d in p.__path__]
     frames = traceback.extract_tb(e.__traceback__)
     user = [f for f in frames if not any(f.filename.startswith(d) for d in ours)
             and "site-packages/torch" not in f.filename and "<" not in f.filename]

@@ -29,7 +29,8 @@ import time
 import numpy as np
 import pulp
 
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, budget_unit_hint
+from autopar.ir.units import fmt_bytes
 from autopar.passes import ilp_highs
 
 MS = 1e3  # the objective is written in ms; memory rows in units of the budget (see _memory_row)
@@ -248,9 +249,6 @@ def min_memory(problem: IlpProblem, time_limit: float = 30.0, which: str = "auto
 
 
 def _infeasible_message(budget: float, floor: float) -> str:
-    from autopar.errors import budget_unit_hint
-    from autopar.report import fmt_bytes
-
     return (f"no sharding fits the memory budget: {fmt_bytes(budget)} per device, but the smallest plan "
             f"needs {fmt_bytes(floor)} ({floor:.0f} bytes). Fix: give each device at least that much "
             f"(memory_per_device), use more devices, or add pipeline stages." + budget_unit_hint(budget))

@@ -27,6 +27,7 @@ import numpy as np
 
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError
+from autopar.ir.units import fmt_bytes
 from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
 from autopar.passes.strategies import generate_strategies
@@ -322,8 +323,6 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
         if found is not None and (best is None or found.cost < best[0].cost):
             best = (found, B, table)
     if best is None:
-        from autopar.report import fmt_bytes  # report is a leaf module, imported late like ilp.py does
-
         budget = costs.cluster.memory_per_device
         raise InfeasibleError(f"no pipeline of the {L} layers over {costs.cluster.num_devices} devices fits "
                               f"{fmt_bytes(budget)} per device with microbatches {candidates}; use more devices "

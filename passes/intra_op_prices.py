@@ -143,7 +143,7 @@ def shared_sync_rebates(b) -> dict[tuple[int, int], np.ndarray]:
     """Refunds for gradient all-reduces that codegen shares between readers of one value.
 
     Readers of u that read it in the same spec with the same Partial-gradient axes share one
-    redistribution (``codegen._Emitter._input``): one backward all-reduce of their summed gradients.
+    redistribution (``runtime.codegen._Emitter._input``): one backward all-reduce of their summed gradients.
     Each edge was priced with its own all-reduce, so consecutive readers (c_m, c_m+1) get an edge whose
     entry is minus one all-reduce when both strategies agree on (spec, axes).
     """

@@ -1,4 +1,4 @@
-"""The hand-written Megatron baselines (benchmarks/megatron_baselines.py) train exactly like one device.
+"""The hand-written Megatron baselines (examples/megatron_baselines.py) train exactly like one device.
 
 One 4-rank gloo launch trains every layout, and two deliberately broken ones, for 3 AdamW steps on the GPT
 example; the tests compare every rank's losses and full state dict with single-device training on the same
@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import RowwiseParallel
 
 import autopar
-from benchmarks import megatron_baselines
-from benchmarks.megatron_baselines import LAYOUTS, Layout, block_ranges, build, check_fits, megatron_block_plan
+from examples import megatron_baselines
 from examples.gpt import GPTConfig, make_gpt
+from examples.megatron_baselines import LAYOUTS, Layout, block_ranges, build, check_fits, megatron_block_plan
 
 LR, EPS, STEPS = 1e-3, 1e-6, 3
 CONFIG, BATCH, SEED, MICROBATCHES = GPTConfig(n_layer=4), 8, 4, 4

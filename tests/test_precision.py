@@ -14,8 +14,8 @@ import pytest
 import autopar
 from autopar.cost_models.memory import TrainingSpec, held_state_bytes
 from autopar.driver import PlanOptions
-from autopar.errors import InfeasibleError, PlanError
-from autopar.precision import POLICIES, PrecisionError, check_device
+from autopar.errors import InfeasibleError, PlanError, PrecisionError
+from autopar.ir.precision import POLICIES, check_device
 from tests.models import FACTORIES
 from tests.precision_cases import options, run_all
 

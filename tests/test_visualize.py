@@ -18,9 +18,9 @@ import pytest
 
 import autopar
 from autopar.plan import Collective, NodeSharding, Plan, Stage
-from autopar.report import fmt_bytes
-from autopar.trace import (bubble_fraction, schedule_to_chrome_trace, simulate_schedule, stage_order,
-                           write_chrome_trace)
+from autopar.ir.units import fmt_bytes
+from autopar.trace import bubble_fraction, schedule_to_chrome_trace, write_chrome_trace
+from autopar.ir.schedule import simulate_schedule, stage_order
 from autopar.visualize import placement_cells, plan_to_html, write_html
 from autopar.visualize_groups import compress_ranges, group_ops, group_placeholders
 from examples.gpt import make_gpt

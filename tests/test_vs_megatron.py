@@ -17,13 +17,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import autopar
+from autopar.baselines.hand_grids import HandLayout, balanced_ranges, hand_grid, moe_pins, wrn_pins
+from autopar.baselines.megatron_configs import (MegatronConfig, megatron_flops, megatron_grid, megatron_options,
+                                                megatron_pins)
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies
-from autopar.passes.strategies.base import OpView
+from autopar.ir.ops import OpView
 from autopar.passes.strategies.einsum import parse_equation
 from autopar.placement import R, local_slice
-from benchmarks.hand_grids import HandLayout, balanced_ranges, hand_grid, moe_pins, wrn_pins
-from benchmarks.megatron_configs import MegatronConfig, megatron_flops, megatron_grid, megatron_options, megatron_pins
 from examples import moe, wide_resnet
 from examples.gpt import GPT, GPTConfig, make_batch
 

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.memory import requires_grad_nodes
-from autopar.passes.codegen import generate_stage_module
-from autopar.precision import check_device
-from autopar.precision import resolve as resolve_precision
+from autopar.ir.ops import requires_grad_nodes
+from autopar.ir.precision import check_device
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.runtime import gradsync, groups
-from autopar.runtime.optim import LossScaler, mark_needs_builder
+from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
 

@@ -14,9 +14,12 @@ naming it (no cost on the success path).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
+from autopar.redistribute import Step
 from autopar.runtime import faults, groups
 
 
@@ -191,3 +194,25 @@ def gather_full(x: torch.Tensor, spec, mesh_index: int) -> torch.Tensor:
             elif spec[axis].is_partial():
                 x = _all_reduce(x, key)
     return x
+
+
+def step_call(step: Step, group: str, value) -> tuple[Callable, tuple]:
+    """The collective that carries out one redistribution step, as (function, arguments): ``value`` is a
+    tensor (run it now) or an fx node (emit the call into generated code)."""
+    if step.kind == "all_gather":
+        fn = all_gather_fwd_reduce_scatter_bwd if step.rs_backward else all_gather_fwd_split_bwd
+        return fn, (value, step.dim, group)
+    if step.kind == "split":
+        return split_fwd_all_gather_bwd, (value, step.dim, group)
+    if step.kind == "all_reduce":
+        fn = all_reduce_fwd_all_reduce_bwd if step.ar_backward else all_reduce_fwd_identity_bwd
+        return fn, (value, group)
+    if step.kind == "reduce_scatter":
+        return reduce_scatter_fwd_all_gather_bwd, (value, step.dim, group)
+    if step.kind == "all_to_all":
+        return all_to_all_fwd_all_to_all_bwd, (value, step.dim, step.dim2, group)
+    if step.kind == "to_partial":
+        return scale_fwd_identity_bwd, (value, group)
+    if step.kind == "sync_grad":
+        return identity_fwd_all_reduce_bwd, (value, group)
+    raise AssertionError(step.kind)

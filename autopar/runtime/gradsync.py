@@ -1,7 +1,7 @@
 """Gradient synchronization: bucketed, overlapped with backward, optionally ZeRO-sharded; tied parameters.
 
 ``GradSync``: parameters whose every read only all-reduces the gradient over some mesh axes (see
-``codegen._Emitter._deferrable_syncs``) are reduced here instead, once per step, in flat buckets
+``runtime.codegen._Emitter._deferrable_syncs``) are reduced here instead, once per step, in flat buckets
 (``cost_models.memory.sync_buckets``: the planner predicts the same buckets). Each parameter carries a
 post-accumulate-grad hook; when the last microbatch's backward has accumulated every gradient of a bucket,
 the bucket's collective starts at once, asynchronously (``async_op=True``, gloo and NCCL alike), while
@@ -31,11 +31,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.memory import padded_numel, sync_buckets
+from autopar.ir.buckets import padded_numel, sync_buckets
 from autopar.placement import local_slice, parse_spec
 from autopar.runtime import faults, groups
 from autopar.runtime.collectives import gather_full
-
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

@@ -2,7 +2,7 @@
 
 One ``train_step``:
   1. split every input along dim 0 into B microbatches (the planner checked they divide);
-  2. run this stage's ops in the order ``autopar.trace.stage_order`` gives (the order the plan's
+  2. run this stage's ops in the order ``autopar.ir.schedule.stage_order`` gives (the order the plan's
      picture shows): a forward receives the stage's inputs from earlier stages, runs the module, gathers
      each value a later stage reads and sends the shards; a backward receives the gradients of what was
      sent (or starts from loss / B on the last stage), runs backward, and returns the gradients of what
@@ -21,12 +21,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autopar.ir.schedule import BACKWARD, FORWARD, stage_order
 from autopar.placement import R, parse_spec
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import faults, gradsync
+from autopar.runtime.collectives import step_call
+from autopar.runtime.groups import group_key
 from autopar.runtime.spmd import StageModule
 from autopar.runtime.transfer import Route, recv_backward, recv_forward, send_backward, send_forward
-from autopar.trace import BACKWARD, FORWARD, stage_order
 
 
 class PipelineRunner(StageModule):
@@ -108,14 +110,11 @@ class PipelineRunner(StageModule):
                 send_backward(t.grad, route, mb, self.me, pending)
 
     def _gather(self, local: torch.Tensor, name: str) -> torch.Tensor:
-        """The value whole on every rank of this stage, differentiably (collectives of ``codegen``)."""
-        from autopar.passes.codegen import _collective_call
-        from autopar.runtime.groups import group_key
-
+        """The value whole on every rank of this stage, differentiably (the collectives codegen emits)."""
         src = parse_spec(self.stage.shardings[name].out)
         value = local
         for step in redistribute_steps(src, (R,) * len(src)):
-            fn, args = _collective_call(step, group_key(self.mesh_index, step.axis), value)
+            fn, args = step_call(step, group_key(self.mesh_index, step.axis), value)
             value = fn(*args)
         return value
 

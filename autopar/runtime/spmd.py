@@ -4,7 +4,7 @@ Gradient synchronization: a replicated parameter read by a sharded op needs its 
 Where every read of a parameter needs only that, the all-reduce is bucketed and started while backward
 runs (``gradsync.GradSync``); elsewhere the generated graph carries it (``identity_fwd_all_reduce_bwd``).
 
-Precision: every call of the generated module runs under the policy's autocast (``autopar.precision``);
+Precision: every call of the generated module runs under the policy's autocast (``autopar.ir.precision``);
 with loss scaling the loss is multiplied by ``scaler.scale`` before backward (``runtime.optim``).
 """
 from __future__ import annotations

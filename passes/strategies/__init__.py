@@ -21,7 +21,8 @@ import torch
 import torch.fx as fx
 
 from autopar.placement import R, Spec, divides
-from autopar.passes.strategies.base import AxisRule, OpView, Strategy, all_replicated_rule, shape_of
+from autopar.passes.strategies.base import AxisRule, Strategy, all_replicated_rule
+from autopar.ir.ops import OpView, shape_of
 
 RuleFn = Callable[[OpView], list[AxisRule]]
 _RULES: dict[object, RuleFn] = {}
@@ -58,7 +59,7 @@ from autopar.passes.strategies import conv, einsum, routing  # noqa: E402,F401
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
     """Strategies for every node of ``graph.gm`` on ``mesh_shape`` (see module docstring)."""
-    from autopar.cost_models.compute import node_signature
+    from autopar.ir.ops import node_signature
 
     out: dict[str, list[Strategy]] = {}
     missing: set[str] = set()

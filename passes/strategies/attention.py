@@ -13,7 +13,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.placement import R
 from autopar.passes.strategies import register
-from autopar.passes.strategies.base import AxisRule, OpView
+from autopar.passes.strategies.base import AxisRule
+from autopar.ir.ops import OpView
 
 aten = torch.ops.aten
 

@@ -29,7 +29,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.placement import P, R
 from autopar.passes.strategies import register
-from autopar.passes.strategies.base import AxisRule, OpView, aten_ops
+from autopar.passes.strategies.base import AxisRule, aten_ops
+from autopar.ir.ops import OpView
 
 aten = torch.ops.aten
 

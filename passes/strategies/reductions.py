@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.placement import P, R
+from autopar.placement import P
 from autopar.passes.strategies import register
-from autopar.passes.strategies.base import AxisRule, OpView, norm_dim
+from autopar.passes.strategies.base import AxisRule, norm_dim
+from autopar.ir.ops import OpView
 
 aten = torch.ops.aten
 

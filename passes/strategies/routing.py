@@ -11,7 +11,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from autopar.passes.strategies import register
-from autopar.passes.strategies.base import AxisRule, OpView
+from autopar.passes.strategies.base import AxisRule
+from autopar.ir.ops import OpView
 
 aten = torch.ops.aten
 

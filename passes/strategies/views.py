@@ -13,7 +13,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.placement import P, R
 from autopar.passes.strategies import register
-from autopar.passes.strategies.base import AxisRule, OpView, getitem_op, norm_dim
+from autopar.passes.strategies.base import AxisRule, norm_dim
+from autopar.ir.ops import OpView, getitem_op
 
 aten = torch.ops.aten
 

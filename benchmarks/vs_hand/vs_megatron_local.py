@@ -30,10 +30,10 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from benchmarks import vs_megatron_report as report  # noqa: E402
+from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 from examples.gpt import GPTConfig, make_gpt  # noqa: E402
 
 WORLD = 4
@@ -67,8 +67,8 @@ def local_cluster(path: str | None) -> autopar.Cluster:
 def build_runners(cluster: autopar.Cluster) -> tuple[dict, str]:
     """{layout name: (step fn, optimizer)} for every hand layout and autopar, from the same weights;
     and autopar's plan in words. Collective: every rank calls it."""
-    from benchmarks.megatron_baselines import LAYOUTS, build
-    from benchmarks.vs_megatron import describe_plan
+    from examples.megatron_baselines import LAYOUTS, build
+    from benchmarks.vs_hand.vs_megatron import describe_plan
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
     runners = {}
@@ -109,8 +109,8 @@ def predicted_times(cluster: autopar.Cluster) -> dict[str, float | None]:
     """autopar's cost-model step time of every measured layout: each hand layout as the Megatron config it
     is (``megatron_configs``), and autopar's own plan. Shows whether a miss comes from the cost model's
     ranking of the layouts (prediction error) or from the planner's search (a better layout it did not find)."""
-    from benchmarks.megatron_baselines import LAYOUTS
-    from benchmarks.megatron_configs import MegatronConfig, capture_once, score_config
+    from examples.megatron_baselines import LAYOUTS
+    from autopar.baselines.megatron_configs import MegatronConfig, capture_once, score_config
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
     graph, recapture = capture_once(model, batch)

@@ -1,4 +1,7 @@
-"""Pass 6, codegen: (graph, one stage of a Plan, this rank's mesh coordinate) -> a local-shard GraphModule.
+"""Codegen: (graph, one stage of a Plan, this rank's mesh coordinate) -> a local-shard GraphModule.
+
+It lives in the runtime, not in passes/: it reads only the Plan and the IR, and its output calls the
+runtime's collectives and kernels, so the runtime can build a rank's module without the planner.
 
 Input:  ``ModelGraph``; a ``Stage`` whose ``shardings`` cover the nodes to emit; the rank's coordinate in
         the stage mesh; the full values of parameters/buffers (sliced here to this rank's shards).
@@ -15,19 +18,19 @@ The generated code is plain Python (``gm.code``) and autograd differentiates it 
 from __future__ import annotations
 
 import operator
-from typing import Callable
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.errors import PlanError
+from autopar.ir.buckets import deferrable_syncs
+from autopar.ir.ops import OpView
 from autopar.placement import R, Spec, local_shape, local_slice, parse_spec
-from autopar.redistribute import Step, grad_partial_axes, redistribute_steps
+from autopar.redistribute import grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
 from autopar.runtime import kernels as K
 from autopar.runtime.groups import group_key
-from autopar.passes.strategies.base import OpView
 
 aten = torch.ops.aten
 
@@ -54,28 +57,8 @@ class _Emitter:
         self.deferred = self._deferrable_syncs() if defer else {}
 
     def _deferrable_syncs(self) -> dict[str, tuple[int, ...]]:
-        """Parameters whose every read in this stage only all-reduces the gradient, on the same axes:
-        the runner reduces those once per step, after all microbatches, instead of once per read."""
-        out = {}
-        for node in self.graph.gm.graph.nodes:
-            info = self.graph.placeholder(node.name) if node.op == "placeholder" else None
-            if info is None or info.kind != "parameter" or node.name not in self.stage.shardings:
-                continue
-            chains = set()
-            for user in node.users:
-                if user.name not in self.stage.shardings or user.op != "call_function":
-                    continue
-                sharding = self.stage.shardings[user.name]
-                view = OpView(user)
-                for idx, arg in enumerate(view.tensor_args):
-                    if arg is node:
-                        dst, out_spec = parse_spec(sharding.ins[idx]), parse_spec(sharding.out)
-                        axes = grad_partial_axes(dst, out_spec) if user.name in self.requires_grad else ()
-                        steps = redistribute_steps(self.spec_of(node.name), dst, axes)
-                        chains.add(tuple(s.axis for s in steps) if all(s.kind == "sync_grad" for s in steps) else None)
-            if len(chains) == 1 and None not in chains and next(iter(chains)):
-                out[node.name] = next(iter(chains))
-        return out
+        """Parameters whose gradient sync the runner does once per step (``ir.buckets.deferrable_syncs``)."""
+        return deferrable_syncs(self.graph, self.stage, self.requires_grad)
 
     def group(self, axis: int) -> str:
         return group_key(self.mesh_index, axis)
@@ -88,7 +71,7 @@ class _Emitter:
 
     def redistribute(self, value: fx.Node, src: Spec, dst: Spec, grad_axes=()) -> fx.Node:
         for step in redistribute_steps(src, dst, grad_axes):
-            value = self.new.call_function(*_collective_call(step, self.group(step.axis), value))
+            value = self.new.call_function(*C.step_call(step, self.group(step.axis), value))
         return value
 
     # ---- placeholders --------------------------------------------------------------------------
@@ -131,7 +114,8 @@ class _Emitter:
         kernels = [(int(a), t) for a, t in sharding.kernels]
         args, kwargs = _substitute(node, view, local_args)
         args = self._localize_shapes(node, out_spec, args)
-        target, args, kwargs = self._apply_kernels(node, view, ins, kernels, target=node.target, args=args, kwargs=kwargs)
+        target, args, kwargs = self._apply_kernels(node, view, ins, kernels, target=node.target, args=args,
+                                                   kwargs=kwargs)
         out = self.new.call_function(target, tuple(args), kwargs)
         self.env[node.name] = self._post_kernels(out, kernels)
 
@@ -219,26 +203,6 @@ def _substitute(node: fx.Node, view: OpView, local_args: list) -> tuple[list, di
 
     args, kwargs = pytree.tree_map(swap, (list(node.args), dict(node.kwargs)))
     return list(args), kwargs
-
-
-def _collective_call(step: Step, group: str, value: fx.Node) -> tuple[Callable, tuple]:
-    if step.kind == "all_gather":
-        fn = C.all_gather_fwd_reduce_scatter_bwd if step.rs_backward else C.all_gather_fwd_split_bwd
-        return fn, (value, step.dim, group)
-    if step.kind == "split":
-        return C.split_fwd_all_gather_bwd, (value, step.dim, group)
-    if step.kind == "all_reduce":
-        fn = C.all_reduce_fwd_all_reduce_bwd if step.ar_backward else C.all_reduce_fwd_identity_bwd
-        return fn, (value, group)
-    if step.kind == "reduce_scatter":
-        return C.reduce_scatter_fwd_all_gather_bwd, (value, step.dim, group)
-    if step.kind == "all_to_all":
-        return C.all_to_all_fwd_all_to_all_bwd, (value, step.dim, step.dim2, group)
-    if step.kind == "to_partial":
-        return C.scale_fwd_identity_bwd, (value, group)
-    if step.kind == "sync_grad":
-        return C.identity_fwd_all_reduce_bwd, (value, group)
-    raise AssertionError(step.kind)
 
 
 def _prod(xs) -> int:

@@ -1,6 +1,6 @@
 """Hand-written Megatron-style layouts of the GPT example, built only from torch's own parallel libraries.
 
-    python -m benchmarks.megatron_baselines     # from the repo root: 3 training steps of every layout on 4 gloo ranks
+    python -m examples.megatron_baselines     # from the repo root: 3 training steps of every layout on 4 gloo ranks
 
 These are the baselines autopar's plans must beat, written as a PyTorch user would write them today and
 independently of autopar's codegen: data parallel through torch's ``replicate``, Megatron tensor

@@ -1,6 +1,6 @@
 """Hand-written layouts for models Megatron-LM does not cover: Wide-ResNet (DP × PP) and MoE (DP × EP × PP).
 
-    from benchmarks.hand_grids import best_hand, wrn_pins, moe_pins
+    from autopar.baselines.hand_grids import best_hand, wrn_pins, moe_pins
     best, scored = best_hand(model, cluster, batch, moe_pins, max_ep=8, n_experts=16)
 
 A ``HandLayout`` (dp, ep, pp, microbatches) is turned into autopar plan options exactly as
@@ -27,7 +27,7 @@ import dataclasses
 import math
 from typing import Iterator
 
-from benchmarks.megatron_configs import (MAX_MICROBATCHES, Scored, capture_once, grid_search, score_options,
+from autopar.baselines.megatron_configs import (MAX_MICROBATCHES, Scored, capture_once, grid_search, score_options,
                                          stage_submesh)
 
 EP_DEGREES = (1, 2, 4, 8)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402

@@ -41,10 +41,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from benchmarks.fidelity_plans import BATCH, CONFIG, PLANS, make_plans  # noqa: E402
+from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 GOALS = {"time_err": 0.15, "spearman": 0.9, "mem_err": 0.20}

@@ -32,13 +32,13 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
+from autopar.baselines import hand_grids, megatron_configs  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from benchmarks import hand_grids, megatron_configs  # noqa: E402
-from benchmarks import vs_megatron_report as report  # noqa: E402
-from benchmarks.plan_time import cluster_for  # noqa: E402
+from benchmarks.plan_time.plan_time import cluster_for  # noqa: E402
+from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
 PRESETS = ("p3.16xlarge", "dgx-a100")
@@ -216,7 +216,7 @@ def main(argv=None) -> int:
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
         return simulate(args.points)
-    from benchmarks.vs_megatron_local import measure
+    from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps)
 

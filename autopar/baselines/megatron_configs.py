@@ -1,6 +1,6 @@
 """Megatron-LM configurations of the GPT example as autopar plans, scored by autopar's own cost model.
 
-    from benchmarks.megatron_configs import MegatronConfig, megatron_options, megatron_grid, best_megatron
+    from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, megatron_grid, best_megatron
     plan = autopar.plan(model, cluster, batch, **megatron_options(MegatronConfig(dp=2, tp=4, pp=2, microbatches=8),
                                                                    n_blocks=24, devices_per_node=8))
 

@@ -25,16 +25,14 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from autopar.cost_models.compute import (compute_time, is_free_view, moves_no_data, node_flops,  # noqa: E402
-                                         node_signature)
-from autopar.cost_models.memory import requires_grad_nodes  # noqa: E402
+from autopar.cost_models.compute import compute_time, moves_no_data, node_flops  # noqa: E402
+from autopar.ir.ops import OpView, is_free_view, node_signature, requires_grad_nodes  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
-from autopar.passes.strategies.base import OpView  # noqa: E402
 from autopar.placement import R  # noqa: E402
-from benchmarks.fidelity_plans import CONFIG  # noqa: E402
+from benchmarks.fidelity.fidelity_plans import CONFIG  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 

@@ -27,11 +27,7 @@ import warnings
 
 import torch
 
-from autopar.errors import AutoparError
-
-
-class PrecisionError(AutoparError):
-    """An unknown precision, or one the device cannot run."""
+from autopar.errors import PrecisionError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +76,7 @@ def resolve(precision) -> PrecisionPolicy:
         return precision
     if precision not in POLICIES:
         raise PrecisionError(f"precision={precision!r} is not known; use one of {sorted(POLICIES)} "
-                             f"(or an autopar.precision.PrecisionPolicy)")
+                             f"(or an autopar.ir.precision.PrecisionPolicy)")
     return POLICIES[precision]
 
 
