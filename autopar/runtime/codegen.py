@@ -222,12 +222,6 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
     return start
 
 
-def deferrable_syncs(graph, stage, requires_grad: set[str]) -> dict[str, tuple[int, ...]]:
-    """{parameter: mesh axes} whose gradient all-reduce the runner does once per step (the planner's view of
-    ``generate_stage_module``'s ``deferred_syncs``, without emitting code)."""
-    return _Emitter(graph, stage, (0,) * len(stage.mesh_shape), 0, requires_grad, True).deferred
-
-
 def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
                           requires_grad: set[str], defer_param_sync: bool = True) -> fx.GraphModule:
     """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).
