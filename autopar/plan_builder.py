@@ -54,11 +54,15 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
 
 
 def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
-    """One optimizer step over the local shards of the parameters this stage holds."""
+    """One optimizer step over the local shards of the parameters this stage holds (1/n of those whose
+    optimizer state ZeRO shards n ways)."""
     numel, tensors, itemsize = 0.0, 0, 4
     for p in graph.placeholders:
         if p.kind == "parameter" and p.name in solution.strategies:
-            numel += math.prod(local_shape(p.shape, solution.strategies[p.name].out_spec, env.mesh_shape))
+            spec = solution.strategies[p.name].out_spec
+            ways = math.prod(n for n, q in zip(env.mesh_shape, spec) if not q.is_shard())
+            shard = ways if env.training.zero_level(p.name) >= 1 else 1  # ZeRO steps 1/n of it
+            numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
             tensors, itemsize = tensors + 1, p.dtype.itemsize
     return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)
 

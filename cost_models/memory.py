@@ -21,6 +21,8 @@ Weight-update sharding (ZeRO, over the data-parallel axes of a parameter: the me
 per parameter element, with n = the product of those axes' sizes:
 
     level 0: weight + gradient + optimizer state          level 1: weight + gradient + state / n
+    (state includes the fp32 master copy of a weight stored in fp16/bf16; with a precision policy the
+    weights stay fp32 and autocast's compute-dtype copy of each, saved for backward, adds its itemsize)
     level 2: weight + (gradient + state) / n              (level 3, weights sharded between uses: not run)
 
 The runtime keeps the synced gradients of each bucket (``autopar.ir.buckets``) in one flat buffer, padded for
@@ -69,7 +71,8 @@ class TrainingSpec:
         item = torch.empty((), dtype=dtype).element_size()
         level, n = self.zero_level(name), max(dp_ways, 1)
         grad = item / n if level >= 2 else item
-        state = OPTIMIZER_STATE_BYTES[self.optimizer] / (n if level >= 1 else 1)
+        master = 4 if dtype in (torch.float16, torch.bfloat16) else 0  # fp32 copy of a low-precision weight
+        state = (OPTIMIZER_STATE_BYTES[self.optimizer] + master) / (n if level >= 1 else 1)
         return numel * (item + grad + state + self.compute_itemsize)
 
     def param_state_bytes_per_element(self, dtype: torch.dtype) -> float:

@@ -143,6 +143,9 @@ def test_param_bytes_per_zero_level():
     assert spec(1).param_bytes("w", 1, __import__("torch").float32, 4) == 4 + 4 + 2
     assert spec(2).param_bytes("w", 1, __import__("torch").float32, 4) == 4 + 1 + 2
     assert TrainingSpec(compute_itemsize=2).param_bytes("w", 1, __import__("torch").float32, 4) == 18
+    fp16 = __import__("torch").float16  # a weight stored in fp16 keeps an fp32 master copy with its state
+    assert TrainingSpec().param_bytes("w", 1, fp16, 4) == 2 + 2 + 8 + 4
+    assert spec(1).param_bytes("w", 1, fp16, 4) == 2 + 2 + (8 + 4) / 4
 
 
 def test_held_state_bytes_pads_zero_buckets_to_equal_shards():

@@ -2,6 +2,7 @@
 
     python benchmarks/plan_time.py                 (or ./run.sh bench plan_time)
     python benchmarks/plan_time.py --points 39B:64:p3.16xlarge:1024 175B:1024:dgx-a100:1536
+    python benchmarks/plan_time.py --precision bf16 [--zero 1]   (fp32 weights, bf16 autocast; see autopar.ir.precision)
 
 A point is MODEL:GPUS:PRESET:GLOBAL_BATCH. The defaults are Alpa's GPT weak-scaling suite on AWS
 p3.16xlarge (8× V100 per node, 25 Gbps between nodes) at Alpa's global batch of 1024, and GPT-3 175B on
@@ -36,13 +37,17 @@ def cluster_for(preset: str, gpus: int) -> autopar.Cluster:
     return base
 
 
-def run_point(point: str) -> dict:
+def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
+    """Without ``precision`` the model is stored in fp16 (as before precision policies existed); with one, it
+    is stored in fp32 and planned under that policy (bf16: fp32 master weights, bf16 autocast)."""
     name, gpus, preset, batch = point.split(":")
     cfg = suite_config(name)
     with torch.device("meta"):
-        model = GPT(cfg).half()
+        model = GPT(cfg) if precision else GPT(cfg).half()
     start = time.perf_counter()
-    plan = autopar.plan(model, cluster_for(preset, int(gpus)), make_batch(cfg, int(batch), device="meta"))
+    options = {"precision": precision, "zero": zero} if precision else {"zero": zero}
+    batch_inputs = make_batch(cfg, int(batch), device="meta")
+    plan = autopar.plan(model, cluster_for(preset, int(gpus)), batch_inputs, **options)
     total = time.perf_counter() - start
     t = plan.timings
     return {"model": name, "params": cfg.n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
@@ -57,14 +62,19 @@ def run_point(point: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="MODEL:GPUS:PRESET:BATCH")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="plan an fp32-stored model under this policy (default: fp16-stored, fp32 policy)")
+    parser.add_argument("--zero", default="auto", help="ZeRO level for every parameter: auto, 0, 1 or 2")
     args = parser.parse_args(argv)
+    zero = args.zero if args.zero == "auto" else int(args.zero)
     print(f"# autopar plan time — {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
+          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}, precision {args.precision or 'fp16 weights'}, "
+          f"zero {zero}")
     print(f"| model | GPUs | cluster | batch | plan total s | capture s | DP s | stage ILPs s | mesh solves "
           f"| stages (submeshes) | B | predicted step s | PFLOP/s | peak GiB |")
     print("|" + "---|" * 14)
     for point in args.points:
-        r = run_point(point)
+        r = run_point(point, args.precision, zero)
         print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | {r['total']:.1f} | "
               f"{r['capture']:.1f} | {r['dp']:.1f} | {r['stages_s']:.1f} | {r['solves']} | {r['stages']} ({r['shape']}) "
               f"| {r['B']} | {r['step']:.2f} | {r['pflops']:.2f} | {r['mem']:.1f} |", flush=True)
