@@ -114,7 +114,10 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     moved = sum(local_bytes(v, s, mesh_shape) for v, s in zip(in_vals, strategy.in_specs))
     moved += sum(local_bytes(v, strategy.out_spec, mesh_shape) for v in out_vals)
     moved *= 3.0 if differentiable else 1.0
-    dtype = next((v.dtype for v in in_vals + out_vals if isinstance(v, torch.Tensor)), torch.float32)
+    # The output's dtype is the one the op computes in: under autocast a linear reads fp32 tensors and
+    # computes (and returns) bf16; without autocast inputs and output agree.
+    floating = [v for v in out_vals + in_vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+    dtype = floating[0].dtype if floating else torch.float32
     name = str(dtype).replace("torch.", "")
     rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
     return max(flops / rate, moved / cluster.memory_bandwidth) + overhead

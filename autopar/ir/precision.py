@@ -101,19 +101,41 @@ def check_device(policy: PrecisionPolicy, device_type: str) -> None:
 
 
 def apply_to_graph(graph, policy: PrecisionPolicy):
-    """Relabel every node's fake value with the dtype it has when the graph runs under ``policy``'s autocast
-    (fake-tensor propagation under the same autocast). Placeholders keep their dtypes: parameters stay
-    float32. Returns ``graph`` (changed in place); a no-op for fp32."""
+    """Relabel every node's fake value with the dtype it has when the graph runs under ``policy``'s autocast.
+    Fake tensors on the CPU are propagated through the graph under CPU autocast (a model on the meta device
+    has meta values, which no autocast touches); each node then keeps its shape and device and takes the
+    dtype found. Placeholders keep theirs: parameters stay float32. Returns ``graph`` (changed in place);
+    a no-op for fp32."""
     if policy.compute_dtype is None:
         return graph
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    args = []
-    for node in graph.gm.graph.find_nodes(op="placeholder"):
-        val = node.meta.get("val")
-        args.append(mode.from_tensor(val) if isinstance(val, torch.Tensor) else val)
+    scratch = FakeTensorMode(allow_non_fake_inputs=True)
+    with scratch:
+        args = [_like(n.meta.get("val"), device="cpu") for n in graph.gm.graph.find_nodes(op="placeholder")]
+    originals = {n.name: n.meta.get("val") for n in graph.gm.graph.nodes}
     with policy.autocast("cpu"):
-        FakeTensorProp(graph.gm, mode).propagate_dont_convert_inputs(*args)
+        FakeTensorProp(graph.gm, scratch).propagate_dont_convert_inputs(*args)
+    relabel = FakeTensorMode(allow_non_fake_inputs=True)
+    with relabel:
+        for node in graph.gm.graph.nodes:
+            old, new = originals[node.name], node.meta.get("val")
+            node.meta["val"] = _retyped(old, new) if node.op != "placeholder" else old
     return graph
+
+
+def _like(val, device: str, dtype=None):
+    """A tensor of ``val``'s shape and strides on ``device`` (inside a fake mode: a fake one)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=dtype or val.dtype, device=device)
+
+
+def _retyped(old, new):
+    """``old`` (the captured value, on its own device) with the dtype(s) of ``new`` (the autocast run's)."""
+    if isinstance(old, (tuple, list)) and isinstance(new, (tuple, list)) and len(old) == len(new):
+        return type(old)(_retyped(o, n) for o, n in zip(old, new))
+    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and new.dtype != old.dtype:
+        return _like(old, old.device, new.dtype)
+    return old
