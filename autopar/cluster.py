@@ -40,6 +40,11 @@ class Link:
     """One class of interconnect (inside a node, or between nodes).
 
     latency: α, seconds per collective (or per send).  bandwidth: bytes/s one device can push.
+    group_bandwidth: {"<group size>": bytes/s per device} where a group's size changes what it gets (a
+    V100 pair shares 1-2 NVLinks, eight GPUs ring over all six); sizes not listed use the nearest smaller
+    listed one, else ``bandwidth`` (see ``bandwidth_for``). Empty on switched fabrics (NVSwitch, IB).
+    hop_latency: seconds each extra algorithm step adds to a collective (NCCL's per-step latency): a ring
+    all-reduce over n devices takes 2(n-1) steps, a tree 2·ceil(log2 n); 0 keeps one α per collective.
     fits: measured α-β lines keyed ``"<collective>/<group size>"`` (e.g. ``"all_reduce/4"``); when a key
     is present the cost model uses it instead of the analytic ring formula on latency/bandwidth. A key
     ``"<collective>/<group size>@<R>x<C>"`` is a fit measured on an R×C mesh with both axes busy, which
@@ -49,6 +54,15 @@ class Link:
     latency: float
     bandwidth: float
     fits: dict[str, CollectiveFit] = dataclasses.field(default_factory=dict)
+    group_bandwidth: dict[str, float] = dataclasses.field(default_factory=dict)
+    hop_latency: float = 0.0
+
+    def bandwidth_for(self, group_size: int) -> float:
+        """Bytes/s per device for a group of ``group_size`` devices on this link: ``group_bandwidth`` at the
+        largest listed size <= group_size (topologies where a pair gets fewer links than a full ring, such as
+        the V100 hybrid cube-mesh), else ``bandwidth``."""
+        listed = [int(k) for k in self.group_bandwidth if int(k) <= group_size]
+        return self.group_bandwidth[str(max(listed))] if listed else self.bandwidth
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +85,12 @@ class Cluster:
       autograd bookkeeping, kernel launch); ``cost_models.compute`` charges it once per op in forward and
       once more in backward. 0 (the default, and what old cluster files load as) means "negligible", as on
       GPUs whose launches overlap with running kernels; eager CPU ranks pay it in full.
+    memory_capacity: the device's physical memory in bytes, for reports (0: not known). ``memory_per_device``
+      is what training may use: the capacity less the CUDA context and an allocator reserve (see
+      ``presets.usable_memory``); the planner's budget is ``memory_per_device``.
+    compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
+      other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
+      (``benchmarks/calibration``); 1.0 for profiled clusters, whose rates are measured.
     """
 
     name: str
@@ -88,6 +108,8 @@ class Cluster:
     source: str = ""
     matmul_curve: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
     op_overhead: float = 0.0
+    memory_capacity: float = 0.0
+    compute_time_scale: float = 1.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -105,6 +127,8 @@ class Cluster:
             raise ClusterError(f"cluster {self.name!r}: peak_flops must map dtype names to FLOP/s, e.g. "
                                f"{{'float32': 1e12}}, got {self.peak_flops!r}{_FIX}")
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
+        _check_positive(self.name, "memory_capacity", self.memory_capacity, allow_zero=True)
+        _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
         for link_name in ("intra_node", "inter_node"):
@@ -237,6 +261,15 @@ def _check_link(cluster: str, link_name: str, link: Link) -> None:
     (or "<collective>/<n>@<R>x<C>": measured on that mesh, see ``cost_models.communication``)."""
     _check_positive(cluster, f"{link_name}.latency", link.latency, allow_zero=True)
     _check_positive(cluster, f"{link_name}.bandwidth", link.bandwidth)
+    _check_positive(cluster, f"{link_name}.hop_latency", link.hop_latency, allow_zero=True)
+    if not isinstance(link.group_bandwidth, dict):
+        raise ClusterError(f"cluster {cluster!r}: {link_name}.group_bandwidth must map group sizes to bytes/s, "
+                           f"e.g. {{'2': 25e9}}, got {link.group_bandwidth!r}{_FIX}")
+    for size, value in link.group_bandwidth.items():
+        if not (isinstance(size, str) and size.isdigit() and int(size) >= 2):
+            raise ClusterError(f"cluster {cluster!r}: {link_name}.group_bandwidth key {size!r} must be a group "
+                               f"size >= 2 written as a string, e.g. '2'{_FIX}")
+        _check_positive(cluster, f"{link_name}.group_bandwidth[{size!r}]", value)
     for key, fit in link.fits.items():
         if not _valid_fit_key(key):
             raise ClusterError(f"cluster {cluster!r}: {link_name}.fits key {key!r} must read "
@@ -280,7 +313,12 @@ def _link_from_dict(d: dict[str, Any], where: str) -> Link:
         raise ClusterError(f"cluster JSON: {where}.fits must be an object keyed '<collective>/<group size>', "
                            f"got {fits!r}{_FIX}")
     fits = {k: _fit_from_dict(v, f"{where}.fits[{k!r}]") for k, v in fits.items()}
-    return Link(latency=d["latency"], bandwidth=d["bandwidth"], fits=fits)
+    unknown = set(d) - {f.name for f in dataclasses.fields(Link)}
+    if unknown:
+        raise ClusterError(f"cluster JSON: {where} has unknown fields {sorted(unknown)}; known fields: "
+                           f"{sorted(f.name for f in dataclasses.fields(Link))}{_FIX}")
+    return Link(latency=d["latency"], bandwidth=d["bandwidth"], fits=fits,
+                group_bandwidth=dict(d.get("group_bandwidth") or {}), hop_latency=d.get("hop_latency", 0.0))
 
 
 def _cluster_from_dict(d: dict[str, Any]) -> Cluster:

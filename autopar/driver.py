@@ -23,8 +23,9 @@ from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
-from autopar.passes.inter_op import MeshOption, StageChoice, StageCosts, choose_stages
-from autopar.passes.intra_op import CostEnv, is_light, solve_intra_op
+from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
+from autopar.passes.intra_op import CostEnv, solve_intra_op
+from autopar.passes.intra_op_groups import is_light
 from autopar.passes.strategies import generate_strategies
 from autopar.placement import R, spec_str
 from autopar.plan import Plan
@@ -241,18 +242,19 @@ def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int
                             f"'submesh': [nodes, devices_per_node]}}, got {entry!r}") from None
         logical = tuple(entry.get("mesh", physical))
         f = n - s if options.schedule != "gpipe" else candidates[-1]
-        out.append((first, last, MeshOption(physical, logical), f))
+        out.append(ChosenStage(first, last, MeshOption(physical, logical), f))
     _check_manual(out, costs)
     B = candidates[-1] if options.microbatches is None else options.microbatches
-    return StageChoice(B, [(k, i, o, min(f, B) if options.schedule != "gpipe" else B) for k, i, o, f in out], 0.0)
+    gpipe = options.schedule == "gpipe"
+    return StageChoice(B, [s._replace(inflight=B if gpipe else min(s.inflight, B)) for s in out], 0.0)
 
 
-def _check_manual(stages, costs: StageCosts) -> None:
+def _check_manual(stages: list[ChosenStage], costs: StageCosts) -> None:
     L, D = costs.layers.count, costs.cluster.num_devices
-    covered = [layer for k, i, _, _ in stages for layer in range(k, i + 1)]
+    covered = [layer for s in stages for layer in range(s.first, s.last + 1)]
     if covered != list(range(L)):
         raise PlanError(f"manual stages must cover layers 0..{L - 1} in order, each once; got layers {covered}")
-    used = sum(o.size for _, _, o, _ in stages)
+    used = sum(s.option.size for s in stages)
     if used != D:
         raise PlanError(f"manual stages use {used} devices but the cluster has {D}; the submeshes must tile it")
 
@@ -265,20 +267,21 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     pipeline (same objective, more memory) can reuse a solution that still fits (``ilp_reuse``)."""
     B = choice.microbatches
     scaled = at_microbatch(B)
-    ranks = place_stages(cluster, [option.physical for _, _, option, _ in choice.stages])
+    ranks = place_stages(cluster, [stage.option.physical for stage in choice.stages])
     memo, solved = SolutionMemo(), {}
     last = len(choice.stages) - 1
-    for s, (k, i, option, f) in sorted(enumerate(choice.stages), key=lambda item: (item[1][3], item[0])):
-        subset = {name for layer in range(k, i + 1) for name in layers.nodes[layer]}
+    for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
+        option = chosen.option
+        subset = {name for layer in range(chosen.first, chosen.last + 1) for name in layers.nodes[layer]}
         if s == last:
             subset.add("output")
         env = CostEnv(cluster, option.logical, training_spec(graph, options), microbatches=B,
-                      inflight=f, devices_per_node=option.physical[1])
+                      inflight=chosen.inflight, devices_per_node=option.physical[1])
         solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
                                   cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
                                   memo=memo)
         solved[s] = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
-                               layers=(k, i)), solution.ilp.n_variables
+                               layers=(chosen.first, chosen.last)), solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]
     variables = sum(n for _, n in solved.values())
     transfers = transfers_between(graph, stages, scaled, cluster)
@@ -333,7 +336,7 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
     mesh = tuple(cluster.mesh_shape)
     strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
     env = CostEnv(cluster, mesh, training_spec(graph, options))
-    _, problem, _, _ = build_problem(graph, strategies, find_repeated_blocks(graph), env, None)
+    problem = build_problem(graph, strategies, find_repeated_blocks(graph), env, None).problem
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
 
 

@@ -197,7 +197,7 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
             val = vals[name]
             nbytes = float(val.numel() * val.element_size())
             out.append({"value": name, "src": owner[name], "dst": s.index, "nbytes": nbytes,
-                        "seconds": 2 * (link.latency + nbytes / link.bandwidth)})
+                        "seconds": 2 * (link.latency + nbytes / link.bandwidth_for(2))})
     return out
 
 

@@ -1,12 +1,15 @@
 """Cluster presets: plain functions returning a frozen ``Cluster``; every constant cites its source.
 
-GPU figures are vendor datasheet peaks; ``matmul_efficiency`` turns a peak into what large GEMMs reach.
-The communication latencies are typical measured per-collective start-up costs (NCCL over NVLink/IB:
-a few µs; TCP at 25 Gbps: tens of µs), not datasheet values; `autopar profile` replaces all of these with
-fits measured on the cluster itself.
+GPU figures: vendor datasheet peaks, a matmul curve by call size built from the best measured GEMM
+fraction (``gemm_curve``), the achieved share of HBM bandwidth, usable memory (capacity less context and
+allocator reserve), intra-node bandwidth by group size where the topology makes it differ, and a per-step
+collective latency for ring/tree algorithms. The communication latencies are typical measured per-collective
+start-up costs (NCCL over NVLink/IB: a few µs; TCP at 25 Gbps: tens of µs), not datasheet values; `autopar
+profile` replaces all of these with fits measured on the cluster itself.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from autopar.cluster import Cluster, Link
@@ -16,79 +19,127 @@ GB = 1e9
 GiB = 2**30
 TFLOPS = 1e12
 
+# End-to-end factor on compute time per GPU type (Cluster.compute_time_scale), fitted by
+# benchmarks/calibration/calibration.py on its "fit" rows only (see that file for the rows and the fit).
+P3_COMPUTE_TIME_SCALE = 1.0
+A100_COMPUTE_TIME_SCALE = 1.0
+H100_COMPUTE_TIME_SCALE = 1.0
+
+
+# ---- compute -----------------------------------------------------------------------------------------
+# A matmul call of f FLOPs takes GEMM_RAMP + f / plateau seconds: a fixed cost per call (launch, the
+# partial last wave of thread blocks) plus the large-size rate. So the rate rises with size and saturates:
+#     rate(f) = plateau · f / (f + plateau · GEMM_RAMP)
+# plateau = peak × the best measured large-GEMM fraction (MAMF: stas00/ml-engineering, compute/accelerator
+# README, "Maximum Achievable Matmul FLOPS comparison table", bf16: A100 SXM 267.9 of 312 TFLOPS = 85.9 %,
+# H100 SXM 792.1 of 989 = 80.1 %). V100 is not in that table: 0.80 is an estimate, and the preset's
+# calibrated compute_time_scale absorbs its error. GEMM_RAMP = 5 µs: a kernel launch is 3-5 µs, and a
+# 4096×4096 tile grid on 108 SMs leaves a tail wave of that order; an estimate, not a measurement.
+GEMM_RAMP = 5e-6
+CURVE_FLOPS = [10.0 ** (e / 2) for e in range(12, 29)]  # 1e6 ... 1e14 FLOPs per call, two points a decade
+
+
+def gemm_curve(plateau: float, ramp: float = GEMM_RAMP) -> list[list[float]]:
+    """[[flops per call, FLOP/s], ...] of the saturating curve above."""
+    return [[f, plateau * f / (f + plateau * ramp)] for f in CURVE_FLOPS]
+
+
+def gemm_curves(peak: dict[str, float], fraction: dict[str, float]) -> dict[str, list[list[float]]]:
+    return {dtype: gemm_curve(peak[dtype] * fraction[dtype]) for dtype in peak}
+
+
+# ---- memory ------------------------------------------------------------------------------------------
+# Streaming kernels reach ~85-90 % of HBM peak (BabelStream, Deakin et al., "Evaluating attainable memory
+# bandwidth of parallel programming models via BabelStream", 2018, and later GPU runs: V100 ~ 0.85-0.9,
+# A100 / H100 ~ 0.85-0.9 of datasheet). Elementwise training ops are priced at this fraction.
+STREAM_FRACTION = 0.85
+# Usable device memory = (capacity - CUDA context and NCCL buffers) × (1 - allocator reserve).
+# Capacity: what the driver exposes (nvidia-smi "Total": V100-SXM2-16GB 16160 MiB, A100-SXM4-80GB 81920 MiB,
+# H100-SXM5-80GB 81559 MiB). Context: the CUDA context with lazy module loading is 0.3-0.5 GiB, and each
+# NCCL communicator holds channel buffers (NCCL_BUFFSIZE 4 MiB per channel and peer): 1 GiB for both is an
+# estimate for dp × tp × pp groups. Reserve: the caching allocator's rounding and fragmentation, 5 % (PyTorch
+# "CUDA semantics: memory management"; plans that fill 99 % of the nominal 80 GiB do not run).
+NCCL_BUFFERS = 2**29  # 0.5 GiB of the estimate below: what a profile cannot see before training builds its groups
+CUDA_CONTEXT = 2**29 + NCCL_BUFFERS
+ALLOCATOR_RESERVE = 0.05
+MiB = 2**20
+
+
+def usable_memory(capacity: float, context: float = CUDA_CONTEXT, reserve: float = ALLOCATOR_RESERVE) -> float:
+    """Bytes of device memory a plan may fill: (capacity - context) × (1 - reserve)."""
+    return (capacity - context) * (1.0 - reserve)
+
 
 def p3_16xlarge(nodes: int = 1, mesh_shape=None) -> Cluster:
-    """AWS p3.16xlarge: 8× V100-SXM2-16GB per node, NVLink inside, 25 Gbps Ethernet between nodes.
+    """AWS p3.16xlarge: 8× V100-SXM2-16GB per node in a hybrid cube-mesh of NVLink 2, 25 Gbps Ethernet out.
 
     Sources: AWS EC2 P3 instance page (8× V100 16 GB, NVLink, 25 Gbps networking for p3.16xlarge);
-    NVIDIA Tesla V100 datasheet (SXM2: 125 TFLOPS tensor fp16, 15.7 TFLOPS fp32, 900 GB/s HBM2,
-    NVLink 300 GB/s aggregate = 6 links × 25 GB/s per direction × 2). This is the cluster of Alpa's
-    evaluation (Zheng et al., OSDI'22, §8: "8 V100 per node, 25 Gbps between nodes").
+    NVIDIA Tesla V100 datasheet (SXM2: 125 TFLOPS tensor fp16, 15.7 TFLOPS fp32, 900 GB/s HBM2; no bf16);
+    NVIDIA DGX-1 with Tesla V100 system architecture whitepaper (hybrid cube-mesh: six NVLinks per GPU at
+    25 GB/s per direction; a GPU pair is joined by one or two links, and `nvidia-smi topo -m` on a
+    p3.16xlarge shows NV1 between GPUs 0 and 1). The cluster of Alpa's evaluation (Zheng et al., OSDI'22).
+    Group bandwidth per device, per direction: a pair of consecutive GPUs gets its one link (25 GB/s; the
+    pairs with two links wait for it in lockstep); a quad rings over two links per hop (50 GB/s); all eight
+    ring over the six links in NCCL's three rings at ~85 % (130 GB/s, derived from the link counts).
     """
+    peak = {"float16": 125 * TFLOPS, "float32": 15.7 * TFLOPS}
     return Cluster(
-        name="p3.16xlarge",
-        nodes=nodes,
-        devices_per_node=8,
-        peak_flops={"float16": 125 * TFLOPS, "bfloat16": 125 * TFLOPS, "float32": 15.7 * TFLOPS},
-        # cuBLAS fp16 GEMMs on V100 reach ~70-80 % of the tensor-core peak at large sizes (NVIDIA DL
-        # performance guide); Megatron-LM reports ~30-50 % end to end, the rest being non-GEMM work.
-        matmul_efficiency=0.7,
-        memory_bandwidth=900 * GB,
-        memory_per_device=16 * GiB,
-        # The hybrid cube-mesh gives each V100 ~150 GB/s of its 300 GB/s NVLink in one ring direction.
-        intra_node=Link(latency=8e-6, bandwidth=150 * GB),
-        inter_node=Link(latency=40e-6, bandwidth=25e9 / 8),  # 25 Gbps per node
-        mesh_shape=mesh_shape,
-        backend="nccl",
-        device_type="cuda",
-        source="AWS EC2 P3 page; NVIDIA V100 SXM2 datasheet",
+        name="p3.16xlarge", nodes=nodes, devices_per_node=8, peak_flops=peak,
+        matmul_efficiency=0.8, matmul_curve=gemm_curves(peak, {"float16": 0.80, "float32": 0.90}),
+        memory_bandwidth=900 * GB * STREAM_FRACTION,
+        memory_capacity=16160 * MiB, memory_per_device=usable_memory(16160 * MiB),
+        intra_node=Link(latency=8e-6, bandwidth=130 * GB, group_bandwidth={"2": 25 * GB, "4": 50 * GB, "8": 130 * GB},
+                        hop_latency=1.5e-6),  # NCCL's per-step latency over NVLink: ~1-2 µs (NCCL tuning tables)
+        inter_node=Link(latency=40e-6, bandwidth=25e9 / 8, hop_latency=20e-6),  # 25 Gbps per node; TCP sockets
+        mesh_shape=mesh_shape, backend="nccl", device_type="cuda", compute_time_scale=P3_COMPUTE_TIME_SCALE,
+        source="AWS EC2 P3 page; NVIDIA V100 SXM2 datasheet; DGX-1 V100 whitepaper (cube-mesh); stas00 MAMF; "
+               "calibrated compute_time_scale (benchmarks/calibration)",
     )
 
 
 def dgx_a100(nodes: int = 1, mesh_shape=None) -> Cluster:
-    """NVIDIA DGX A100 (640 GB): 8× A100-SXM4-80GB, NVSwitch inside, 8× 200 Gb/s HDR InfiniBand out.
+    """NVIDIA DGX A100 (640 GB): 8× A100-SXM4-80GB on NVSwitch, 8× 200 Gb/s HDR InfiniBand out.
 
-    Sources: NVIDIA DGX A100 datasheet (8× A100 80 GB, 600 GB/s NVLink per GPU via NVSwitch,
-    8× ConnectX-6 200 Gb/s = 1.6 Tb/s compute network); NVIDIA A100 datasheet (312 TFLOPS bf16/fp16
-    dense, 19.5 TFLOPS fp32, 2039 GB/s HBM2e on the 80 GB SXM part).
+    Sources: NVIDIA DGX A100 datasheet (8× A100 80 GB, 600 GB/s NVLink per GPU via NVSwitch, 8× ConnectX-6
+    200 Gb/s); NVIDIA A100 datasheet (312 TFLOPS bf16/fp16 dense, 19.5 TFLOPS fp32, 2039 GB/s HBM2e).
+    NVSwitch gives every group the same per-GPU bandwidth: 300 GB/s per direction, of which NCCL's
+    all-reduce reaches ~230-240 GB/s bus bandwidth on 8 GPUs (nccl-tests figures NVIDIA publishes for DGX
+    A100): 0.8 × 300. Inter-node: 8 × 200 Gb/s per node at ~90 % (IB HDR line rate less encoding/headers).
     """
+    peak = {"float16": 312 * TFLOPS, "bfloat16": 312 * TFLOPS, "float32": 19.5 * TFLOPS}
     return Cluster(
-        name="dgx-a100",
-        nodes=nodes,
-        devices_per_node=8,
-        peak_flops={"float16": 312 * TFLOPS, "bfloat16": 312 * TFLOPS, "float32": 19.5 * TFLOPS},
-        matmul_efficiency=0.7,  # large bf16 GEMMs on A100 reach ~70-80 % of peak (NVIDIA DL perf guide)
-        memory_bandwidth=2039 * GB,
-        memory_per_device=80 * GiB,
-        intra_node=Link(latency=5e-6, bandwidth=300 * GB),  # 600 GB/s bidirectional -> 300 GB/s each way
-        inter_node=Link(latency=6e-6, bandwidth=8 * 200e9 / 8),  # 8 × 200 Gb/s HDR per node
-        mesh_shape=mesh_shape,
-        backend="nccl",
-        device_type="cuda",
-        source="NVIDIA DGX A100 and A100 datasheets",
+        name="dgx-a100", nodes=nodes, devices_per_node=8, peak_flops=peak,
+        matmul_efficiency=0.859,
+        matmul_curve=gemm_curves(peak, {"float16": 0.859, "bfloat16": 0.859, "float32": 0.90}),
+        memory_bandwidth=2039 * GB * STREAM_FRACTION,
+        memory_capacity=81920 * MiB, memory_per_device=usable_memory(81920 * MiB),
+        intra_node=Link(latency=5e-6, bandwidth=0.8 * 300 * GB, hop_latency=1e-6),
+        inter_node=Link(latency=6e-6, bandwidth=0.9 * 8 * 200e9 / 8, hop_latency=3e-6),
+        mesh_shape=mesh_shape, backend="nccl", device_type="cuda", compute_time_scale=A100_COMPUTE_TIME_SCALE,
+        source="NVIDIA DGX A100 and A100 datasheets; nccl-tests DGX A100; stas00 MAMF; "
+               "calibrated compute_time_scale (benchmarks/calibration)",
     )
 
 
 def dgx_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
-    """NVIDIA DGX H100: 8× H100-SXM5-80GB, NVLink 4 via NVSwitch, 8× 400 Gb/s NDR InfiniBand out.
+    """NVIDIA DGX H100: 8× H100-SXM5-80GB on NVLink 4 / NVSwitch, 8× 400 Gb/s NDR InfiniBand out.
 
-    Sources: NVIDIA DGX H100 datasheet (8× H100 80 GB, 900 GB/s NVLink per GPU, 8× ConnectX-7
-    400 Gb/s); NVIDIA H100 datasheet (SXM5: 989 TFLOPS bf16/fp16 dense, 67 TFLOPS fp32, 3.35 TB/s HBM3).
+    Sources: NVIDIA DGX H100 datasheet (8× H100 80 GB, 900 GB/s NVLink per GPU, 8× ConnectX-7 400 Gb/s);
+    NVIDIA H100 datasheet (SXM5: 989 TFLOPS bf16/fp16 dense, 67 TFLOPS fp32, 3.35 TB/s HBM3). NVLink:
+    450 GB/s per direction, NCCL all-reduce bus bandwidth ~360 GB/s on 8 GPUs without NVLS (0.8 × 450).
     """
+    peak = {"float16": 989 * TFLOPS, "bfloat16": 989 * TFLOPS, "float32": 67 * TFLOPS}
     return Cluster(
-        name="dgx-h100",
-        nodes=nodes,
-        devices_per_node=8,
-        peak_flops={"float16": 989 * TFLOPS, "bfloat16": 989 * TFLOPS, "float32": 67 * TFLOPS},
-        matmul_efficiency=0.7,  # same ceiling as A100; H100 GEMMs reach ~70 % of dense peak in practice
-        memory_bandwidth=3350 * GB,
-        memory_per_device=80 * GiB,
-        intra_node=Link(latency=5e-6, bandwidth=450 * GB),  # 900 GB/s bidirectional -> 450 GB/s each way
-        inter_node=Link(latency=5e-6, bandwidth=8 * 400e9 / 8),  # 8 × 400 Gb/s NDR per node
-        mesh_shape=mesh_shape,
-        backend="nccl",
-        device_type="cuda",
-        source="NVIDIA DGX H100 and H100 datasheets",
+        name="dgx-h100", nodes=nodes, devices_per_node=8, peak_flops=peak,
+        matmul_efficiency=0.801,
+        matmul_curve=gemm_curves(peak, {"float16": 0.801, "bfloat16": 0.801, "float32": 0.90}),
+        memory_bandwidth=3350 * GB * STREAM_FRACTION,
+        memory_capacity=81559 * MiB, memory_per_device=usable_memory(81559 * MiB),
+        intra_node=Link(latency=5e-6, bandwidth=0.8 * 450 * GB, hop_latency=1e-6),
+        inter_node=Link(latency=5e-6, bandwidth=0.9 * 8 * 400e9 / 8, hop_latency=3e-6),
+        mesh_shape=mesh_shape, backend="nccl", device_type="cuda", compute_time_scale=H100_COMPUTE_TIME_SCALE,
+        source="NVIDIA DGX H100 and H100 datasheets; stas00 MAMF; calibrated compute_time_scale "
+               "(benchmarks/calibration)",
     )
 
 
@@ -105,6 +156,18 @@ def preset(name: str, nodes: int = 1, mesh_shape=None) -> Cluster:
     return PRESETS[name](nodes=nodes, mesh_shape=mesh_shape)
 
 
+def preset_gpus(name: str, gpus: int) -> Cluster:
+    """``gpus`` devices of preset ``name``: whole nodes (gpus a multiple of the node size), or part of one node
+    (a node of ``gpus`` devices, same links), as benchmarks quote runs on 1, 2 or 4 GPUs of a machine."""
+    per_node = preset(name).devices_per_node
+    if not isinstance(gpus, int) or gpus < 1 or (gpus > per_node and gpus % per_node):
+        raise ClusterError(f"preset {name!r}: {gpus!r} GPUs is neither part of one {per_node}-GPU node nor whole "
+                           f"nodes; use 1..{per_node} or a multiple of {per_node}")
+    if gpus < per_node:
+        return dataclasses.replace(preset(name), devices_per_node=gpus, mesh_shape=None)
+    return preset(name, nodes=gpus // per_node)
+
+
 # Measured on the development machine (2-core AMD EPYC VM, torch 2.13 CPU, one thread per rank,
 # 2026-11-22): fp32 GEMM 1024³ ≈ 75 GFLOP/s on one core; streaming add ≈ 3 GB/s; gloo collectives on
 # loopback ≈ 0.2 ms start-up and ≈ 1 GB/s. Rough by design: `autopar profile` fits the real values.
@@ -116,8 +179,7 @@ _GLOO_BANDWIDTH = 1e9
 # backward): GPTs with 8-wide tensors (kernels ~free; 1 and 4 layers, 31 and 94 graph nodes), forward +
 # backward / (2 · nodes), one thread: 18-25 µs at load 4.5 and 27-31 µs at load 8 from other jobs
 # (2026-11-22, same VM as above); 4 ranks busy at once on the 2 cores: 42-82 µs per call at load 5.
-# Divided by the core share below, like the rates. benchmarks/profile_extras.py measures it for a
-# profiled cluster.
+# Divided by the core share below, like the rates. `autopar profile` measures it.
 _CPU_OP_OVERHEAD = 18e-6
 
 

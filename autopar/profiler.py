@@ -20,6 +20,10 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
   local tensor (in = out = m). send is a ping-pong between ranks (2i, 2i+1), t = round trip / 2, stored
   as "send/2".
 
+* training conditions (``autopar.profiler_training``): collectives with both axes of each 2-D mesh
+  alternating (fits keyed "<kind>/<n>@<R>x<C>"), the host overhead per op call (``op_overhead``), and the
+  factor training-shaped linears run at against the square-mm curve (the curve is scaled by it).
+
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
 ``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
 point is the median of that over ranks. Fit, per "<collective>/<g>":
@@ -49,7 +53,9 @@ from tqdm import tqdm
 from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.errors import ClusterError
 from autopar.launch import launch
-from autopar.profiler_device import KINDS as DEVICE_KINDS, ProbeDevice
+from autopar.profiler_device import KINDS as DEVICE_KINDS
+from autopar.profiler_device import ProbeDevice
+from autopar.profiler_training import apply_training_measurements, measure_rank
 
 KiB, MiB = 2**10, 2**20
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -150,27 +156,29 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
                disable=not (progress and rank == 0))
     mine = {"matmul": _measure_matmuls(settings, bar, probe), "stream": _measure_stream(settings, bar, probe),
             "collectives": _measure_collectives(world, settings, bar, probe), "threads": torch.get_num_threads()}
+    bar.set_postfix_str("in-mesh collectives, op overhead, training matmuls")
+    mine["training"] = measure_rank(settings, probe)
     bar.close()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
 
 
-def _warm_up(call, times: int, probe: ProbeDevice) -> float:
+def warm_up(call, times: int, probe: ProbeDevice) -> float:
     """Run ``call`` ``times`` times (at least once); the seconds of the last run."""
     for _ in range(max(1, times) - 1):
         call()
     return probe.window_seconds(call, 1)
 
 
-def _slowest_rank(seconds: float, probe: ProbeDevice) -> float:
+def slowest_rank(seconds: float, probe: ProbeDevice) -> float:
     """The maximum of ``seconds`` over the world (every rank must call this together)."""
     t = torch.tensor([seconds], dtype=torch.float64, device=probe.torch)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
-def _seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDevice) -> float:
+def seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDevice) -> float:
     """Median over ``windows`` windows of (window seconds / calls in it).
 
     Windows rather than single calls: one small matmul is shorter than a scheduler time slice, so ranks
@@ -181,16 +189,16 @@ def _seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDev
     return statistics.median(per_call)
 
 
-def _calls_per_window(slowest_call_s: float, settings: ProfileSettings) -> int:
+def calls_per_window(slowest_call_s: float, settings: ProfileSettings) -> int:
     return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(settings.window_s / max(slowest_call_s, 1e-9))))
 
 
 def _measure_point(call, settings: ProfileSettings, probe: ProbeDevice) -> float | None:
     """Seconds per ``call`` (None where this rank idles, call=None); all ranks call this together."""
-    slowest = _slowest_rank(_warm_up(call, settings.warmup, probe) if call else 0.0, probe)
+    slowest = slowest_rank(warm_up(call, settings.warmup, probe) if call else 0.0, probe)
     if call is None:
         return None
-    return _seconds_per_call(call, _calls_per_window(slowest, settings), settings.windows, probe)
+    return seconds_per_call(call, calls_per_window(slowest, settings), settings.windows, probe)
 
 
 def _measure_matmuls(settings: ProfileSettings, bar, probe: ProbeDevice) -> dict[str, list[tuple[float, float]]]:
@@ -211,14 +219,14 @@ def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar, probe: Pr
         warm = math.inf
         if predicted <= settings.max_matmul_call_s:
             try:
-                warm = _warm_up(lambda: torch.mm(a, b, out=c), settings.warmup, probe)
+                warm = warm_up(lambda: torch.mm(a, b, out=c), settings.warmup, probe)
             except RuntimeError:  # this build has no kernel for the dtype: leave it out
                 pass
-        slowest = _slowest_rank(warm, probe)
+        slowest = slowest_rank(warm, probe)
         if slowest > settings.max_matmul_call_s:
             bar.update(len(settings.matmul_sizes) - i)
             break
-        seconds = _seconds_per_call(lambda: torch.mm(a, b, out=c), _calls_per_window(slowest, settings),
+        seconds = seconds_per_call(lambda: torch.mm(a, b, out=c), calls_per_window(slowest, settings),
                                     settings.windows, probe)
         points.append((2.0 * size**3, seconds))
         previous = (size, slowest)
@@ -249,7 +257,7 @@ def _measure_collectives(world: int, settings: ProfileSettings, bar, probe: Prob
         for kind in COLLECTIVES:
             for nbytes in settings.message_bytes:
                 bar.set_postfix_str(f"{kind}/{g} {nbytes // KiB} KiB")
-                call, m = _collective_call(kind, nbytes, g, my_group, probe.torch)
+                call, m = collective_call(kind, nbytes, g, my_group, probe.torch)
                 dist.barrier()
                 points.setdefault(f"{kind}/{g}", []).append((m, _measure_point(call, settings, probe)))
                 bar.update()
@@ -264,7 +272,7 @@ def _measure_collectives(world: int, settings: ProfileSettings, bar, probe: Prob
     return points
 
 
-def _collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:
+def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:
     """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes."""
     elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
     full, part, source = (torch.zeros(n, device=device) for n in (elems, elems // g, elems))  # sums stay finite
@@ -334,12 +342,15 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
     representative = fits.get(f"all_reduce/{n}")
     link = Link(latency=representative.alpha, bandwidth=2 * (n - 1) / n / representative.beta, fits=fits) \
         if representative else base.intra_node  # one rank: nothing to measure, keep the defaults
-    return dataclasses.replace(
+    isolated = dataclasses.replace(
         base, name=f"{base.name}-profiled", matmul_curve=curve,
         peak_flops={d: max(rate for _, rate in pts) for d, pts in curve.items()}, matmul_efficiency=1.0,
         memory_bandwidth=statistics.median(r["stream"] for r in per_rank),
-        intra_node=link, inter_node=link, source=_source_line(n, per_rank[0]["threads"], quick, probe),
-        **probe.cluster_fields())
+        intra_node=link, inter_node=link, **probe.cluster_fields())
+    if "training" not in per_rank[0]:
+        return dataclasses.replace(isolated, source=_source_line(n, per_rank[0]["threads"], quick, probe))
+    cluster, note = apply_training_measurements(isolated, [r["training"] for r in per_rank], probe)
+    return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note)
 
 
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:

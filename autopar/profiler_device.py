@@ -74,8 +74,13 @@ class ProbeDevice:
         return f"{n} gloo ranks on {os.cpu_count()} cores, {threads} thread(s) per rank"
 
     def cluster_fields(self) -> dict:
-        """Fields that differ from ``Cluster.local``'s CPU description on this device kind."""
+        """Fields that differ from ``Cluster.local``'s CPU description on this device kind. GPU memory: the
+        usable figure of ``presets.usable_memory``, with the context measured (total - free once it exists)."""
         if self.kind != "cuda":
             return {}
-        memory = torch.cuda.get_device_properties(0).total_memory
-        return {"backend": "nccl", "device_type": "cuda", "memory_per_device": float(memory)}
+        from autopar.presets import NCCL_BUFFERS, usable_memory
+
+        free, total = torch.cuda.mem_get_info(0)  # after this process's CUDA context exists: total - free is it
+        usable = usable_memory(total, context=(total - free) + NCCL_BUFFERS)
+        return {"backend": "nccl", "device_type": "cuda", "memory_per_device": float(usable),
+                "memory_capacity": float(total)}

@@ -9,6 +9,14 @@ ring algorithms (Thakur et al. 2005; NCCL's bus-bandwidth convention):
     all_to_all(m)      = α +  (n-1)/n · m / β        m = the local size
     send(m)            = α +            m / β
 
+Topology and algorithm (presets carry both, with sources in ``autopar.presets``):
+
+    α(kind, n) = latency + hop_latency · steps(kind, n)
+    steps: all_reduce min(2(n-1) ring, 2·ceil(log2 n) tree: NCCL picks the tree where latency dominates),
+           all_gather / reduce_scatter / all_to_all n-1, send 1
+    β(n)       = Link.bandwidth_for(n) inside a node (a V100 pair shares 1-2 NVLinks while 8 GPUs ring over
+                 all six; NVSwitch gives every group the same), per-node bandwidth / c across nodes (below)
+
 Gradient all-reduces that the runtime buckets (``redistribute_cost(bucketed_sync=True)``) pay only their
 bandwidth term per tensor; the bucket's α is paid once per axis per step.
 
@@ -30,12 +38,22 @@ import dataclasses
 import math
 
 import numpy as np
-
 from torch.distributed.tensor import Shard
 
 from autopar.cluster import Cluster, Link
 from autopar.placement import P, R, Spec, local_shape
 from autopar.redistribute import Step, redistribute_steps
+
+
+def algorithm_steps(kind: str, n: int) -> int:
+    """Latency steps of one ``kind`` collective over ``n`` devices (module docstring): ring, or tree for
+    all-reduce when it has fewer steps."""
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+    return 1 if kind == "send" else n - 1
+
 
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
@@ -60,7 +78,8 @@ class AxisLink:
         fit = fit or self.link.fits.get(key)
         if fit is not None:
             return fit.time(nbytes)
-        return self.latency + RING_FACTOR[kind](self.size) * nbytes / self.bandwidth
+        alpha = self.latency + self.link.hop_latency * algorithm_steps(kind, self.size)
+        return alpha + RING_FACTOR[kind](self.size) * nbytes / self.bandwidth
 
     def startup_time(self, kind: str) -> float:
         """α of one ``kind`` collective on this axis (the fit's, when measured): ``time`` of an empty message."""
@@ -73,7 +92,8 @@ class AxisLink:
         return self.time(kind, nbytes) - self.startup_time(kind)
 
 
-def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
+def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],
+               devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
     """Links for each axis of a logical mesh laid row-major on nodes of ``devices_per_node`` devices.
 
     devices_per_node defaults to the cluster's; a submesh inside one node passes its own width.
@@ -89,7 +109,7 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, int], devices_per_node: 
         spans = any(len(set(g)) > 1 for g in groups)
         if not spans:
             link = cluster.intra_node
-            links.append(AxisLink(size, link.latency, link.bandwidth, link, mesh))
+            links.append(AxisLink(size, link.latency, link.bandwidth_for(size), link, mesh))
             continue
         per_node = {}
         for g in groups:

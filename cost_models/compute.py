@@ -13,6 +13,23 @@ backward when any float input needs a gradient); ops it does not count (elementw
 input gradients. Pure views, and ops whose output aliases an input (``contiguous`` of a contiguous tensor,
 dropout with p = 0: found by the fake-tensor probe of ``cost_models.saved_tensors``), move no data.
 
+B is the cluster's *achieved* memory bandwidth (presets: peak × the fraction a streaming kernel reaches,
+cited there), so non-matmul ops are priced by the bandwidth they really get. Every roofline time is then
+multiplied by ``Cluster.compute_time_scale``, the preset's calibrated end-to-end factor (1 when profiled).
+
+Attention is priced by the kernel the model really runs (``attention_kernel``): an explicit
+``aten._scaled_dot_product_{flash,efficient,cudnn}_attention`` node names its fused kernel, and the composite
+``aten.scaled_dot_product_attention`` gets the one torch's dispatcher would pick on the cluster's devices
+(GPUs with bf16 tensor cores, sm80+: flash for fp16/bf16 without a mask and head dim <= 256 and divisible
+by 8; otherwise memory-efficient; CPU clusters keep the plain roofline, their rates being measured).
+
+    fused (flash, efficient):  t = flops · causal / (F · ATTENTION_RATE[kernel]) vs bytes of q, k, v, out
+                               causal = 1/2 with is_causal (the kernels skip the masked tiles), else 1
+    math (scores materialized): t = flops / F + b·h·s_q·s_k · itemsize · SCORE_PASSES / B
+
+A model that writes attention as separate ops (matmul, softmax, matmul) is priced op by op, the score
+matrix's bytes included, which is the materialized kernel by construction.
+
 op_overhead (``Cluster.op_overhead``, 0 unless measured) is the host time of one eager op call: Python,
 dispatcher, autograd bookkeeping. Every call_function node pays it once in forward and once more in
 backward when it is differentiable, views included (each is an ATen call and an autograd node). On
@@ -91,6 +108,57 @@ def op_overhead_time(cluster, differentiable: bool) -> float:
     return getattr(cluster, "op_overhead", 0.0) * (2 if differentiable else 1)
 
 
+# Fused attention's achieved rate relative to a large GEMM's on the same GPU. FlashAttention-2 (Dao 2023,
+# §4.1, A100): forward up to 73 % and backward up to 63 % of peak, against ~86 % for the best bf16 GEMM
+# (stas00/ml-engineering MAMF table: 267.9 of 312 TFLOPS), i.e. ~0.75 of the GEMM rate over fwd+bwd.
+# The memory-efficient kernel (xformers-style, FlashAttention-1 level: 25-40 % of peak in Dao et al. 2022,
+# Table/Fig. on A100) reaches about half of the GEMM rate.
+ATTENTION_RATE = {"flash": 0.75, "efficient": 0.5}
+# Passes over the score matrix of a materialized attention, forward + backward: S = QK^T written (1),
+# softmax reads S and writes P (2), PV reads P (1); backward writes dP (1), softmax backward reads P and dP
+# and writes dS (3), and dQ, dK, dV read dS, dS, P (3).
+SCORE_PASSES = 11
+SCORE_PASSES_FORWARD = 4
+_FUSED_TARGETS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_product_cudnn_attention": "flash",
+                  "_scaled_dot_product_flash_attention_for_cpu": "flash",
+                  "_scaled_dot_product_efficient_attention": "efficient",
+                  "_scaled_dot_product_attention_math": "math"}
+
+
+def attention_kernel(node: fx.Node, cluster) -> str | None:
+    """"flash", "efficient" or "math" for an attention node on ``cluster`` (module docstring), None for any
+    other node and for the composite op on CPU clusters."""
+    name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+    if name in _FUSED_TARGETS:
+        return _FUSED_TARGETS[name]
+    if name != "scaled_dot_product_attention" or getattr(cluster, "device_type", "cpu") != "cuda":
+        return None
+    q = node.args[0].meta.get("val")
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    head_dim = q.shape[-1]
+    flash_ok = ("bfloat16" in cluster.peak_flops and q.dtype in (torch.float16, torch.bfloat16)
+                and mask is None and head_dim <= 256 and head_dim % 8 == 0)
+    if flash_ok:
+        return "flash"
+    return "efficient" if head_dim % 8 == 0 else "math"
+
+
+def attention_time(node: fx.Node, kernel: str, flops: float, io_bytes: float, strategy, cluster,
+                   differentiable: bool) -> float:
+    """Seconds of one attention node's forward (+ backward) under ``kernel`` (module docstring); ``flops`` and
+    ``io_bytes`` are the local ones, the score matrix is scaled to the local share by the work fraction."""
+    q = node.args[0].meta.get("val")
+    k = node.args[1].meta.get("val")
+    name = str(q.dtype).replace("torch.", "")
+    rate = cluster.matmul_flops(name, node_flops(node)[0] * strategy.work_fraction)
+    if kernel == "math":
+        scores = math.prod(q.shape[:-1]) * k.shape[-2] * q.element_size() * strategy.work_fraction
+        passes = SCORE_PASSES if differentiable else SCORE_PASSES_FORWARD
+        return flops / rate + scores * passes / cluster.memory_bandwidth
+    causal = 0.5 if (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)) else 1.0
+    return max(flops * causal / (rate * ATTENTION_RATE[kernel]), io_bytes / cluster.memory_bandwidth)
+
+
 def moves_no_data(node: fx.Node) -> bool:
     """A view, or an op whose output shares an input's storage (measured on fake tensors, cached)."""
     if is_free_view(node):
@@ -114,13 +182,17 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     moved = sum(local_bytes(v, s, mesh_shape) for v, s in zip(in_vals, strategy.in_specs))
     moved += sum(local_bytes(v, strategy.out_spec, mesh_shape) for v in out_vals)
     moved *= 3.0 if differentiable else 1.0
+    scale = getattr(cluster, "compute_time_scale", 1.0)
+    kernel = attention_kernel(node, cluster)
+    if kernel is not None:
+        return scale * attention_time(node, kernel, flops, moved, strategy, cluster, differentiable) + overhead
     # The output's dtype is the one the op computes in: under autocast a linear reads fp32 tensors and
     # computes (and returns) bf16; without autocast inputs and output agree.
     floating = [v for v in out_vals + in_vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
     dtype = floating[0].dtype if floating else torch.float32
     name = str(dtype).replace("torch.", "")
     rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
-    return max(flops / rate, moved / cluster.memory_bandwidth) + overhead
+    return scale * max(flops / rate, moved / cluster.memory_bandwidth) + overhead
 
 
 # Bytes each optimizer step moves per parameter element, in units of the parameter's itemsize:

@@ -27,6 +27,8 @@ class GPTConfig:
     vocab_size: tokens in the vocabulary.  seq_len: context length (positional table size).
     n_layer / n_head / n_embd: depth, attention heads, hidden width (n_embd % n_head == 0).
     dropout: probability for every dropout; 0 gives bit-reproducible training (parity tests use 0).
+    attention: "sdpa" (one fused scaled_dot_product_attention call) or "materialized" (scores, causal mask,
+      softmax and the value product as separate ops, as Megatron-LM and Alpa's GPT ran them).
     """
 
     vocab_size: int = 256
@@ -35,8 +37,11 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    attention: str = "sdpa"
 
     def __post_init__(self):
+        if self.attention not in ("sdpa", "materialized"):
+            raise ValueError(f"attention must be 'sdpa' or 'materialized', got {self.attention!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
@@ -81,6 +86,7 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.o = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
+        self.materialized = cfg.attention == "materialized"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -88,7 +94,12 @@ class CausalSelfAttention(nn.Module):
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        if self.materialized:
+            scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            y = F.dropout(scores.masked_fill(future, float("-inf")).softmax(-1), p) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.o(y)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,9 +31,9 @@ from autopar.errors import InfeasibleError
 from autopar.ir.units import fmt_bytes
 from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
+from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 from autopar.passes.strategies import generate_strategies
 from autopar.placement import shard_factor
-from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 
 INF = float("inf")
 LEAN_MARGIN = 1.25  # a lean solution may use this much more than the least memory any plan needs
@@ -118,7 +119,8 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
     instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``)."""
     L = layers.count
     t, sync, param, act, peak = (np.zeros(L) for _ in range(5))
-    spread = [_instance_layers(g.leader, layers, blocks, solution.weights[n]) for n, g in enumerate(solution.groups)]
+    spread = [_instance_layers(group.leader, layers, blocks, weight)
+              for group, weight in zip(solution.groups, solution.weights)]
     for group, i, where in zip(solution.groups, solution.choice, spread):
         for layer in where:
             t[layer] += group.cost[i] - group.sync[i]
@@ -214,7 +216,7 @@ class StageCosts:
         smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
         if smallest and first.memory * share > 0.5 * self.cluster.memory_per_device:
             try:
-                lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built[1]))
+                lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built.problem))
                 out.append(layer_costs(lean, self.layers, self.batch_dims, option.logical, b0, self.blocks))
             except InfeasibleError:
                 pass
@@ -248,7 +250,7 @@ class StageCosts:
             return 0.0
         per_sample = next(iter(self.cut_bytes.values()))[k]
         link = self.cluster.inter_node if self.cluster.nodes > 1 else self.cluster.intra_node
-        return 2 * (link.latency + microbatch * per_sample / link.bandwidth)
+        return 2 * (link.latency + microbatch * per_sample / link.bandwidth_for(2))
 
 
 _TASK = None  # the callable a forked worker runs (inherited through fork, never pickled)
@@ -299,12 +301,22 @@ def _cut_bytes(graph, layers) -> np.ndarray:
     return out
 
 
-@dataclasses.dataclass
+class ChosenStage(NamedTuple):
+    """One stage of the DP's answer: layers first..last (inclusive) on ``option``, keeping ``inflight``
+    microbatches alive (1F1B: min(stages from here to the end, B); GPipe: B)."""
+
+    first: int
+    last: int
+    option: MeshOption
+    inflight: int
+
+
+@dataclasses.dataclass(frozen=True)
 class StageChoice:
-    """The DP's answer: microbatches and, per stage, (first layer, last layer, mesh option, in-flight)."""
+    """The DP's answer: microbatches B, the stages in pipeline order, and the DP's objective."""
 
     microbatches: int
-    stages: list[tuple[int, int, MeshOption, int]]
+    stages: list[ChosenStage]
     cost: float
 
 
@@ -329,8 +341,8 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
                               f"or memory, or more microbatches")
     found, B, table = best
     out = []
-    for s, (k, i, j) in enumerate(found.stages):
+    for s, (k, i, j) in enumerate(found.stages):  # DPStage(first, last, size_index)
         f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
         m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
-        out.append((k, i, costs.options[m], f))
+        out.append(ChosenStage(k, i, costs.options[m], f))
     return StageChoice(B, out, found.cost)

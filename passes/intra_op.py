@@ -19,6 +19,7 @@ gradient synchronization of parameters (once per step, as the runtime does it af
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from autopar.cost_models.communication import axis_links, redistribute_cost
 from autopar.cost_models.memory import TrainingSpec
 from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp
 from autopar.passes.ilp_reuse import SolutionMemo
-from autopar.passes.intra_op_groups import Group, GroupBuilder, is_light  # noqa: F401 (is_light is public)
+from autopar.passes.intra_op_groups import Group, GroupBuilder
 from autopar.passes.intra_op_prices import edge_matrices, price_groups, shared_sync_rebates
 from autopar.passes.strategies.base import Strategy
 
@@ -87,11 +88,23 @@ class IntraOpSolution:
     edge_costs: dict[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     inputs: dict[str, tuple] = dataclasses.field(default_factory=dict)  # boundary value -> spec it arrives in
     sends: set[str] = dataclasses.field(default_factory=set)            # values later stages read
+    weights: list[float] = dataclasses.field(default_factory=list)      # per group: instances it stands for
+
+
+class BuiltProblem(NamedTuple):
+    """The ILP of one stage and how to read its solution back: ``builder`` holds the groups (and their
+    weights: instances of a repeated block they stand for), ``class_of[g]`` the ILP class of group g,
+    ``edges[(g, h)]`` the group-level resharding matrices the class edges were summed from."""
+
+    builder: GroupBuilder
+    problem: IlpProblem
+    class_of: list[int]
+    edges: dict[tuple[int, int], np.ndarray]
 
 
 def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None, subset: set[str] | None = None,
                   truncate: bool = False):
-    """Group, price and collapse repeated blocks; returns (builder, problem, class of each group, edges).
+    """Group, price and collapse repeated blocks into a ``BuiltProblem``.
 
     truncate: build only the first two instances of each repeated block (see ``intra_op_groups``); the
     problem is the same, weighted, and the solution is expanded to every instance."""
@@ -117,7 +130,7 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None,
             cost[cu] = cost[cu] + np.diag(m)
         else:
             class_edges[(cu, cv)] = class_edges.get((cu, cv), 0) + m
-    return b, IlpProblem(cost, mem, class_edges, budget, peak), class_of, edges
+    return BuiltProblem(b, IlpProblem(cost, mem, class_edges, budget, peak), class_of, edges)
 
 
 def _bucket_startup(env: CostEnv) -> float:
@@ -166,7 +179,7 @@ def solve_intra_op(graph, strategies, blocks, env: CostEnv, budget: float | None
     return solve_built(built, env, time_limit, memo=memo)
 
 
-def solve_built(built, env: CostEnv, time_limit: float, budget: float | None = None,
+def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: float | None = None,
                 memo: SolutionMemo | None = None) -> IntraOpSolution:
     """Solve an already built problem (with ``budget`` replacing its memory bound when given); ``memo``
     answers it from an earlier, provably equivalent solve when it can (``ilp_reuse``)."""
@@ -200,8 +213,6 @@ def solve_built(built, env: CostEnv, time_limit: float, budget: float | None = N
     assert abs(compute + comm - evaluate(problem, result.choice)) <= 1e-6 * max(1.0, compute + comm)
     bucket = _bucket_startup(env) if sync > 0 else 0.0
     comm, sync = comm + bucket, sync + bucket
-    solution = IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
-                               memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
-                               set(b.sends_real))
-    solution.weights = [b.weight(g) for g in range(len(b.groups))]
-    return solution
+    return IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
+                           memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
+                           set(b.sends_real), [b.weight(g) for g in range(len(b.groups))])

@@ -27,17 +27,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 INF = float("inf")
 
 
+class DPStage(NamedTuple):
+    """One stage the DP placed: layers first..last (inclusive) on a submesh of the ``size_index``-th
+    distinct size (``option_for`` maps it back to the cheapest option of that size)."""
+
+    first: int
+    last: int
+    size_index: int
+
+
 @dataclasses.dataclass(frozen=True)
 class DPResult:
-    """stages: [(first layer, last layer, submesh option)], in pipeline order; cost: T; t_max: max_s t_s."""
+    """stages: in pipeline order; cost: T; t_max: max_s t_s."""
 
-    stages: tuple[tuple[int, int, int], ...]
+    stages: tuple[DPStage, ...]
     cost: float
     t_max: float
 
@@ -113,12 +123,12 @@ def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) 
     return DPResult(_unwind(arg, sigma, D, distinct, sizes, by_size), F[sigma, 0, D] + (B - 1) * t_max, t_max)
 
 
-def _unwind(arg, sigma, D, distinct, sizes, by_size) -> tuple[tuple[int, int, int], ...]:
-    """Rebuild (k, i, size index) stages; the caller maps a size back to its cheapest option."""
+def _unwind(arg, sigma, D, distinct, sizes, by_size) -> tuple[DPStage, ...]:
+    """Rebuild the stages from the DP's argmin table."""
     out, k, d = [], 0, D
     while sigma > 0:
         i, j = arg[(sigma, k, d)]
-        out.append((k, i, j))
+        out.append(DPStage(k, i, j))
         k, d, sigma = i + 1, d - distinct[j], sigma - 1
     return tuple(out)
 

@@ -71,8 +71,8 @@ def unit_of(module: str) -> str:
 @functools.cache
 def all_modules() -> list[str]:
     """Every module of the packages pyproject.toml installs (some live outside autopar/ on disk)."""
-    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # tomllib is 3.11+; the list is one line
-    packages = re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*)\]$", text, re.M).group(1))
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")  # tomllib is 3.11+ and Python 3.10 is supported
+    packages = re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*?)\]", text, re.M | re.S).group(1))
     names = set(packages)
     for package in packages:
         path = importlib.import_module(package).__path__

@@ -8,12 +8,14 @@ from autopar.cost_models.communication import axis_links
 from autopar.errors import ClusterError
 
 
-@pytest.mark.parametrize("name,gpu_memory", [("p3.16xlarge", 16), ("dgx-a100", 80), ("dgx-h100", 80)])
-def test_presets(name, gpu_memory):
+@pytest.mark.parametrize("name,capacity_mib", [("p3.16xlarge", 16160), ("dgx-a100", 81920), ("dgx-h100", 81559)])
+def test_presets(name, capacity_mib):
     c = Cluster.preset(name, nodes=4)
     assert c.num_devices == 32 and c.mesh_shape == (4, 8)
-    assert c.memory_per_device == gpu_memory * 2**30
-    assert c.inter_node.bandwidth < c.intra_node.bandwidth
+    assert c.memory_capacity == capacity_mib * 2**20
+    # usable = (capacity - 1 GiB context and NCCL buffers) × (1 - 5 % allocator reserve): the planner's budget
+    assert c.memory_per_device == pytest.approx((capacity_mib * 2**20 - 2**30) * 0.95)
+    assert c.inter_node.bandwidth / c.devices_per_node < c.intra_node.bandwidth  # per device: one NIC each
     assert c.source, "every preset cites its source"
     assert Cluster.from_json(c.to_json()) == c
 

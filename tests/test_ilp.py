@@ -92,3 +92,45 @@ def test_memo_never_answers_a_looser_or_different_problem():
     assert memo.lookup(_with_more_memory(problem, 0.9)) is None, "a looser feasible set may have a better optimum"
     other = IlpProblem([c + 1e-3 for c in problem.cost], problem.mem, problem.edges, problem.budget, problem.peak)
     assert memo.lookup(other) is None, "another objective is never answered"
+
+
+def _point(model, problem, choice):
+    """The column vector of a choice: x one-hot, y on the matching (row group, column group), T the transient."""
+    from autopar.passes.ilp_model import MS
+
+    values = np.zeros(model.n_cols)
+    for c, cols in enumerate(model.x):
+        if cols is not None:
+            values[cols[choice[c]]] = 1.0
+    y_cols = [k for k in range(model.n_cols) if not model.integer[k]]
+    rows = [(model.index[model.start[r]:model.start[r + 1]], model.value[model.start[r]:model.start[r + 1]])
+            for r in range(model.n_rows)]
+    for k in y_cols[:-1] if problem.budget is not None else y_cols:  # y: 1 where both marginals hold it
+        touching = [(idx, val) for idx, val in rows if k in idx]
+        values[k] = float(all(values[idx[val < 0]].sum() > 0.5 for idx, val in touching))
+    if problem.budget is not None:
+        values[y_cols[-1]] = max(float(p[choice[c]]) for c, p in enumerate(problem.peak)) / problem.budget
+    return values, MS
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_sparse_model_prices_every_choice_like_the_formulation(seed):
+    """The one model both back ends solve: at every feasible choice's point, c·v + offset is the objective
+    (in ms) and every row holds; at an infeasible choice, the memory row is violated."""
+    import itertools
+
+    from autopar.passes.ilp_model import sharding_model
+
+    problem = random_problem(np.random.default_rng(seed), classes=4)
+    problem.budget = 0.5 * (min_memory(problem) + memory_of(problem, [0] * problem.n_classes))
+    model = sharding_model(problem)
+    seen = set()
+    for choice in itertools.product(*[range(len(c)) for c in problem.cost]):
+        v, ms = _point(model, problem, list(choice))
+        assert model.cost @ v + model.offset == pytest.approx(evaluate(problem, list(choice)) * ms, rel=1e-9)
+        spans = [slice(model.start[r], model.start[r + 1]) for r in range(model.n_rows)]
+        rows = np.array([model.value[s] @ v[model.index[s]] for s in spans])
+        holds = bool(np.all(rows >= model.row_lower - 1e-9) and np.all(rows <= model.row_upper + 1e-9))
+        assert holds == (memory_of(problem, list(choice)) <= problem.budget * (1 + 1e-12)), choice
+        seen.add(holds)
+    assert seen == {True, False}, "the budget separates feasible from infeasible choices"

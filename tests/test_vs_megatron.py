@@ -18,11 +18,16 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.baselines.hand_grids import HandLayout, balanced_ranges, hand_grid, moe_pins, wrn_pins
-from autopar.baselines.megatron_configs import (MegatronConfig, megatron_flops, megatron_grid, megatron_options,
-                                                megatron_pins)
+from autopar.baselines.megatron_configs import (
+    MegatronConfig,
+    megatron_flops,
+    megatron_grid,
+    megatron_options,
+    megatron_pins,
+)
+from autopar.ir.ops import OpView
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies
-from autopar.ir.ops import OpView
 from autopar.passes.strategies.einsum import parse_equation
 from autopar.placement import R, local_slice
 from examples import moe, wide_resnet

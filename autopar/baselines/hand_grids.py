@@ -27,8 +27,14 @@ import dataclasses
 import math
 from typing import Iterator
 
-from autopar.baselines.megatron_configs import (MAX_MICROBATCHES, Scored, capture_once, grid_search, score_options,
-                                         stage_submesh)
+from autopar.baselines.megatron_configs import (
+    MAX_MICROBATCHES,
+    Scored,
+    capture_once,
+    grid_search,
+    score_options,
+    stage_submesh,
+)
 
 EP_DEGREES = (1, 2, 4, 8)
 
@@ -133,7 +139,7 @@ def layer_weights(graph) -> dict[str, list[float]]:
     layer that reads it, ``Layers.of_node``)."""
     from autopar.cost_models.compute import node_flops
     from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
-    from autopar.passes.intra_op import is_light
+    from autopar.passes.intra_op_groups import is_light
 
     layers = cluster_layers(graph, find_repeated_blocks(graph), None, is_light)
     nodes = {n.name: n for n in graph.gm.graph.nodes}

@@ -18,6 +18,7 @@ Contract (tests outside this repository rely on it):
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -38,6 +39,7 @@ class ParallelModule(torch.nn.Module):
         self._state_keys = state_keys
         self._unused = unused
         self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
+        watch_optimizers()
 
     # ---- running -------------------------------------------------------------------------------
     def forward(self, *inputs):
@@ -162,17 +164,29 @@ def _find_loss_index(out_spec, gm) -> int | None:
     return index
 
 
-# ---- a common mistake: an optimizer over the original model's parameters (added for issue 7) ----------
+# ---- a common mistake: an optimizer over the original model's parameters --------------------------------
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step was checked
+_HOOK: list = []  # the handle of the registered hook, once a ParallelModule exists
+
+
+def watch_optimizers() -> None:
+    """Register ``_warn_if_no_parameter_has_a_gradient`` as a step pre-hook on torch optimizers, once per
+    process, when the first ParallelModule is built (never at import: importing autopar leaves torch's
+    optimizers untouched). torch offers the hook globally only, so optimizers stepped after that are checked."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_warn_if_no_parameter_has_a_gradient))
+
+
 def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Global optimizer step pre-hook, checking each optimizer's first step only (then one attribute
-    read per step): ``train_step`` leaves gradients on ``pm.parameters()``, so an optimizer none of whose
-    parameters has one was almost surely built from ``model.parameters()``, which autopar never trains."""
-    if getattr(optimizer, "_autopar_checked", False):
+    """Checks each optimizer's first step only (then one set lookup per step): ``train_step`` leaves
+    gradients on ``pm.parameters()``, so an optimizer none of whose parameters has one was almost surely
+    built from ``model.parameters()``, which autopar never trains."""
+    if optimizer in _CHECKED:
         return
     from autopar.runtime.optim import check_raw
 
     check_raw(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
-    optimizer._autopar_checked = True
+    _CHECKED.add(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if params and all(p.grad is None for p in params):
         warnings.warn(f"{type(optimizer).__name__}.step(): none of its {len(params)} parameters has a gradient, "
@@ -180,5 +194,3 @@ def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer, args,
                       f"rank's shards), not model.parameters(): the original model is copied, never trained",
                       stacklevel=3)
 
-
-register_optimizer_step_pre_hook(_warn_if_no_parameter_has_a_gradient)

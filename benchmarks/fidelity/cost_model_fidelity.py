@@ -1,11 +1,11 @@
 """Cost-model fidelity: the planner's predicted step time and peak memory vs measured, plan by plan.
 
-    python benchmarks/cost_model_fidelity.py                         # profiles 4 local ranks first
-    python benchmarks/cost_model_fidelity.py --cluster cluster.json  # a saved `autopar profile` result
-    python benchmarks/cost_model_fidelity.py --split                 # also time compute without collectives
+    python benchmarks/fidelity/cost_model_fidelity.py                         # profiles 4 local ranks first
+    python benchmarks/fidelity/cost_model_fidelity.py --cluster cluster.json  # a saved `autopar profile` result
+    python benchmarks/fidelity/cost_model_fidelity.py --split                 # also time compute without collectives
 
 On 4 local gloo ranks (``Cluster.local(4)`` semantics, numbers from the profiled cluster file), the GPT
-example (CONFIG, global batch BATCH) is planned under every layout of ``benchmarks.fidelity_plans.PLANS``
+example (CONFIG, global batch BATCH) is planned under every layout of ``benchmarks.fidelity.fidelity_plans.PLANS``
 (forced data parallel, Megatron tensor parallel, 2-D mixes, the planner's own choices) and each plan is
 compiled on every rank. Measured, in one launch with all plans interleaved round by round (so load drift
 from other jobs hits every plan alike):
@@ -18,8 +18,8 @@ from other jobs hits every plan alike):
     (profile_memory=True) records over one step; the largest over ranks. RSS is not used: it is
     dominated by the interpreter and the allocator's cached pages.
 
-Before planning, ``benchmarks.profile_extras`` adds what the profiler does not measure yet: collective fits
-taken with both axes of a 2-D mesh busy, and the per-op host overhead (``--no-extras`` skips them).
+The cluster comes from ``autopar profile`` (``--cluster``, else profiled now), which also measures collective
+fits taken with both axes of a 2-D mesh busy, the per-op host overhead and the training-matmul factor.
 ``--split`` also times each single-stage plan with torch.distributed's collectives replaced by local copies,
 so the table shows compute and communication apart (measured comm = step - compute-only step).
 
@@ -44,36 +44,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
+from autopar.fidelity import peak_allocated_bytes, relative_error, spearman  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 GOALS = {"time_err": 0.15, "spearman": 0.9, "mem_err": 0.20}
-
-
-# ---- statistics -----------------------------------------------------------------------------------
-def ranks(x) -> np.ndarray:
-    """Ranks 1..n of ``x``, ties sharing their average rank (as scipy.stats.rankdata)."""
-    x = np.asarray(x, dtype=float)
-    order = np.argsort(x, kind="mergesort")
-    r = np.empty(len(x))
-    r[order] = np.arange(1, len(x) + 1)
-    for value in np.unique(x):
-        tied = x == value
-        r[tied] = r[tied].mean()
-    return r
-
-
-def spearman(a, b) -> float:
-    """Spearman's rho: the Pearson correlation of the ranks (nan when either side is constant)."""
-    ra, rb = ranks(a), ranks(b)
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
-def relative_error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured: positive when the model over-predicts."""
-    return (predicted - measured) / measured
 
 
 # ---- on every rank --------------------------------------------------------------------------------
@@ -88,21 +63,6 @@ def _step(pm, opt, batch) -> None:
     pm.train_step(*batch)
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def peak_allocated_bytes(fn) -> int:
-    """Largest running sum of CPU allocations minus frees that torch.profiler records while ``fn`` runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    cpu = torch._C._autograd.DeviceType.CPU
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu]
-    running = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        peak = max(peak, running)
-    return peak
 
 
 def _timed(built, batch, fake_comm: bool) -> float:
@@ -179,26 +139,21 @@ def _local_collectives():
 
 
 # ---- in the caller --------------------------------------------------------------------------------
-def load_or_profile(path: str | None, out: str, extras: bool) -> tuple[autopar.Cluster, str]:
-    """The cluster file given, else a fresh 4-rank profile (written to ``out``). With ``extras``, the
-    in-mesh collective fits and op_overhead of ``benchmarks.profile_extras`` are measured when the file has
-    no in-mesh fits (and the result written: to ``out``, or beside a given file as "<name>+extras.json")."""
-    fresh = not path
-    if fresh:
-        print(f"# no --cluster given: profiling 4 local ranks first (writes {out})", flush=True)
-        cluster, path = autopar.Cluster.profile(nprocs=4, progress=False), out
-    else:
+def load_or_profile(path: str | None, out: str) -> tuple[autopar.Cluster, str]:
+    """The cluster file given, else a fresh 4-rank ``autopar profile`` (written to ``out``), which measures
+    everything the cost model reads: isolated probes, in-mesh collective fits, op_overhead, and the
+    training-matmul factor (``autopar.profiler_training``). A file without in-mesh fits predates that
+    profiler: re-profile rather than plan with half the measurements."""
+    if path:
         cluster = autopar.Cluster.from_json(path)
-    if extras and not any("@" in key for key in cluster.intra_node.fits):
-        from benchmarks.profile_extras import add_profile_extras
-
-        print("# measuring in-mesh collectives and op overhead (benchmarks/profile_extras.py)", flush=True)
-        cluster = add_profile_extras(cluster)
-        path = path if fresh else path.removesuffix(".json") + "+extras.json"
-        fresh = True
-    if fresh:
-        cluster.to_json(path)
-    return cluster, path
+        if not any("@" in key for key in cluster.intra_node.fits):
+            print(f"# warning: {path} has no in-mesh collective fits (profiled before autopar.profiler_training); "
+                  f"re-run `autopar profile 4 --out {path}` for the full measurement", flush=True)
+        return cluster, path
+    print(f"# no --cluster given: profiling 4 local ranks first (writes {out})", flush=True)
+    cluster = autopar.Cluster.profile(nprocs=4, progress=False)
+    cluster.to_json(out)
+    return cluster, out
 
 
 def summarize(plans: dict, measured: list[dict]) -> list[dict]:
@@ -278,11 +233,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (the median is reported)")
     parser.add_argument("--split", action="store_true", help="also time every step with local stand-ins for "
                         "collectives (compute alone; diagnostic)")
-    parser.add_argument("--no-extras", action="store_true", help="use the cluster file as it is (default: add "
-                        "in-mesh collective fits and op_overhead when missing, see benchmarks/profile_extras.py)")
     parser.add_argument("--plans", nargs="+", default=None, help=f"a subset of {[p.name for p in PLANS]}")
     args = parser.parse_args(argv)
-    cluster, source = load_or_profile(args.cluster, args.profile_out, not args.no_extras)
+    cluster, source = load_or_profile(args.cluster, args.profile_out)
     plans = make_plans(cluster, args.plans)
     load_before = os.getloadavg()
     start = time.perf_counter()

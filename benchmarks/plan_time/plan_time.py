@@ -13,7 +13,6 @@ it is never a test with a time limit.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import platform
 import sys
@@ -24,17 +23,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
+from autopar.presets import preset_gpus  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
 
 DEFAULT_POINTS = ["1.3B:4:p3.16xlarge:1024", "2.6B:8:p3.16xlarge:1024", "6.7B:16:p3.16xlarge:1024",
                   "15B:32:p3.16xlarge:1024", "39B:64:p3.16xlarge:1024", "175B:1024:dgx-a100:1536"]
-
-
-def cluster_for(preset: str, gpus: int) -> autopar.Cluster:
-    base = autopar.Cluster.preset(preset, nodes=max(1, gpus // 8))
-    if gpus < base.devices_per_node:  # part of one node
-        base = dataclasses.replace(base, devices_per_node=gpus, mesh_shape=None)
-    return base
 
 
 def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
@@ -47,14 +40,15 @@ def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
     start = time.perf_counter()
     options = {"precision": precision, "zero": zero} if precision else {"zero": zero}
     batch_inputs = make_batch(cfg, int(batch), device="meta")
-    plan = autopar.plan(model, cluster_for(preset, int(gpus)), batch_inputs, **options)
+    plan = autopar.plan(model, preset_gpus(preset, int(gpus)), batch_inputs, **options)
     total = time.perf_counter() - start
     t = plan.timings
     return {"model": name, "params": cfg.n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
             "total": total, "capture": t.get("capture", 0.0), "dp": t.get("stage_dp", 0.0),
             "stages_s": t.get("stage_ilps", 0.0), "solves": plan.planner.get("mesh_solves", 0),
             "stages": len(plan.stages), "B": plan.microbatches,
-            "shape": "+".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages[:3]) + ("+…" if len(plan.stages) > 3 else ""),
+            "shape": "+".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages[:3])
+            + ("+…" if len(plan.stages) > 3 else ""),
             "step": plan.predicted["step_time"], "mem": plan.predicted["peak_memory"] / 2**30,
             "pflops": 6 * cfg.n_params * int(batch) * cfg.seq_len / plan.predicted["step_time"] / 1e15}
 
@@ -70,14 +64,15 @@ def main(argv=None) -> int:
     print(f"# autopar plan time — {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}, precision {args.precision or 'fp16 weights'}, "
           f"zero {zero}")
-    print(f"| model | GPUs | cluster | batch | plan total s | capture s | DP s | stage ILPs s | mesh solves "
-          f"| stages (submeshes) | B | predicted step s | PFLOP/s | peak GiB |")
+    print("| model | GPUs | cluster | batch | plan total s | capture s | DP s | stage ILPs s | mesh solves "
+          "| stages (submeshes) | B | predicted step s | PFLOP/s | peak GiB |")
     print("|" + "---|" * 14)
     for point in args.points:
         r = run_point(point, args.precision, zero)
-        print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | {r['total']:.1f} | "
-              f"{r['capture']:.1f} | {r['dp']:.1f} | {r['stages_s']:.1f} | {r['solves']} | {r['stages']} ({r['shape']}) "
-              f"| {r['B']} | {r['step']:.2f} | {r['pflops']:.2f} | {r['mem']:.1f} |", flush=True)
+        print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | "
+              f"{r['total']:.1f} | {r['capture']:.1f} | {r['dp']:.1f} | {r['stages_s']:.1f} | {r['solves']} | "
+              f"{r['stages']} ({r['shape']}) | {r['B']} | {r['step']:.2f} | {r['pflops']:.2f} | {r['mem']:.1f} |",
+              flush=True)
     return 0
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import autopar  # noqa: E402
 from autopar.baselines import hand_grids, megatron_configs  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from benchmarks.plan_time.plan_time import cluster_for  # noqa: E402
+from autopar.presets import preset_gpus  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
@@ -120,7 +120,7 @@ def describe_plan(plan) -> str:
 
 def run_point(point: str, progress) -> dict:
     family, name, gpus, preset = point.split(":")
-    cluster = cluster_for(preset, int(gpus))
+    cluster = preset_gpus(preset, int(gpus))
     work = build_workload(family, name)
     start = time.perf_counter()
     best, scored = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "

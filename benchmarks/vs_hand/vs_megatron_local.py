@@ -13,8 +13,8 @@ layout over its rounds × steps samples, its quartiles, and autopar's speedup ov
 as autopar's cost model predicts it (the hand layouts expressed as Megatron configs, ``megatron_configs``).
 
 The cluster file: ``--cluster``, else ``benchmarks/results/local4_cluster.json`` when present, else it is
-profiled now (``autopar.Cluster.profile(4)``, plus ``benchmarks/profile_extras.add_profile_extras`` when that
-module is there: in-mesh collective fits and the per-op host overhead) and saved there.
+profiled now (``autopar.Cluster.profile(4)``, which includes the training-condition measurements: in-mesh
+collective fits, the per-op host overhead, the training-matmul factor) and saved there.
 
 GPT config (``LOCAL_GPT``): big enough that a step takes tens of ms or more on these ranks, where per-op
 host overheads no longer dominate, and small enough that the whole run takes a few minutes.
@@ -53,12 +53,6 @@ def local_cluster(path: str | None) -> autopar.Cluster:
         return autopar.Cluster.from_json(CLUSTER_FILE)
     print(f"profiling this machine as {WORLD} gloo ranks (once; saved to {CLUSTER_FILE})", file=sys.stderr)
     cluster = autopar.Cluster.profile(WORLD)
-    try:
-        from benchmarks.profile_extras import add_profile_extras
-
-        cluster = add_profile_extras(cluster)
-    except ImportError:
-        pass
     os.makedirs(report.RESULTS, exist_ok=True)
     cluster.to_json(CLUSTER_FILE)
     return cluster
@@ -67,8 +61,8 @@ def local_cluster(path: str | None) -> autopar.Cluster:
 def build_runners(cluster: autopar.Cluster) -> tuple[dict, str]:
     """{layout name: (step fn, optimizer)} for every hand layout and autopar, from the same weights;
     and autopar's plan in words. Collective: every rank calls it."""
-    from examples.megatron_baselines import LAYOUTS, build
     from benchmarks.vs_hand.vs_megatron import describe_plan
+    from examples.megatron_baselines import LAYOUTS, build
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
     runners = {}
@@ -109,8 +103,8 @@ def predicted_times(cluster: autopar.Cluster) -> dict[str, float | None]:
     """autopar's cost-model step time of every measured layout: each hand layout as the Megatron config it
     is (``megatron_configs``), and autopar's own plan. Shows whether a miss comes from the cost model's
     ranking of the layouts (prediction error) or from the planner's search (a better layout it did not find)."""
-    from examples.megatron_baselines import LAYOUTS
     from autopar.baselines.megatron_configs import MegatronConfig, capture_once, score_config
+    from examples.megatron_baselines import LAYOUTS
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
     graph, recapture = capture_once(model, batch)

@@ -1,0 +1,183 @@
+"""What ``autopar.profiler`` measures in training conditions, on top of its isolated probes:
+
+    per rank: measure_rank(settings, probe) -> raw seconds      (inside the profiler's launch)
+    caller:   apply_training_measurements(cluster, per_rank, probe) -> Cluster
+
+1. Collectives inside a mesh. The isolated probe times each collective with every group of one size busy at
+   once, one axis at a time. Training alternates a 2-D mesh's two axes (gradient all-reduces on the batch
+   axis between the tensor-parallel ones), and on oversubscribed ranks each collective then waits for ranks
+   just busy in the other axis's group (4 gloo ranks on 2 cores: all_reduce/2 of 4 KiB took 2.0 ms alone and
+   3.6 ms with the two axes of a 2×2 mesh alternating). Method, per mesh (R, C) of the world with R, C >= 2,
+   per collective and message size: every rank loops [collective on its axis-0 group; the same on its axis-1
+   group] in timed windows, all ranks at once; the pair's time is split between the axes in proportion to
+   their single-axis fits (half each when either is unknown), and each axis gets ``fit_alpha_beta`` of its
+   points under "<kind>/<n>@<R>x<C>", which ``cost_models.communication`` prefers on that mesh.
+2. op_overhead: host seconds per eager op call. Every rank runs forward + backward of a tiny block (tensors of
+   a few hundred bytes, so kernels cost ~nothing) in timed windows; op_overhead = median over ranks of
+   t / (2 · call_function nodes of its captured graph), the charge ``cost_models.compute`` makes. GPU ranks
+   skip it (0: launches overlap with running kernels; CUDA-event timing would not see host time anyway).
+3. Training-shaped matmuls. The curve times square ``mm`` on cache-hot operands; training's linears are
+   rectangular, two of their three GEMMs read a transposed operand, and other ops evict the operands between
+   calls (the GPT example's linears ran at 0.71× the curve on the development VM). Method: forward + backward
+   of ``F.linear`` (three GEMMs) for each of ``TRAINING_SHAPES``; factor = median over shapes of curve-predicted
+   GEMM seconds / (measured - 2 · op_overhead); the curve of the dtype measured (float32 on CPUs, the
+   half-precision ones on GPUs) is multiplied by it, and its peak with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.cluster import Cluster
+
+# (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
+TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
+GPU_SCALE = 8  # GPU ranks time each shape 8× larger per side-pair (tokens and d_out), past launch-bound sizes
+
+
+class TinyBlock(nn.Module):
+    """A pre-norm transformer block of width 8 on 4 tokens: the op mix of a GPT, with kernels ~free."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.ln, self.qkv, self.out, self.fc = (nn.LayerNorm(width), nn.Linear(width, 3 * width),
+                                                nn.Linear(width, width), nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
+        x = x + self.out((q @ k.transpose(-2, -1)).softmax(-1) @ v)
+        return (x + self.fc(F.gelu(x))).sum()
+
+
+def meshes_of(world: int) -> list[tuple[int, int]]:
+    """Every 2-D mesh (R, C) of ``world`` ranks with both sides >= 2."""
+    return [(r, world // r) for r in range(2, world // 2 + 1) if world % r == 0]
+
+
+def _axis_groups(mesh: tuple[int, int]) -> tuple:
+    """This rank's (axis-0 group, axis-1 group) of a row-major mesh; every rank creates every group."""
+    rows, cols = mesh
+    me, mine = dist.get_rank(), [None, None]
+    for axis, groups in enumerate(([[r * cols + c for r in range(rows)] for c in range(cols)],
+                                   [[r * cols + c for c in range(cols)] for r in range(rows)])):
+        for members in groups:
+            group = dist.new_group(members)
+            mine[axis] = group if me in members else mine[axis]
+    return tuple(mine)
+
+
+def _timed(call, settings, probe) -> float:
+    """Seconds per ``call`` by the profiler's method: warm-up, then windows with every rank at once."""
+    from autopar.profiler import calls_per_window, seconds_per_call, slowest_rank, warm_up
+
+    dist.barrier()
+    slowest = slowest_rank(warm_up(call, settings.warmup, probe), probe)
+    return seconds_per_call(call, calls_per_window(slowest, settings), settings.windows, probe)
+
+
+def training_dtypes(probe) -> tuple[str, ...]:
+    return ("bfloat16", "float16") if probe.kind == "cuda" else ("float32",)
+
+
+def _linear_step(shape, dtype: torch.dtype, device):
+    """Forward + backward of one linear layer (three GEMMs), as a zero-argument call."""
+    tokens, d_in, d_out = shape
+    x = torch.randn(tokens, d_in, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(d_out, d_in, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(tokens, d_out, device=device, dtype=dtype)
+    return lambda: torch.autograd.grad(F.linear(x, w), (x, w), g)
+
+
+def training_shapes(probe) -> list[tuple[int, int, int]]:
+    k = GPU_SCALE if probe.kind == "cuda" else 1
+    return [(t * k, d_in, d_out * k) for t, d_in, d_out in TRAINING_SHAPES]
+
+
+def measure_rank(settings, probe) -> dict:
+    """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]}}."""
+    from autopar.profiler import COLLECTIVES, collective_call
+
+    out = {"mesh": {}, "tiny_step": None, "linears": {}}
+    for mesh in meshes_of(dist.get_world_size()):
+        groups = _axis_groups(mesh)
+        for kind in COLLECTIVES:
+            for nbytes in settings.message_bytes:
+                (call0, m0), (call1, m1) = (collective_call(kind, nbytes, mesh[a], groups[a], probe.torch)
+                                              for a in (0, 1))
+                out["mesh"].setdefault((mesh, kind), []).append((m0, m1, _timed(lambda: (call0(), call1()),
+                                                                                 settings, probe)))
+    if probe.kind != "cuda":
+        block, x = TinyBlock(), torch.randn(4, 8)
+        out["tiny_step"] = _timed(lambda: block(x).backward(), settings, probe)
+    for name in training_dtypes(probe):
+        dtype = getattr(torch, name)
+        out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
+                                for s in training_shapes(probe)]
+    return out
+
+
+# ---- in the caller --------------------------------------------------------------------------------
+def tiny_block_nodes() -> int:
+    """call_function nodes of ``TinyBlock``'s captured graph: the op calls one forward makes."""
+    from autopar.passes.capture import capture
+
+    return sum(n.op == "call_function" for n in capture(TinyBlock(), (torch.randn(4, 8),)).gm.graph.nodes)
+
+
+def training_matmul_factor(cluster: Cluster, dtype_name: str, shapes, seconds, overhead: float) -> float:
+    """Median over ``shapes`` of curve-predicted GEMM seconds (3 GEMMs of 2·t·i·o FLOPs) / measured kernel
+    seconds (the measured step less its 2 op calls' overhead)."""
+    factors = []
+    for (tokens, d_in, d_out), measured in zip(shapes, seconds):
+        flops = 2.0 * tokens * d_in * d_out
+        predicted = 3 * flops / cluster.matmul_flops(dtype_name, flops)
+        factors.append(predicted / max(measured - 2 * overhead, 1e-9))
+    return statistics.median(factors)
+
+
+def _share(alone, axis: int, m0: float, m1: float) -> float:
+    """Axis ``axis``'s part of a pair's time: its single-axis fit over both (half when either is unknown)."""
+    if alone[0] is None or alone[1] is None:
+        return 0.5
+    t0, t1 = alone[0].time(m0), alone[1].time(m1)
+    return (t0 if axis == 0 else t1) / (t0 + t1)
+
+
+def in_mesh_fits(cluster: Cluster, per_rank: list[dict]) -> dict:
+    """The intra-node fits plus "<kind>/<n>@<R>x<C>" ones from the alternating-axes measurement (item 1)."""
+    from autopar.profiler import fit_alpha_beta
+
+    fits = dict(cluster.intra_node.fits)
+    for key, points in per_rank[0]["mesh"].items():
+        mesh, kind = key
+        times = [statistics.median(r["mesh"][key][i][2] for r in per_rank) for i in range(len(points))]
+        alone = [cluster.intra_node.fits.get(f"{kind}/{mesh[a]}") for a in (0, 1)]
+        for axis in (0, 1):
+            parts = [_share(alone, axis, m0, m1) * t for (m0, m1, _), t in zip(points, times)]
+            fits[f"{kind}/{mesh[axis]}@{mesh[0]}x{mesh[1]}"] = fit_alpha_beta([p[axis] for p in points], parts)
+    return fits
+
+
+def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -> tuple[Cluster, str]:
+    """``cluster`` with in-mesh fits, op_overhead and training-scaled matmul curves; and a note for its source."""
+    link = dataclasses.replace(cluster.intra_node, fits=in_mesh_fits(cluster, per_rank))
+    tiny = [r["tiny_step"] for r in per_rank if r["tiny_step"] is not None]
+    overhead = statistics.median(tiny) / (2 * tiny_block_nodes()) if tiny else 0.0
+    curve, peak, notes = dict(cluster.matmul_curve), dict(cluster.peak_flops), []
+    for name in per_rank[0]["linears"]:
+        if name not in curve:
+            continue
+        seconds = [statistics.median(r["linears"][name][i] for r in per_rank)
+                   for i in range(len(per_rank[0]["linears"][name]))]
+        factor = training_matmul_factor(cluster, name, training_shapes(probe), seconds, overhead)
+        curve[name] = [[flops, rate * factor] for flops, rate in curve[name]]
+        peak[name] = max(rate for _, rate in curve[name])
+        notes.append(f"{name} curve × {factor:.2f} for training-shaped matmuls")
+    note = f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; " + ("; ".join(notes) or "no curve scaled")
+    return dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
+                               op_overhead=overhead, matmul_curve=curve, peak_flops=peak), note

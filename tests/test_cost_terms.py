@@ -1,0 +1,152 @@
+"""The cost model's preset terms on hand-computable cases: the matmul curve by call size, usable memory,
+bandwidth by group size (V100 cube-mesh), ring/tree step latency, attention priced by its kernel, the
+end-to-end compute factor, and the profiler's training-condition measurements (synthetic inputs)."""
+import math
+import types
+
+import pytest
+import torch
+
+from autopar.cluster import Cluster, CollectiveFit, Link
+from autopar.cost_models.communication import AxisLink, algorithm_steps, axis_links
+from autopar.cost_models.compute import ATTENTION_RATE, SCORE_PASSES, attention_kernel, compute_time, node_flops
+from autopar.errors import ClusterError
+from autopar.passes.capture import capture
+from autopar.placement import R
+from autopar.presets import GEMM_RAMP, gemm_curve, usable_memory
+from autopar.profiler_training import _share, in_mesh_fits, meshes_of, training_matmul_factor
+from examples.gpt import GPT, GPTConfig, make_batch
+
+GB, MiB, GiB = 1e9, 2**20, 2**30
+
+
+# ---- compute: curve and factor -------------------------------------------------------------------
+def test_gemm_curve_saturates_at_the_plateau_and_halves_at_plateau_times_ramp():
+    plateau = 100e12
+    curve = dict((f, r) for f, r in gemm_curve(plateau))
+    half = plateau * GEMM_RAMP  # a call this size spends as long ramping as computing
+    assert gemm_curve(plateau, ramp=5e-6)[0][1] == pytest.approx(plateau * 1e6 / (1e6 + plateau * 5e-6))
+    assert plateau * half / (half + plateau * GEMM_RAMP) == pytest.approx(plateau / 2)
+    assert curve[1e14] == pytest.approx(plateau * 1e14 / (1e14 + 5e8))  # within 0.5 % of the plateau
+    rates = [r for _, r in gemm_curve(plateau)]
+    assert rates == sorted(rates), "larger calls never run slower"
+
+
+def test_presets_use_their_curve_so_small_matmuls_are_slower():
+    a100 = Cluster.preset("dgx-a100")
+    big, small = a100.matmul_flops("bfloat16", 1e13), a100.matmul_flops("bfloat16", 1e8)
+    assert big == pytest.approx(0.859 * 312e12, rel=0.01)  # MAMF: 267.9 of 312 TFLOPS
+    assert small < 0.1 * big
+
+
+def test_usable_memory_is_capacity_less_context_less_reserve():
+    assert usable_memory(16160 * MiB) == pytest.approx((16160 * MiB - GiB) * 0.95)
+    assert usable_memory(80 * GiB, context=0.5 * GiB, reserve=0.1) == pytest.approx(79.5 * GiB * 0.9)
+
+
+# ---- communication: topology and algorithm --------------------------------------------------------
+def test_v100_cube_mesh_bandwidth_depends_on_the_group_size():
+    link = Cluster.preset("p3.16xlarge").intra_node
+    assert [link.bandwidth_for(n) for n in (2, 3, 4, 8)] == [25 * GB, 25 * GB, 50 * GB, 130 * GB]
+    tp2, dp4 = axis_links(Cluster.preset("p3.16xlarge"), (4, 2))[::-1]
+    assert (tp2.size, tp2.bandwidth) == (2, 25 * GB) and (dp4.size, dp4.bandwidth) == (4, 50 * GB)
+    nvswitch = Cluster.preset("dgx-a100").intra_node
+    assert nvswitch.bandwidth_for(2) == nvswitch.bandwidth_for(8) == nvswitch.bandwidth
+
+
+def test_ring_and_tree_steps():
+    assert algorithm_steps("all_reduce", 8) == 6  # tree 2·log2(8) beats ring 2·7
+    assert algorithm_steps("all_reduce", 2) == 2 and algorithm_steps("all_reduce", 1) == 0
+    assert algorithm_steps("all_gather", 8) == 7 and algorithm_steps("send", 8) == 1
+    assert algorithm_steps("all_reduce", 64) == 12
+
+
+def test_hop_latency_adds_per_step():
+    link = Link(latency=1e-5, bandwidth=1e9, hop_latency=1e-6)
+    axis = AxisLink(4, link.latency, link.bandwidth, link)
+    assert axis.time("all_reduce", 1e6) == pytest.approx(1e-5 + 4 * 1e-6 + 1.5 * 1e6 / 1e9)
+    assert axis.time("all_gather", 1e6) == pytest.approx(1e-5 + 3 * 1e-6 + 0.75 * 1e6 / 1e9)
+
+
+def test_bad_group_bandwidth_is_a_cluster_error():
+    d = Cluster.preset("p3.16xlarge").to_dict()
+    d["intra_node"]["group_bandwidth"] = {"one": 1e9}
+    with pytest.raises(ClusterError, match="group size"):
+        Cluster.from_dict(d)
+    d["intra_node"]["group_bandwidth"] = {"2": -1.0}
+    with pytest.raises(ClusterError, match="group_bandwidth"):
+        Cluster.from_dict(d)
+
+
+# ---- attention by kernel ------------------------------------------------------------------------
+def _attention_node(n_embd: int, n_head: int, dtype=torch.float16):
+    cfg = GPTConfig(n_layer=1, n_embd=n_embd, n_head=n_head, seq_len=64, vocab_size=64)
+    with torch.device("meta"):
+        model = GPT(cfg).to(dtype)
+    graph = capture(model, make_batch(cfg, 2, device="meta"))
+    return next(n for n in graph.gm.graph.nodes if "scaled_dot_product" in str(n.target))
+
+
+def _time(node, cluster):
+    vals = [a.meta["val"] for a in node.args[:3]]
+    strategy = types.SimpleNamespace(work_fraction=1.0, in_specs=[(R, R)] * 3, out_spec=(R, R))
+    return compute_time(node, strategy, vals, [node.meta["val"]], (1, 1), cluster, differentiable=True)
+
+
+def test_attention_kernel_follows_the_dispatcher():
+    node = _attention_node(64, 4)  # head dim 16, fp16, causal, no mask
+    assert attention_kernel(node, Cluster.preset("dgx-a100")) == "flash"
+    assert attention_kernel(node, Cluster.preset("p3.16xlarge")) == "efficient"  # V100: no flash (sm70)
+    assert attention_kernel(node, Cluster.local(1)) is None
+    assert attention_kernel(_attention_node(48, 4), Cluster.preset("dgx-a100")) == "math"  # head dim 12
+
+
+def test_fused_attention_is_causal_halved_flops_at_the_kernel_rate():
+    node = _attention_node(64, 4)
+    a100 = Cluster.preset("dgx-a100", nodes=1)
+    a100 = Cluster(**{**a100.__dict__, "memory_bandwidth": 1e18, "compute_time_scale": 1.0})
+    fwd, bwd = node_flops(node)
+    rate = a100.matmul_flops("float16", fwd)
+    assert _time(node, a100) == pytest.approx((fwd + bwd) * 0.5 / (rate * ATTENTION_RATE["flash"]))
+    no_bf16 = Cluster(**{**a100.__dict__, "peak_flops": {"float16": 312e12, "float32": 19.5e12}})
+    assert _time(node, no_bf16) == pytest.approx(_time(node, a100) * 0.75 / 0.5)
+
+
+def test_materialized_attention_pays_for_the_score_matrix():
+    node = _attention_node(48, 4)  # head dim 12: math kernel
+    a100 = Cluster(**{**Cluster.preset("dgx-a100").__dict__, "compute_time_scale": 1.0})
+    fwd, bwd = node_flops(node)
+    scores = 2 * 4 * 64 * 64 * 2  # batch · heads · s · s · fp16 bytes
+    expected = (fwd + bwd) / a100.matmul_flops("float16", fwd) + scores * SCORE_PASSES / a100.memory_bandwidth
+    assert _time(node, a100) == pytest.approx(expected)
+
+
+def test_compute_time_scale_multiplies_the_roofline_not_the_overhead():
+    node = _attention_node(64, 4)
+    base = Cluster(**{**Cluster.preset("dgx-a100").__dict__, "compute_time_scale": 1.0, "op_overhead": 1e-3})
+    scaled = Cluster(**{**base.__dict__, "compute_time_scale": 2.0})
+    assert _time(node, scaled) - 2e-3 == pytest.approx(2 * (_time(node, base) - 2e-3))
+
+
+# ---- profiler: training conditions, synthetic measurements ----------------------------------------
+def test_meshes_of_lists_two_dimensional_meshes():
+    assert meshes_of(4) == [(2, 2)] and meshes_of(8) == [(2, 4), (4, 2)] and meshes_of(2) == [] and meshes_of(3) == []
+
+
+def test_in_mesh_fit_splits_an_alternating_pair_between_the_axes():
+    cluster = Cluster.local(4)
+    sizes = [4096.0, 65536.0, 1048576.0]
+    pair = [(m, m, 2 * (1e-3 + m * 1e-9)) for m in sizes]  # each axis alone: 1 ms + 1 ns/byte
+    fits = in_mesh_fits(cluster, [{"mesh": {((2, 2), "all_reduce"): pair}}] * 4)
+    fit = fits["all_reduce/2@2x2"]
+    assert fit.alpha == pytest.approx(1e-3) and fit.beta == pytest.approx(1e-9)
+    alone = [CollectiveFit(alpha=1e-3, beta=1e-12), CollectiveFit(alpha=3e-3, beta=1e-12)]
+    assert _share(alone, 0, 0.0, 0.0) == pytest.approx(0.25) and _share([None, alone[1]], 1, 0.0, 0.0) == 0.5
+
+
+def test_training_matmul_factor_is_curve_time_over_kernel_time():
+    cluster = Cluster(**{**Cluster.local(1).__dict__, "matmul_curve": {"float32": [[1.0, 1e10], [1e15, 1e10]]}})
+    shapes = [(256, 256, 1024), (1024, 512, 512)]
+    overhead = 1e-4
+    measured = [2 * 3 * 2.0 * math.prod(s) / 1e10 + 2 * overhead for s in shapes]  # half the curve's speed
+    assert training_matmul_factor(cluster, "float32", shapes, measured, overhead) == pytest.approx(0.5)
