@@ -164,3 +164,12 @@ def test_plan_records_and_shows_the_policy():
     fp32 = autopar.plan(model, autopar.Cluster.local(4, mesh_shape=(2, 2)), batch, **options("gpt", "dp"))
     assert plan.stages[0].predicted["compute"] != fp32.stages[0].predicted["compute"] or \
         plan.stages[0].predicted["memory"] != fp32.stages[0].predicted["memory"]
+
+
+def test_exposed_sync_charges_only_what_backward_does_not_hide():
+    from autopar.plan_builder import exposed_sync
+
+    assert exposed_sync(1.0, 10.0, 1, 0.0) == 1.0            # one bucket: starts when backward ends
+    assert exposed_sync(1.0, 10.0, 4, 0.0) == 0.25           # hidden but the last bucket
+    assert exposed_sync(8.0, 2.0, 4, 0.0) == 8.0 - 2.0 * 3 / 4  # longer than backward: the excess shows
+    assert exposed_sync(1.0, 10.0, 4, 1.0) == 0.5 / 4 + 0.5  # ZeRO: the all-gather after the step is exposed
