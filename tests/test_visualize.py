@@ -211,7 +211,7 @@ def test_chrome_trace_of_a_pipeline(gpt_plan, tmp_path):
 def test_chrome_trace_of_a_single_stage_plan(gpt_plan):
     trace = schedule_to_chrome_trace(gpt_plan)
     json.dumps(trace)  # plain JSON types only
-    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0]  # tid 1: gradient sync
     assert [e["name"] for e in complete] == ["F0", "B0"]
     latency = gpt_plan.stages[0].predicted["latency"] * 1e6
     assert complete[1]["ts"] + complete[1]["dur"] == pytest.approx(latency)
