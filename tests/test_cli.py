@@ -42,7 +42,8 @@ def test_plan_writes_plan_html_and_trace(planned):
     html = open(paths["html"], encoding="utf-8").read()
     assert "stage 0" in html and "aten.linear.default" in html
     events = json.load(open(paths["trace"]))["traceEvents"]
-    assert [e["name"] for e in events if e["ph"] == "X"] == ["F0", "B0"]
+    sync = ["grad sync"] if plan.stages[0].predicted.get("grad_sync", 0) > 0 else []
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["F0", "B0"] + sync
     assert "done in" in proc.stderr and f"wrote {paths['html']}" in proc.stderr
 
 
