@@ -3,6 +3,7 @@
 #   ./run.sh demo     plan a GPT for 2×8 DGX-A100, then train the GPT example on 4 local CPU ranks
 #   ./run.sh test     the test suite (extra arguments go to pytest)
 # and, for maintainers: ./run.sh bench <script> [args]   runs benchmarks/<suite>/<script>.py
+#                       ./run.sh lint                    ruff check . (.ci/run runs it before the tests)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
@@ -31,11 +32,12 @@ case "$cmd" in
         rc=$?
         [ $rc -eq 5 ] && echo "run.sh: pytest collected no tests: that is a failure" >&2
         exit $rc ;;
+    lint) setup; exec "$VENV/bin/ruff" check . "$@" ;;
     bench)
         setup
         script="${1:?usage: ./run.sh bench <script> [args]  (benchmarks/README.md lists them)}"; shift
         matches=(benchmarks/*/"$script".py)
         [ -f "${matches[0]}" ] || { echo "run.sh: no benchmarks/<suite>/$script.py (see benchmarks/README.md)" >&2; exit 2; }
         exec "$PY" "${matches[0]}" "$@" ;;
-    *) echo "usage: ./run.sh demo | test [pytest args] | bench <script> [args]" >&2; exit 2 ;;
+    *) echo "usage: ./run.sh demo | test [pytest args] | lint | bench <script> [args]" >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -11,11 +12,14 @@ from autopar.cluster import Cluster
 from autopar.driver import PlanOptions, first_microbatch, plan_model
 from autopar.errors import ClusterError, PlanError
 from autopar.passes.capture import capture, normalize_inputs
+from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 
-_PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)  # rank 0 may plan for a while
+# How long other ranks wait for a rank 0 that is still planning (a large model may plan for minutes). A
+# rank 0 whose planning fails broadcasts the error at once, so no rank waits this out on a failure.
+_PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) -> Plan:
@@ -25,12 +29,15 @@ def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) ->
 
 
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
-            timeout: float | None = None, **options) -> ParallelModule:
+            timeout: float | None = None, share_with: ParallelModule | None = None, **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
     timeout: seconds any collective of the compiled module may wait (default: the ``timeout`` given to
     ``autopar.launch``, else 300 s); a dead peer then raises instead of hanging.
+    share_with: a module compiled earlier for other inputs (e.g. the full batch, when these are an epoch's
+    smaller last batch): the plan keeps its stages and parameter/buffer layouts (pins), and the new
+    module uses its very tensors, so training either trains both and one optimizer serves them.
     """
     _check_cluster(cluster)
     if not dist.is_initialized():
@@ -43,10 +50,29 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            f"on (e.g. Cluster.local({world}))")
     _check_real_weights(model)
     example_inputs = normalize_inputs(example_inputs)
+    if share_with is not None:
+        options = _keep_layout_of(share_with.plan, options)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
     graph = capture(model, first_microbatch(example_inputs, chosen.microbatches))
-    chosen.validate(graph, world_size=world)
-    return build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+    chosen.validate(graph, world_size=world, cluster=cluster)
+    check_shardings(chosen, graph)
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+    if share_with is not None:
+        built.share_state_of(share_with)
+    return built
+
+
+def _keep_layout_of(plan: Plan, options: dict) -> dict:
+    """Plan options that keep ``plan``'s stages and the specs of its parameters and buffers."""
+    pins = dict(options.get("pin") or {})
+    for stage in reversed(plan.stages):  # a parameter held by several stages: the first stage's spec
+        pins.update({name: sh.out for name, sh in stage.shardings.items() if name.startswith(("p_", "b_"))})
+    if len(plan.stages) == 1:
+        stages = 1
+    else:
+        stages = [{"layers": list(s.layers), "submesh": list(s.submesh), "mesh": list(s.mesh_shape)}
+                  for s in plan.stages]
+    return {**options, "pin": pins, "stages": stages, "layers": options.get("layers", plan.planner.get("layers"))}
 
 
 def _check_cluster(cluster) -> None:
@@ -63,14 +89,20 @@ def _check_real_weights(model: torch.nn.Module) -> None:
 
 
 def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict) -> Plan:
-    """Rank 0 plans (or takes ``given``) and broadcasts the JSON; every rank checks the same digest."""
+    """Rank 0 plans (or takes ``given``) and broadcasts the JSON, or its planning error, which every rank
+    then raises (the same type and message); every rank checks the same digest."""
     control = dist.new_group(backend="gloo", timeout=_PLAN_EXCHANGE_TIMEOUT)
-    text = [None]
+    box = [None]
     if dist.get_rank() == 0:
-        chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
-        text[0] = chosen.to_json()
-    dist.broadcast_object_list(text, src=0, group=control)
-    chosen = Plan.from_json(text[0])
+        box[0] = _plan_or_error(model, cluster, example_inputs, given, options)
+    dist.broadcast_object_list(box, src=0, group=control)
+    kind, payload = box[0]
+    if kind == "error":
+        dist.destroy_process_group(control)
+        if dist.get_rank() != 0 and hasattr(payload, "add_note"):
+            payload.add_note("(raised on rank 0 while planning, and sent to every rank)")
+        raise payload
+    chosen = Plan.from_json(payload)
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, (chosen.digest(), None if given is None else given.digest()), group=control)
     if len({held for held, _ in digests}) != 1:
@@ -82,6 +114,19 @@ def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: 
                         f"on every rank")
     dist.destroy_process_group(control)
     return chosen
+
+
+def _plan_or_error(model, cluster, example_inputs, given: Plan | None, options: dict) -> tuple:
+    """("plan", JSON) or ("error", the exception, or a PlanError with its text when it cannot be pickled)."""
+    try:
+        chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
+        return "plan", chosen.to_json()
+    except Exception as e:  # noqa: BLE001: every rank must learn of any failure, not only rank 0
+        try:
+            pickle.loads(pickle.dumps(e))
+            return "error", e
+        except Exception:
+            return "error", PlanError(f"planning failed on rank 0: {type(e).__name__}: {e}")
 
 
 def _collective_timeout(seconds: float | None) -> datetime.timedelta:

@@ -197,7 +197,13 @@ def import_file(path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:  # bad bytes: not Python source
+        del sys.modules[name]
+        raise FactoryError(f"{str(path)!r} is not a Python source file ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}); give a .py file defining the "
+                           f"factory") from None
     return module
 
 
@@ -241,7 +247,8 @@ def call_factory(factory, text: str):
     result = factory()
     if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise FactoryError(f"{text}() must return (model, example_inputs) with an nn.Module first, got "
-                           f"{type(result).__name__}" + (f" of {len(result)}" if isinstance(result, (tuple, list)) else ""))
+                           f"{type(result).__name__}"
+                           + (f" of {len(result)}" if isinstance(result, (tuple, list)) else ""))
     model, inputs = result
     return model, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 

@@ -3,7 +3,7 @@
 A ``Cluster`` is plain, frozen data. The planner reads it; nothing in it needs the devices to exist,
 so a 1024-GPU cluster is planned on a laptop. ``Cluster.local(n)`` is this machine as n CPU ranks
 over gloo; ``Cluster.preset(name, nodes=N)`` describes real GPU clusters (see ``presets.py`` for the
-source of every number); ``Cluster.profile(...)`` measures the machine it runs on (issue 5).
+source of every number); ``Cluster.profile(...)`` measures the machine it runs on.
 
 Units: seconds, bytes, bytes/s, FLOP/s. Bandwidths are per device and unidirectional, the figure a
 ring collective's bandwidth term divides by.
@@ -115,7 +115,12 @@ class Cluster:
         if self.nodes < 1 or self.devices_per_node < 1:
             raise ClusterError(f"cluster {self.name!r}: nodes ({self.nodes}) and devices_per_node "
                                f"({self.devices_per_node}) must be positive integers")
+        for field in ("name", "device_type"):
+            if not isinstance(getattr(self, field, ""), str):
+                raise ClusterError(f"cluster: {field} must be a string, got {getattr(self, field)!r}{_FIX}")
         shape = tuple(self.mesh_shape) if self.mesh_shape is not None else (self.nodes, self.devices_per_node)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in shape):
+            raise ClusterError(f"cluster {self.name!r}: mesh_shape {shape} must be two integers{_FIX}")
         if len(shape) != 2 or math.prod(shape) != self.num_devices or min(shape) < 1:
             raise ClusterError(f"cluster {self.name!r}: mesh_shape {shape} does not tile {self.num_devices} devices; "
                                f"give two positive sizes whose product is {self.num_devices}, e.g. "
@@ -220,7 +225,13 @@ class Cluster:
             if not path.exists():
                 raise ClusterError(f"cluster file {str(path)!r} does not exist; write one with "
                                    f"`autopar profile --out {path}` or Cluster.to_json({str(path)!r})")
-            text = path.read_text()
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ClusterError(f"cluster file {str(path)!r} is not UTF-8 JSON text (byte {e.start}); write "
+                                   f"one with `autopar profile --out {path}`") from None
+            except OSError as e:
+                raise ClusterError(f"cannot read cluster file {str(path)!r}: {e.strerror}") from None
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

@@ -1,7 +1,17 @@
-"""The planning pipeline, one line per pass: capture -> layers -> inter-op DP -> intra-op ILP per stage -> Plan.
+"""The planning pipeline. ``plan_model`` and ``plan_graph`` are the table of contents, one line per pass:
 
-``plan_graph`` is the table of contents; ``plan_builder`` assembles the Plan's data. With
-``PlanOptions(debug=True)`` the invariants each pass promises are checked after it runs.
+    capture             passes/capture          model -> ModelGraph
+    microbatches        microbatch_candidates   the B values to try
+    repeated blocks     passes/cluster_layers   identical layers, solved once
+    strategies          passes/strategies, pins candidate shardings per node (called by every solve)
+    layers              passes/cluster_layers   ops -> L layers
+    stage costs         passes/inter_op         per-layer costs on every submesh (intra-op ILPs inside)
+    stage DP            passes/inter_op         layer ranges x submeshes x B (or the user's stages)
+    stage ILPs          passes/intra_op         each chosen stage solved exactly at the chosen B
+    plan                autopar/plan_builder    specs as text, collectives, ranks, predicted step time
+
+``plan_builder`` only assembles data; nothing here computes a cost. With ``PlanOptions(debug=True)`` the
+invariants each pass promises are checked after it runs (``autopar.invariants``).
 """
 from __future__ import annotations
 
@@ -10,11 +20,11 @@ import time
 
 import torch
 
+from autopar import invariants
 from autopar.cluster import Cluster
 from autopar.cost_models.memory import TrainingSpec
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
 from autopar.ir.graph import ModelGraph
-from autopar.ir.ops import OpView
 from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
@@ -24,10 +34,10 @@ from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
+from autopar.passes.pins import apply_pins
 from autopar.passes.strategies import generate_strategies
-from autopar.placement import R, spec_str
 from autopar.plan import Plan
-from autopar.plan_builder import assemble_plan, make_stage, place_stages, predict, transfers_between
+from autopar.plan_builder import assemble_plan, make_stage, place_stages, transfers_between
 
 SCHEDULES = ("1f1b", "gpipe")
 MAX_MICROBATCHES = 512
@@ -47,7 +57,7 @@ class PlanOptions:
     microbatches: B; None lets the planner choose among powers of two that divide the batch.
     schedule: "1f1b" (default) or "gpipe".
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
-    debug: check every pass's output invariants (slower).
+    debug: check each pass's output invariants after it runs (slower; see ``autopar.invariants``).
     """
 
     optimizer: str = "adamw"
@@ -63,6 +73,7 @@ class PlanOptions:
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
     start = time.perf_counter()
     graph = capture(model, example_inputs)
+    _check(options, lambda: invariants.check_capture(graph))
     recapture = lambda b: capture(model, first_microbatch(example_inputs, b))  # noqa: E731
     plan = plan_graph(graph, cluster, options, model_name=type(model).__name__, recapture=recapture)
     plan.timings["capture"] = round(time.perf_counter() - start - plan.timings["seconds"], 3)
@@ -81,17 +92,12 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
     else:
         layers = cluster_layers(graph, blocks, options.layers, is_light)
+        _check(options, lambda: invariants.check_layers(graph, layers))
         costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
                            TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options))
         clock.lap("layers")
-        try:
-            choice = _choose(costs, graph, candidates, options)
-        except InfeasibleError as e:
-            floor = memory_bounds(graph, cluster, options)[0]
-            raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
-                                  f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
-                                  + budget_unit_hint(cluster.memory_per_device)) from None
+        choice = _stage_dp(costs, graph, candidates, options)
         clock.lap("stage_dp")
         plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
         clock.lap("stage_ilps")
@@ -177,7 +183,9 @@ def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGrap
 
 
 def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
-    return apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
+    generated = generate_strategies(graph, mesh)
+    _check(options, lambda: invariants.check_strategies(graph, generated))
+    return apply_pins(graph, generated, options.pin or {})
 
 
 def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
@@ -196,23 +204,31 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     mesh = tuple(cluster.mesh_shape)
     scaled = at_microbatch(microbatches)
     strategies = _strategies(scaled, mesh, options)
-    _check(options, lambda: _check_strategies(scaled, strategies))
     env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches)
     solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
     stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
                        submesh=(cluster.nodes, cluster.devices_per_node))
-    plan = assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
-                         schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled)
-    plan.predicted = predict([stage], microbatches, plan.schedule, [])
-    plan.planner = {"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status}
-    return plan
+    return assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
+                         schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled,
+                         planner={"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status})
 
 
-def _choose(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions) -> StageChoice:
-    batch = graph.input_signature[0][0][0]
-    if isinstance(options.stages, (list, tuple)):
-        return _manual_stages(costs, options, candidates)
-    return choose_stages(costs, batch, candidates, options.schedule, options.stages)
+def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions) -> StageChoice:
+    """The DP's stages (or the user's); when nothing fits, the error says what single-stage budget would."""
+    cluster = costs.cluster
+    try:
+        if isinstance(options.stages, (list, tuple)):
+            choice = _manual_stages(costs, options, candidates)
+        else:
+            choice = choose_stages(costs, graph.input_signature[0][0][0], candidates, options.schedule,
+                                   options.stages)
+    except InfeasibleError as e:
+        floor = memory_bounds(graph, cluster, options)[0]
+        raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
+                              f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
+                              + budget_unit_hint(cluster.memory_per_device)) from None
+    _check(options, lambda: invariants.check_stage_choice(choice, costs.layers.count, cluster.num_devices))
+    return choice
 
 
 def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]) -> StageChoice:
@@ -272,46 +288,10 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     variables = sum(n for _, n in solved.values())
     transfers = transfers_between(graph, stages, scaled, cluster)
     schedule = options.schedule if len(stages) > 1 or B > 1 else "none"
-    plan = assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
-                         layers=layers, transfers=transfers, sharded_graph=scaled)
-    plan.predicted = predict(stages, B, schedule, transfers)
-    plan.planner = {"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
-                    "dp_cost": choice.cost, "stage_solves_reused": memo.hits}
-    return plan
-
-
-def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict:
-    """Keep only strategies whose output spec is the pinned one; a placeholder read by one node also
-    restricts that node to strategies reading it in the pinned spec (it is stored as it is read)."""
-    import fnmatch
-
-    from autopar.errors import PlanError
-    from autopar.placement import parse_spec
-
-    out = dict(strategies)
-    for node in graph.gm.graph.nodes:
-        specs = [parse_spec(v) for k, v in pin.items() if fnmatch.fnmatchcase(node.name, k)]
-        if not specs:
-            continue
-        want = specs[-1]
-        kept = [s for s in out[node.name] if s.out_spec == want]
-        if not kept:
-            shape = tuple(getattr(node.meta.get("val"), "shape", ()))
-            raise PlanError(f"pin {spec_str(want)} for {node.name} is not a valid sharding of it (valid: "
-                            f"{sorted({spec_str(s.out_spec) for s in out[node.name]})} for its shape {shape}); fix "
-                            f"the pin. If it is valid for the full batch, the pipeline planner priced a microbatch "
-                            f"or submesh it does not divide: pin with stages=1 (one stage on the whole mesh)")
-        out[node.name] = kept
-        users = list(node.users)
-        if node.op == "placeholder" and len(users) == 1 and users[0].op == "call_function":
-            user = users[0]
-            idx = OpView(user).tensor_args.index(node)
-            stored = lambda spec: tuple(R if p.is_partial() else p for p in spec)  # noqa: E731
-            fits = [s for s in out[user.name] if stored(s.in_specs[idx]) == want]
-            if not fits:
-                raise PlanError(f"pin {spec_str(want)} for {node.name} leaves its reader {user.name} no strategy")
-            out[user.name] = fits
-    return out
+    return assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
+                         layers=layers, transfers=transfers, sharded_graph=scaled,
+                         planner={"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
+                                  "dp_cost": choice.cost, "stage_solves_reused": memo.hits})
 
 
 def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
@@ -320,7 +300,7 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
     from autopar.passes.intra_op import build_problem
 
     mesh = tuple(cluster.mesh_shape)
-    strategies = apply_pins(graph, generate_strategies(graph, mesh), options.pin or {})
+    strategies = _strategies(graph, mesh, options)
     env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer))
     problem = build_problem(graph, strategies, find_repeated_blocks(graph), env, None).problem
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
@@ -329,12 +309,3 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
 def _check(options: PlanOptions, fn) -> None:
     if options.debug:
         fn()
-
-
-def _check_strategies(graph: ModelGraph, strategies) -> None:
-    for node in graph.gm.graph.nodes:
-        assert strategies[node.name], f"{node.name} has no strategy"
-        first = strategies[node.name][0]
-        assert all(p.is_replicate() for p in first.out_spec), f"{node.name}: first strategy is not replicated"
-
-

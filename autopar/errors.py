@@ -55,3 +55,8 @@ class LaunchError(CommunicationError):
 
     dead_ranks: list = []
     rank_errors: dict = {}
+
+
+class IndexRangeError(InputError, IndexError):
+    """A token id or class target is out of range (an ``IndexError``, as one device raises); caught on
+    the global batch before a vocabulary- or batch-split layout could hide it or stop one rank alone."""

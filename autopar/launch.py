@@ -21,6 +21,7 @@ import datetime
 import multiprocessing.connection
 import os
 import pickle
+import socket
 import sys
 import tempfile
 import time
@@ -41,25 +42,40 @@ _NO_MAIN_GUARD = ("autopar.launch was called again while a spawned rank was impo
                   "processes import the main script, see the multiprocessing docs on safe importing)")
 
 
-def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 60.0) -> list:
-    """Run ``fn(rank, *args)`` on ``nprocs`` ranks; returns the list of their results (see module doc)."""
+def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 60.0,
+           store_host: str = "127.0.0.1") -> list:
+    """Run ``fn(rank, *args)`` on ``nprocs`` ranks; returns the list of their results (see module doc).
+    ``store_host``: the address the rendezvous store listens on (loopback: no other machine can reach
+    it; the store has no authentication)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         return [_run_under_torchrun(fn, args, backend, timeout)]
     _refuse_inside_a_starting_rank()
     _check_launch_arguments(fn, nprocs, backend)
     with tempfile.TemporaryDirectory(prefix="autopar-launch-") as out_dir:
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout),
-                              wait_for_workers=False)
+        store = _store_listening_on(store_host, timeout)
         faults.mark_supervised(store)
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker, name=f"autopar-rank{rank}",
-                             args=(rank, fn, nprocs, store.port, backend, timeout, args, out_dir))
+                             args=(rank, fn, nprocs, store_host, store.port, backend, timeout, args, out_dir))
                  for rank in range(nprocs)]
         _start(procs, out_dir)
         killed = _supervise(procs, store, grace=min(timeout, _MAX_GRACE_S))
         if killed or any(p.exitcode != 0 for p in procs):
             raise _failure(procs, out_dir, killed)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]
+
+
+def _store_listening_on(host: str, timeout: float):
+    """The parent's TCPStore, listening on ``host`` only: a TCPStore given a host name still listens on
+    every interface, so the socket is bound here and handed over (the store then owns its descriptor)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.bind((host, 0))
+    listener.listen(128)
+    store = dist.TCPStore(host, listener.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False, master_listen_fd=listener.fileno(), use_libuv=True)
+    listener.detach()
+    return store
 
 
 def _start(procs: list, out_dir: str) -> None:
@@ -134,16 +150,17 @@ def _run_under_torchrun(fn, args: tuple, backend: str, timeout: float):
             dist.destroy_process_group()
 
 
-def _worker(rank: int, fn, world: int, port: int, backend: str, timeout: float, args: tuple, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+def _worker(rank: int, fn, world: int, host: str, port: int, backend: str, timeout: float, args: tuple,
+            out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(host, port, world, False, timeout=datetime.timedelta(seconds=timeout))
         _wait_for_every_rank(store, rank, world)
         _init(rank, world, backend, timeout, store)
         faults.register(store, rank, world)
         torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException as e:  # noqa: BLE001: every failure must reach the parent before this process ends
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent before this process ends
         _fail(rank, out_dir, e)
     faults.unregister()
     if dist.is_initialized():  # fn may have destroyed it

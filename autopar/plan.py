@@ -9,9 +9,12 @@ A pipelined plan adds, per stage, the values it receives from earlier stages (``
 they arrive in) and the values it sends on (``outputs``); ``transfers`` lists every such send.
 
 Invariants checked by ``Plan.validate``: every op of the graph has a sharding in exactly one stage
-(placeholders appear in every stage that reads them);
-input specs are as many as the node's tensor inputs; the stages' ranks tile the cluster; the graph
-fingerprint matches the model the plan is applied to.
+(placeholders appear in every stage that reads them); every spec has one placement per axis of its
+stage's mesh, shards only dims its value has, and splits them evenly (dim size divisible by the product
+of the sizes of the axes sharding it); input specs are as many as the node's tensor inputs; the stages'
+ranks tile the cluster and each stage's submesh fits the cluster's machines; the graph fingerprint
+matches the model the plan is applied to. (``autopar.passes.plan_check`` also checks each sharding
+against the op's strategies; ``autopar.compile`` runs both.)
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import math
 from typing import Any
 
 from autopar.errors import PlanError
-from autopar.placement import parse_spec
+from autopar.placement import divides, parse_spec
 
 PLAN_VERSION = 1
 
@@ -134,11 +137,7 @@ class Plan:
         """Parse a plan from JSON text or a file path; any malformation is one PlanError."""
         text = str(source)
         if not text.lstrip().startswith(("{", "[")):
-            try:
-                with open(source) as f:
-                    text = f.read()
-            except OSError as e:
-                raise PlanError(f"cannot read plan file {source!r}: {e.strerror}") from None
+            text = _read_text(source)
         try:
             return _plan_from_dict(json.loads(text))
         except PlanError:
@@ -148,7 +147,7 @@ class Plan:
                             f"autopar.plan(...).to_json() or `autopar plan`") from None
 
     # ---- checks --------------------------------------------------------------------------------
-    def validate(self, graph=None, world_size: int | None = None) -> None:
+    def validate(self, graph=None, world_size: int | None = None, cluster=None) -> None:
         """Check the invariants in the module docstring; raise PlanError naming the first violation."""
         if self.version != PLAN_VERSION:
             raise PlanError(f"plan version {self.version} is not supported (expected {PLAN_VERSION}); re-plan")
@@ -168,8 +167,21 @@ class Plan:
         if world_size is not None and world_size != len(ranks):
             raise PlanError(f"plan is for {len(ranks)} devices but the process group has {world_size} ranks; "
                             f"launch {len(ranks)} processes or re-plan for this cluster")
+        if cluster is not None:
+            self._validate_mesh(cluster)
         if graph is not None:
             self._validate_against(graph)
+
+    def _validate_mesh(self, cluster) -> None:
+        if cluster.num_devices != self.num_devices:
+            raise PlanError(f"plan is for {self.num_devices} devices, cluster {cluster.name!r} has "
+                            f"{cluster.num_devices}; re-plan for this cluster")
+        for s in self.stages:
+            nodes, per_node = s.submesh
+            if nodes * per_node != len(s.ranks) or nodes > cluster.nodes or per_node > cluster.devices_per_node:
+                raise PlanError(f"stage {s.index}: submesh {tuple(s.submesh)} (machines x devices) does not fit "
+                                f"its {len(s.ranks)} ranks on cluster {cluster.name!r} ({cluster.nodes} x "
+                                f"{cluster.devices_per_node}); re-plan for this cluster")
 
     def _validate_against(self, graph) -> None:
         fp = graph.fingerprint()
@@ -182,6 +194,13 @@ class Plan:
         missing = sorted(set(ops) - set(owned))
         if missing or len(owned) != len(set(owned)):
             raise PlanError(f"plan does not assign every op to exactly one stage (missing {missing[:5]}); re-plan")
+        nodes = {n.name: n for n in graph.gm.graph.nodes}
+        for s in self.stages:
+            for name, sh in s.shardings.items():
+                if name not in nodes:
+                    raise PlanError(f"stage {s.index}: node {name!r} is not in the graph; re-plan")
+                _check_node_specs(s, nodes[name], sh)
+
 
     # ---- presentation --------------------------------------------------------------------------
     def summary(self, max_rows: int = 60) -> str:
@@ -191,6 +210,52 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _tensor_shape(value):
+    return tuple(value.shape) if hasattr(value, "shape") and hasattr(value, "dtype") else None
+
+
+def _tensor_inputs(node) -> list[tuple[str, Any]]:
+    """(name, value read) of each tensor argument in pytree order, repeats kept: what ``ins`` lists
+    (the planner's ``OpView.tensor_args``; a ``getitem`` reads the selected element)."""
+    import operator
+
+    import torch.utils._pytree as pytree
+
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    out = []
+    for a in flat:
+        val = getattr(a, "meta", {}).get("val") if hasattr(a, "op") else None
+        if isinstance(val, (tuple, list)):
+            if not any(_tensor_shape(v) is not None for v in val):
+                continue
+            val = val[node.args[1]] if node.target is operator.getitem else None
+        elif _tensor_shape(val) is None:
+            continue
+        out.append((a.name, val))
+    return out
+
+
+def _check_node_specs(stage: Stage, node, sh: NodeSharding) -> None:
+    """Spec rank = mesh rank, shard dims that exist, even splits; as many input specs as tensor inputs."""
+    inputs = _tensor_inputs(node) if node.op != "placeholder" else []
+    if node.op != "placeholder" and len(sh.ins) != len(inputs):
+        raise PlanError(f"stage {stage.index}, node {node.name}: {len(sh.ins)} input specs for {len(inputs)} "
+                        f"tensor inputs; re-plan")
+    value = node.meta.get("val")
+    outs = value if isinstance(value, (tuple, list)) else [value]
+    checked = [("output", sh.out, _tensor_shape(v)) for v in outs if node.op != "output"]
+    checked += [(f"input {name}", text, _tensor_shape(v)) for (name, v), text in zip(inputs, sh.ins)]
+    for what, text, shape in checked:
+        spec = parse_spec(text)
+        if len(spec) != len(stage.mesh_shape):
+            raise PlanError(f"stage {stage.index}, node {node.name}: {what} spec {text!r} has {len(spec)} "
+                            f"placements for a {len(stage.mesh_shape)}-axis mesh {tuple(stage.mesh_shape)}; re-plan")
+        if shape is not None and not divides(spec, shape, stage.mesh_shape):
+            raise PlanError(f"stage {stage.index}, node {node.name}: {what} spec {text!r} does not split shape "
+                            f"{shape} evenly on mesh {tuple(stage.mesh_shape)} (a dim it does not have, or "
+                            f"not divisible); re-plan")
 
 
 def _tuple2(x) -> tuple[int, int]:
@@ -208,12 +273,30 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
                  inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])))
 
 
+def _read_text(source) -> str:
+    try:
+        with open(source, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise PlanError(f"cannot read plan file {str(source)!r}: {e.strerror}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"plan file {str(source)!r} is not UTF-8 JSON text (byte {e.start}: "
+                        f"{raw[e.start:e.start + 1]!r}); give a plan written by Plan.to_json or "
+                        f"`autopar plan --out`") from None
+
+
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
-    if not isinstance(d, dict):
-        raise PlanError(f"plan JSON must be an object, got {type(d).__name__}")
-    missing = [k for k in ("model", "graph_fingerprint", "input_signature", "cluster", "stages") if k not in d]
-    if missing:
-        raise PlanError(f"plan JSON is missing {missing}; regenerate it with autopar.plan(...)")
+    from autopar.cluster import Cluster
+    from autopar.errors import ClusterError
+    from autopar.plan_schema import check_plan_dict
+
+    check_plan_dict(d)
+    try:
+        Cluster.from_dict(d["cluster"])
+    except ClusterError as e:
+        raise PlanError(f"malformed plan JSON: its cluster is invalid ({e})") from None
     plan = Plan(
         model=d["model"], graph_fingerprint=d["graph_fingerprint"],
         input_signature=[(tuple(int(x) for x in shape), str(dtype)) for shape, dtype in d["input_signature"]],

@@ -19,13 +19,12 @@ import math
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
-from autopar.ir.ops import requires_grad_nodes
+from autopar.ir.ops import OpView, requires_grad_nodes
+from autopar.ir.schedule import simulate_schedule
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
-from autopar.ir.ops import OpView
 from autopar.placement import local_shape, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.redistribute import grad_partial_axes
-from autopar.ir.schedule import simulate_schedule
 
 
 def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ranks: list[int],
@@ -148,14 +147,16 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
 
 def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_name: str, blocks, *,
                   microbatches: int = 1, schedule: str = "none", layers=None, transfers=None,
-                  sharded_graph=None) -> Plan:
+                  sharded_graph=None, planner: dict | None = None) -> Plan:
     """``graph``: the model at the full batch (its input signature is what users pass); ``sharded_graph``:
     the graph at one microbatch that the stages' shardings name (default ``graph``). The fingerprint and
     op names come from the latter, since ``compile`` validates the plan against the model captured at one
-    microbatch, and a re-captured model (e.g. one that branches on batch size) can differ in structure."""
+    microbatch, and a re-captured model (e.g. one that branches on batch size) can differ in structure.
+    ``predicted`` is the schedule replay of the stages (``predict``); ``planner`` records how it was found."""
     sharded = sharded_graph if sharded_graph is not None else graph
     return Plan(model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
                 optimizer=options.optimizer, repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},
-                node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [])
+                node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [],
+                predicted=predict(stages, microbatches, schedule, transfers or []), planner=dict(planner or {}))

@@ -171,8 +171,8 @@ def preset_gpus(name: str, gpus: int) -> Cluster:
     return preset(name, nodes=gpus // per_node)
 
 
-# Measured on the development machine (2-core AMD EPYC VM, torch 2.13 CPU, one thread per rank,
-# 2026-11-22): fp32 GEMM 1024³ ≈ 75 GFLOP/s on one core; streaming add ≈ 3 GB/s; gloo collectives on
+# Measured on the development machine (2-core AMD EPYC VM, torch 2.13 CPU, one thread per rank):
+# fp32 GEMM 1024³ ≈ 75 GFLOP/s on one core; streaming add ≈ 3 GB/s; gloo collectives on
 # loopback ≈ 0.2 ms start-up and ≈ 1 GB/s. Rough by design: `autopar profile` fits the real values.
 _CPU_CORE_FLOPS = 75e9
 _CPU_CORE_MEMBW = 3e9
@@ -181,7 +181,7 @@ _GLOO_BANDWIDTH = 1e9
 # Host time per eager op call on a dedicated core (cost_models.compute charges it per node, forward and
 # backward): GPTs with 8-wide tensors (kernels ~free; 1 and 4 layers, 31 and 94 graph nodes), forward +
 # backward / (2 · nodes), one thread: 18-25 µs at load 4.5 and 27-31 µs at load 8 from other jobs
-# (2026-11-22, same VM as above); 4 ranks busy at once on the 2 cores: 42-82 µs per call at load 5.
+# (same VM as above); 4 ranks busy at once on the 2 cores: 42-82 µs per call at load 5.
 # Divided by the core share below, like the rates. `autopar profile` measures it.
 _CPU_OP_OVERHEAD = 18e-6
 

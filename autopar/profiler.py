@@ -1,4 +1,4 @@
-"""Measure the machine autopar runs on and describe it as a ``Cluster`` (issue 5).
+"""Measure the machine autopar runs on and describe it as a ``Cluster``.
 
     cluster = autopar.Cluster.profile(4, out="cluster.json")     # or: python -m autopar.profiler 4 --out cluster.json
 

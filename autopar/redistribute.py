@@ -31,7 +31,6 @@ import dataclasses
 import functools
 from typing import Sequence
 
-
 from autopar.placement import P, R, Spec
 
 

@@ -50,7 +50,7 @@ def _is_state(name: str) -> bool:
 def _stage_table(plan, stage, max_rows: int) -> list[str]:
     p = stage.predicted
     layers = f", layers {stage.layers[0]}..{stage.layers[1]}" if stage.layers else ""
-    lines = [f"", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
+    lines = ["", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
              f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
              f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
     folded = _folded_nodes(plan, stage)

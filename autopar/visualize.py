@@ -16,8 +16,8 @@ from collections import Counter, defaultdict
 from html import escape
 
 from autopar import trace
-from autopar.placement import parse_spec
 from autopar.ir.units import fmt_bytes, fmt_seconds
+from autopar.placement import parse_spec
 from autopar.visualize_groups import OpGroup, compress_ranges, group_ops, group_placeholders, short_op
 from autopar.visualize_svg import bytes_bars, mesh_svg, schedule_svg, seconds_bars, sharding_strip_svg, stage_color
 from autopar.visualize_template import legend_html, page, toolbar_html
@@ -158,7 +158,8 @@ def _cost_charts(plan) -> str:
                                               ("transient peak", max(0.0, float(q.get("peak_memory", steady)) - steady),
                                                TRANSIENT)]))
     parts.append("<h3>Memory per device</h3>" + _swatches([("training state + activations", MEMORY),
-                                                            ("transient peak", TRANSIENT)]) + bytes_bars(mem_rows, limit=budget, limit_label="budget"))
+                                                            ("transient peak", TRANSIENT)])
+                 + bytes_bars(mem_rows, limit=budget, limit_label="budget"))
     over = [s.index for s in plan.stages if budget and (s.predicted or {}).get("peak_memory", 0) > budget]
     if over:
         parts.append(f'<p class="warn">stage(s) {over} exceed the per-device memory budget</p>')
@@ -247,7 +248,8 @@ def _stage_section(plan, stage) -> str:
             f"{stage.mesh_shape[1]}) on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; {len(ops)} ops, "
             f"{len(holders)} parameters and inputs, {len(stage.collectives)} collectives per microbatch</p>")
     items = ordered_items(stage.predicted or {})
-    predicted = table([k for k, _ in items], [[fmt_value(k, v) for k, v in items]], set(range(len(items)))) if items else ""
+    predicted = (table([k for k, _ in items], [[fmt_value(k, v) for k, v in items]], set(range(len(items))))
+                 if items else "")
     strip = sharding_strip_svg([_strip_row(plan, stage, g, n_axes) for g in groups], n_axes)
     body = [head, predicted, "<h3>Ops against the mesh, by layer</h3>", strip, toolbar_html(),
             _placeholder_details(stage, holders, n_axes)]

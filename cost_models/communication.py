@@ -25,7 +25,7 @@ replaces the formula (the profiler defines m the same way). A fit keyed "<collec
 measured on an R×C mesh with both axes' collectives interleaved, as training on that mesh runs them; it
 takes precedence on that mesh. (On an oversubscribed CPU the two axes' groups share cores, so each
 collective waits for ranks busy in the other axis's groups: on 4 gloo ranks of 2 cores an all_reduce/2
-interleaved across the axes of a 2×2 mesh took 3.6 ms against 2.0 ms alone, measured 2026-11-22.)
+interleaved across the axes of a 2×2 mesh took 3.6 ms against 2.0 ms alone.)
 
 Axis links: the logical mesh's devices are numbered row-major over (nodes × devices per node). An axis
 whose groups stay inside a node uses the intra-node link; one whose groups span nodes uses the

@@ -29,9 +29,8 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.ir.ops import is_free_view
 from autopar.cost_models.saved_tensors import saved_rule
-from autopar.ir.ops import OpView
+from autopar.ir.ops import OpView, is_free_view
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd_momentum": 4, "sgd": 0}
 

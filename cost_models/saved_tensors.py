@@ -96,7 +96,7 @@ def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
             args, kwargs = pytree.tree_unflatten(fakes, spec)
             with torch.enable_grad():
                 out = node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001: an op fake tensors cannot run is priced by the fallback table
+    except Exception:  # noqa: BLE001 - an op fake tensors cannot run is priced by the fallback table
         return fallback_rule(node)
     inputs = [f for a, f in zip(flat, fakes) if isinstance(a, fx.Node) and isinstance(f, torch.Tensor)]
     outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]

@@ -6,8 +6,9 @@ Output: ``batch_dims(graph)`` -> {node name: dim or None}; ``rescale(graph, B)``
 
 A user input's batch dim is dim 0. An op's output carries the batch on dim d when its sharding rule maps
 "every batch-carrying input split on its batch dim" to an output Shard(d) (other inputs replicated when
-the rule allows, else split as the rule says): the propagation that makes data parallelism valid. A Partial output (a reduction over the batch, like
-a mean loss) carries none. Tensors the inputs do not reach (parameters, constants, positions) carry none.
+the rule allows, else split as the rule says): the propagation that makes data parallelism valid. A
+Partial output (a reduction over the batch, like a mean loss) carries none. Tensors the inputs do not
+reach (parameters, constants, positions) carry none.
 
 The rescaled graph is for pricing only: its op arguments still hold the global batch (a hard-coded
 ``expand(x, [8, -1])`` stays 8), so code is generated from a graph re-captured at the microbatch size.
@@ -20,10 +21,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from autopar.placement import R
+from autopar.ir.ops import OpView
 from autopar.passes.strategies import rule_for
 from autopar.passes.strategies.base import all_replicated_rule
-from autopar.ir.ops import OpView
+from autopar.placement import R
 
 
 def batch_dims(graph) -> dict[str, int | None]:

@@ -30,12 +30,10 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.compute import compute_time, local_bytes
-from autopar.ir.ops import is_free_view, node_signature
 from autopar.cost_models.memory import saved_nodes
-from autopar.ir.ops import requires_grad_nodes
+from autopar.ir.ops import OpView, is_free_view, node_signature, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies
 from autopar.passes.strategies.base import Strategy
-from autopar.ir.ops import OpView
 from autopar.placement import R, local_shape
 from autopar.redistribute import grad_partial_axes
 

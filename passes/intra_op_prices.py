@@ -14,7 +14,6 @@ from autopar.cost_models.compute import local_bytes
 from autopar.placement import R
 from autopar.redistribute import grad_partial_axes
 
-
 PRICE_FIELDS = ("cost", "comm", "sync", "mem_param", "mem_act", "peak")
 
 

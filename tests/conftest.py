@@ -1,8 +1,62 @@
-"""Shared test set-up: the repository root on sys.path (for ``examples``) and quiet, deterministic torch."""
+"""Shared test set-up: the repository root on sys.path (for ``examples``), quiet, deterministic torch, and the
+test tiers.
+
+Tiers (markers registered in pyproject.toml):
+  distributed  starts a process group (autopar.launch, torchrun, or an in-process gloo group)
+  browser      needs chromium
+  slow         the longest runs (a minute or more on a 2-core machine)
+``./run.sh test -m "not distributed and not browser"`` runs the fast tier alone. Tests mark themselves with
+``@pytest.mark.distributed`` etc.; ``pytest_collection_modifyitems`` adds the marks for the tests below,
+which start their process groups in a shared module-scoped fixture (one launch serves many cases).
+"""
 import os
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# module -> fixtures that start a process group: every test using one is `distributed`.
+PROCESS_GROUP_FIXTURES = {
+    "test_bad_inputs": {"mistakes"},
+    "test_baselines": {"runs"},
+    "test_checkpoint": {"runs"},
+    "test_faults": {"dead_rank"},
+    "test_parity": {"results"},
+    "test_pipeline_parity": {"results"},
+    "test_profiler": {"quick_profile"},
+    "test_user_mistakes": {"one_rank", "two_ranks"},
+}
+# module -> tests that start processes themselves.
+PROCESS_GROUP_TESTS = {
+    "test_faults": {"test_a_stuck_rank_makes_its_peers_time_out_instead_of_hanging",
+                    "test_a_plan_that_differs_on_one_rank_is_refused"},
+    "test_cli": {"test_profile_writes_the_cluster_file", "test_demo_runs_examples_demo"},
+    "test_profiler": {"test_gpu_profile_uses_nccl_and_cuda_events"},
+    "test_user_mistakes": {"test_launch_with_nccl_and_no_gpu_says_use_gloo",
+                           "test_launch_of_a_lambda_says_define_it_at_module_level",
+                           "test_launch_at_import_time_says_add_the_main_guard"},
+}
+SLOW_MODULES = {"test_parity", "test_pipeline_parity", "test_baselines", "test_checkpoint"}
+SLOW_TESTS = {"test_cli": {"test_demo_runs_examples_demo"}}
+BROWSER_TESTS = {"test_visualize": {"test_chromium_renders_a_non_blank_page"}}
+
+
+def _listed(table: dict, module: str, name: str) -> bool:
+    return name in table.get(module, ())
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2]
+        name = item.originalname
+        if set(item.fixturenames) & PROCESS_GROUP_FIXTURES.get(module, set()) or \
+                _listed(PROCESS_GROUP_TESTS, module, name):
+            item.add_marker(pytest.mark.distributed)
+        if module in SLOW_MODULES or _listed(SLOW_TESTS, module, name):
+            item.add_marker(pytest.mark.slow)
+        if _listed(BROWSER_TESTS, module, name):
+            item.add_marker(pytest.mark.browser)

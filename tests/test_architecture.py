@@ -29,6 +29,7 @@ LAYERS = {
     "autopar.placement": "ir",
     "autopar.redistribute": "ir",
     "autopar.plan": "data",
+    "autopar.plan_schema": "data",
     "autopar.cluster": "data",
     "autopar.presets": "data",
     "autopar.report": "data",
@@ -37,6 +38,7 @@ LAYERS = {
     "autopar.passes": "passes",
     "autopar.driver": "driver",
     "autopar.plan_builder": "driver",
+    "autopar.invariants": "driver",
     "autopar.runtime": "runtime",
 }
 MAY_IMPORT = {
@@ -85,6 +87,7 @@ def imports_of(module: str) -> set[str]:
     mod = importlib.import_module(module)
     tree = ast.parse(open(mod.__file__, encoding="utf-8").read())
     package = module if mod.__file__.endswith("__init__.py") else module.rpartition(".")[0]
+    known = set(all_modules())
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -94,9 +97,10 @@ def imports_of(module: str) -> set[str]:
             if node.level:  # relative: drop (level - 1) trailing parts of the package
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
-            out.add(base)
-            out.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
-    known = set(all_modules())
+            submodules = {f"{base}.{a.name}" for a in node.names} & known  # `from pkg import module`
+            out.update(submodules)
+            if len(submodules) < len(node.names):  # some names are the package's own attributes
+                out.add(base)
     return {m for m in out if m in known and m != module}
 
 

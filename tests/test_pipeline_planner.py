@@ -62,7 +62,7 @@ class FourBlocks(nn.Module):
 def four_node_plan(bandwidth: float) -> autopar.Plan:
     with torch.device("meta"):
         model = FourBlocks()
-    x = torch.empty(512, 8191, device="meta")
+    x = torch.empty(8192, 8191, device="meta")  # enough compute per step that data parallelism pays on a fast link
     base = dataclasses.replace(autopar.Cluster.preset("dgx-a100", nodes=4), devices_per_node=1, mesh_shape=None,
                                memory_per_device=640 * 2**30)
     cluster = dataclasses.replace(base, inter_node=Link(latency=5e-6, bandwidth=bandwidth))

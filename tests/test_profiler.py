@@ -1,4 +1,4 @@
-"""The cluster profiler (issue 5) and the cost formulas it feeds, cheapest first.
+"""The cluster profiler and the cost formulas it feeds, cheapest first.
 
 No process group: α-β fitting, ``Cluster.matmul_flops``, cluster-JSON validation, the communication and
 compute formulas on hand-computable cases. Then one quick profile of 2 local gloo ranks (~10-20 s, mostly

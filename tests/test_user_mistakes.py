@@ -1,4 +1,4 @@
-"""Mistakes a new user makes, each with one clear message naming the cause and the fix (issue 7, item 5).
+"""Mistakes a new user makes, each with one clear message naming the cause and the fix.
 
 Covered elsewhere (not repeated here):
    1. cluster of N devices, process group of M ranks              test_bad_inputs (runtime "world size")
@@ -44,8 +44,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autopar
-from autopar.errors import (CaptureError, CheckpointError, ClusterError, InfeasibleError, InputError, PlanError,
-                            UsageError)
+from autopar.errors import (
+    CaptureError,
+    CheckpointError,
+    ClusterError,
+    InfeasibleError,
+    InputError,
+    PlanError,
+    UsageError,
+)
 from tests.models import MLP, make_mlp, make_small_gpt
 from tests.parity import layout_options
 from tests.test_checkpoint import one_stage

@@ -17,10 +17,10 @@ import zlib
 import pytest
 
 import autopar
-from autopar.plan import Collective, NodeSharding, Plan, Stage
-from autopar.ir.units import fmt_bytes
-from autopar.trace import bubble_fraction, schedule_to_chrome_trace, write_chrome_trace
 from autopar.ir.schedule import simulate_schedule, stage_order
+from autopar.ir.units import fmt_bytes
+from autopar.plan import Collective, NodeSharding, Plan, Stage
+from autopar.trace import bubble_fraction, schedule_to_chrome_trace, write_chrome_trace
 from autopar.visualize import placement_cells, plan_to_html, write_html
 from autopar.visualize_groups import compress_ranges, group_ops, group_placeholders
 from examples.gpt import make_gpt

@@ -1,4 +1,4 @@
-"""The autopar-vs-hand benchmark's building blocks (issue 6), without any process group.
+"""The autopar-vs-hand benchmark's building blocks, without any process group.
 
 * a Megatron config becomes manual stages + pins that give Megatron's weight layout (column-parallel
   q/k/v/fc, row-parallel o/proj, vocab-parallel wte and lm_head) on the requested stages and meshes;
@@ -179,7 +179,8 @@ def _group(coord, axis):
 def local_result(node: fx.Node, strategy, full: dict, coord, apply_kernels: bool = True) -> torch.Tensor:
     """The op on this device's input shards, with the rule's local rewrite (bias scaled by 1/W)."""
     view = OpView(node)
-    local = {a.name: local_slice(full[a.name], spec, MESH, coord) for a, spec in zip(view.tensor_args, strategy.in_specs)}
+    local = {a.name: local_slice(full[a.name], spec, MESH, coord)
+             for a, spec in zip(view.tensor_args, strategy.in_specs)}
     for axis, tag in strategy.kernels:
         assert tag == "scale_additive", tag
         if apply_kernels:

@@ -1,6 +1,6 @@
 """Sharded checkpoints on torch.distributed.checkpoint (DCP): save, load into any plan, export.
 
-    pm.save(path, optimizer)      # every rank writes only the shards it owns
+    pm.save(path, optimizer, step=None)  # every rank writes only the shards it owns; all or nothing
     pm.load(path, optimizer)      # any plan, any world size: DCP reads the slices each rank now holds
     export_state_dict(path)       # one process, no process group: a plain ``model.state_dict()``
 
@@ -11,6 +11,10 @@ Keys of the checkpoint (DCP flattens nested dicts with "."):
   ``optim.<fqn>.<name>``    that parameter's optimizer state (e.g. exp_avg, exp_avg_sq, step);
   ``optim_groups``          the optimizer's param-group hyperparameters (a tuple, so DCP keeps it whole);
   ``autopar``               JSON: format, model name, state-dict keys in order, aliases, world size.
+
+Files, crash safety and verification: ``autopar.runtime.checkpoint_files`` (a save goes to a staging
+directory and is switched in by rename once rank 0 has written and checked ``manifest.json``; a load
+checks every file's size and SHA-256 and unpickles nothing but plain metadata before touching the model).
 
 Invariants:
   * a local shard is wrapped (sharing storage, no copy) as a DTensor on its stage's mesh with the plan's
@@ -31,20 +35,21 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.errors import CheckpointError
 from autopar.placement import parse_spec
+from autopar.runtime import checkpoint_files as files
 
-FORMAT = 1
+FORMAT = 2  # 2: manifest.json, staging directory switched in by rename
 
 
 # ---- public entry points -------------------------------------------------------------------------
-def save(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write ``pm``'s shards (and ``optimizer``'s state) to the directory ``path``. Collective."""
+def save(pm, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
+    """Write ``pm``'s shards (and ``optimizer``'s state) as the checkpoint directory ``path``, all or
+    nothing; ``step`` is recorded in the manifest. Collective."""
     held = _held_tensors(pm)
     owners = _lowest_stage_holding(held)
     model = {fqn: t for fqn, (t, stage_index) in held.items() if owners[fqn] == stage_index}
@@ -52,40 +57,46 @@ def save(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
     if optimizer is not None:
         state["optim"] = _optimizer_entries(pm, optimizer, set(model))
         state["optim_groups"] = _param_group_hyperparameters(optimizer)
-    dcp.save(state, checkpoint_id=str(path))
+    files.save_atomically(state, path, step, pm.plan.digest())
 
 
 def load(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill ``pm``'s shards (and ``optimizer``'s state) in place from the checkpoint at ``path``, whatever
-    plan and world size saved it. Collective."""
-    metadata = _read_metadata(path)
+    plan and world size saved it. Collective. Verifies every file first; returns the manifest."""
+    directory = files.resolve(path)
+    manifest = files.verify(directory)
+    metadata = files.read_metadata(directory)
     model = {fqn: t for fqn, (t, _) in _held_tensors(pm).items()}
     state = {"model": {**model, **_unread_entries(pm)}}
     if optimizer is not None:
         if "optim_groups" not in metadata.state_dict_metadata:
-            raise CheckpointError(f"checkpoint {str(path)!r} was saved without optimizer state; call "
+            raise CheckpointError(f"checkpoint {str(directory)!r} was saved without optimizer state; call "
                                   f"pm.load(path) without an optimizer, or save with pm.save(path, optimizer)")
         _materialize_state(optimizer)
         state["optim"] = _optimizer_entries(pm, optimizer, set(model))
         state["optim_groups"] = ()
-    _check_matches(path, metadata, state)
-    dcp.load(state, checkpoint_id=str(path))
+    _check_matches(directory, metadata, state)
+    files.load_state(state, directory)
     if optimizer is not None:
         _restore_objects(pm, optimizer, state["optim"])
-        _set_param_group_hyperparameters(optimizer, state["optim_groups"], path)
+        _set_param_group_hyperparameters(optimizer, state["optim_groups"], directory)
+    return manifest
 
 
 def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
     """The checkpoint at ``path`` as a plain single-device ``model.state_dict()`` (keys in the model's
-    order, tied weights sharing one tensor). Runs in one process; needs no process group."""
-    metadata = _read_metadata(path)
-    meta = _read_meta(path)
+    order, tied weights sharing one tensor). Runs in one process; needs no process group. Verifies
+    every file first."""
+    directory = files.resolve(path)
+    files.verify(directory)
+    metadata = files.read_metadata(directory)
+    meta = _read_meta(directory)
     full = {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
             for key, m in metadata.state_dict_metadata.items()
             if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load({"model": full}, checkpoint_id=str(path), no_dist=True)
+        files.load_state({"model": full}, directory, no_dist=True)
     return OrderedDict((key, full[meta["aliases"].get(key, key)]) for key in meta["state_keys"])
 
 
@@ -249,21 +260,17 @@ def _meta_json(pm, with_optimizer: bool) -> str:
                        "world_size": world, "optimizer": with_optimizer}, sort_keys=True)
 
 
-def _read_metadata(path):
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except (FileNotFoundError, NotADirectoryError):
-        raise CheckpointError(f"no checkpoint at {str(path)!r} (its .metadata file is missing); write one with "
-                              f"pm.save(path) on every rank") from None
-
-
 def _read_meta(path) -> dict:
     holder = {"autopar": ""}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(holder, checkpoint_id=str(path), no_dist=True)
-    meta = json.loads(holder["autopar"])
-    if meta.get("format") != FORMAT:
+        files.load_state(holder, path, no_dist=True)
+    try:
+        meta = json.loads(holder["autopar"])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"checkpoint {str(path)!r}: its 'autopar' entry is not JSON") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        meta = meta if isinstance(meta, dict) else {}
         raise CheckpointError(f"checkpoint {str(path)!r} has format {meta.get('format')}, this autopar reads "
                               f"{FORMAT}; load it with the autopar version that wrote it and re-save")
     return meta

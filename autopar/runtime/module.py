@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from autopar.errors import InputError
 from autopar.placement import parse_spec
 from autopar.runtime.collectives import gather_full
+from autopar.runtime.input_checks import check_index_ranges, index_checks
 
 
 class ParallelModule(torch.nn.Module):
@@ -36,6 +37,7 @@ class ParallelModule(torch.nn.Module):
         self._state_keys = state_keys
         self._unused = unused
         self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
+        self._index_checks = index_checks(graph)
         watch_optimizers()
 
     # ---- running -------------------------------------------------------------------------------
@@ -108,23 +110,46 @@ class ParallelModule(torch.nn.Module):
                for t in inputs]
         if len(got) != len(want) or any(tuple(g[0] or ()) != tuple(w[0]) or g[1] != w[1] for g, w in zip(got, want)):
             raise InputError(f"inputs {got} differ from the example inputs the plan was made for {want}; "
-                             f"pass the same shapes and dtypes (every rank passes the global batch), or "
-                             f"re-plan with these inputs")
+                             f"pass the same shapes and dtypes (every rank passes the global batch)"
+                             f"{_advice(got, want)}")
+        check_index_ranges(self._index_checks, inputs, self.plan.microbatches)
 
-    # ---- checkpoints (autopar.runtime.checkpoint; added for issue 7) ----------------------------------
-    def save(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def share_state_of(self, other: "ParallelModule") -> None:
+        """Use ``other``'s parameter and buffer tensors in place of this module's own (``autopar.compile(...,
+        share_with=other)``): both modules then read and train the same tensors. Each must have the same spec
+        and local shape here and there, or PlanError names it."""
+        from autopar.errors import PlanError
+
+        for info in self._graph.placeholders:
+            if info.kind not in ("parameter", "buffer"):
+                continue
+            mine, spec, _ = self.runner.local_state(info.name)
+            theirs, their_spec, _ = other.runner.local_state(info.name)
+            if mine is None and theirs is None:
+                continue
+            if mine is None or theirs is None or spec != their_spec or mine.shape != theirs.shape:
+                raise PlanError(f"cannot share {info.fqn}: it is {their_spec} there and {spec} here on this rank "
+                                f"(the planner could not keep its layout for these inputs); drop this batch or "
+                                f"plan both modules with the same pin for it")
+            setattr(self.runner.gm, info.name, theirs)
+        self._unused = other._unused
+
+    # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
-        ``path``: each rank writes only its shards. Call on every rank."""
+        ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
+        whole). ``step`` is recorded in its manifest. Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer)
+        checkpoint.save(self, path, optimizer, step)
 
-    def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
-        must be built from ``pm.parameters()``). Call on every rank."""
+        must be built from ``pm.parameters()``), after checking every file against its manifest; returns
+        the manifest (``["step"]``). Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.load(self, path, optimizer)
+        return checkpoint.load(self, path, optimizer)
 
     def export(self, path) -> None:
         """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every
@@ -132,6 +157,18 @@ class ParallelModule(torch.nn.Module):
         from autopar.runtime import checkpoint
 
         checkpoint.export(self, path)
+
+
+def _advice(got: list, want: list) -> str:
+    """How to run inputs of other shapes; for a smaller batch, a module that keeps training these weights."""
+    same_rest = len(got) == len(want) and all(
+        g[1] == w[1] and g[0] is not None and len(g[0]) == len(w[0]) and tuple(g[0][1:]) == tuple(w[0][1:])
+        for g, w in zip(got, want))
+    if same_rest and got and got[0][0] and got[0][0][0] < want[0][0][0]:
+        return ("; for a smaller (last) batch, compile a module for it that shares this one's parameters: "
+                "small = autopar.compile(model, cluster, batch, share_with=pm) on every rank (the optimizer over "
+                "pm.parameters() then trains both), or drop it (DataLoader(drop_last=True))")
+    return "; or re-plan for these inputs"
 
 
 def _find_loss_index(out_spec, gm) -> int | None:

@@ -46,9 +46,9 @@ import autopar  # noqa: E402
 from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, score_options, spec_text  # noqa: E402
 from autopar.driver import PlanOptions  # noqa: E402
 from autopar.fidelity import log_ratio_summary  # noqa: E402
+from autopar.ir.schedule import simulate_schedule  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.presets import preset_gpus  # noqa: E402
-from autopar.trace import simulate_schedule  # noqa: E402
 from benchmarks.calibration.published import PENDING, RUNS, Run, published_step_time  # noqa: E402
 from examples.gpt import GPT, GPTConfig, make_batch  # noqa: E402
 

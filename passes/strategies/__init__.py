@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from autopar.placement import R, Spec, divides
-from autopar.passes.strategies.base import AxisRule, Strategy, all_replicated_rule
 from autopar.ir.ops import OpView, shape_of
+from autopar.passes.strategies.base import AxisRule, Strategy, all_replicated_rule
+from autopar.placement import R, Spec, divides
 
 RuleFn = Callable[[OpView], list[AxisRule]]
 _RULES: dict[object, RuleFn] = {}
@@ -52,9 +52,20 @@ def has_rule(node: fx.Node) -> bool:
 
 
 # Import the rule families so they register themselves.
-from autopar.passes.strategies import (attention, creation, embedding, loss, matmul, norms, pointwise,  # noqa: E402,F401
-                               reductions, views)
-from autopar.passes.strategies import conv, einsum, routing  # noqa: E402,F401
+from autopar.passes.strategies import (  # noqa: E402,F401  # noqa: E402,F401
+    attention,
+    conv,
+    creation,
+    einsum,
+    embedding,
+    loss,
+    matmul,
+    norms,
+    pointwise,
+    reductions,
+    routing,
+    views,
+)
 
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:

@@ -16,9 +16,9 @@ import string
 
 import torch
 
+from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule
-from autopar.ir.ops import OpView
 from autopar.passes.strategies.matmul import einsum_rules
 
 aten = torch.ops.aten

@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.placement import P, R
+from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule
-from autopar.ir.ops import OpView
+from autopar.placement import P, R
 
 aten = torch.ops.aten
 
 
 @register(aten.embedding)
 def embedding_rule(view: OpView) -> list[AxisRule]:
-    (vocab, hidden), idx = view.in_shapes[0], view.in_shapes[1]
+    idx = view.in_shapes[1]  # weight: (vocab, hidden)
     rules = [AxisRule((R, Shard(d)), Shard(d)) for d in range(len(idx)) if idx[d] > 1]
     rules.append(AxisRule((Shard(1), R), Shard(len(idx))))
     rules.append(AxisRule((Shard(0), R), P, "vocab_embedding"))

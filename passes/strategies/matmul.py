@@ -14,10 +14,10 @@ import string
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.placement import P, R
+from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule
-from autopar.ir.ops import OpView
+from autopar.placement import P, R
 
 aten = torch.ops.aten
 
@@ -26,14 +26,14 @@ def einsum_rules(view: OpView, in_labels: list[str | None], out_labels: str,
                  additive: set[int] = frozenset()) -> list[AxisRule]:
     """AxisRules for an einsum-like op; ``in_labels[i]`` labels tensor input i (None: always Replicate)."""
     rules = []
-    all_in = set("".join(l for l in in_labels if l))
+    all_in = set("".join(labels for labels in in_labels if labels))
     for label in sorted(all_in | set(out_labels)):
         if label in out_labels:
             inputs = tuple(_shard_if(view, i, labels, label) for i, labels in enumerate(in_labels))
             if all(p.is_replicate() for p in inputs):
                 continue  # every operand broadcasts this dim: nothing to split
             rules.append(AxisRule(inputs, Shard(out_labels.index(label))))
-        elif sum(1 for l in in_labels if l and label in l) >= 2:
+        elif sum(1 for labels in in_labels if labels and label in labels) >= 2:
             inputs = tuple(_shard_if(view, i, labels, label) for i, labels in enumerate(in_labels))
             kernel = "scale_additive" if any(i in additive for i in range(len(in_labels))) else None
             rules.append(AxisRule(inputs, P, kernel))

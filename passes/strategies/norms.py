@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.placement import R
+from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule
-from autopar.ir.ops import OpView
+from autopar.placement import R
 
 aten = torch.ops.aten
 

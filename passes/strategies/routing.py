@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
+from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule
-from autopar.ir.ops import OpView
 
 aten = torch.ops.aten
 

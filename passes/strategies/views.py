@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.placement import P, R
+from autopar.ir.ops import OpView, getitem_op
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
-from autopar.ir.ops import OpView, getitem_op
+from autopar.placement import P, R
 
 aten = torch.ops.aten
 
