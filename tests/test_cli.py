@@ -42,10 +42,8 @@ def test_plan_writes_plan_html_and_trace(planned):
     html = open(paths["html"], encoding="utf-8").read()
     assert "stage 0" in html and "aten.linear.default" in html
     events = json.load(open(paths["trace"]))["traceEvents"]
-    ops = [e["name"] for e in events if e["ph"] == "X"]
-    # one microbatch's forward and backward, then the stage's gradient sync when the plan predicts one
-    assert ops[:2] == ["F0", "B0"] and ops[2:] in ([], ["grad sync"])
-    assert (ops[2:] == ["grad sync"]) == (plan.stages[0].predicted["grad_sync"] > 0)
+    sync = ["grad sync"] if plan.stages[0].predicted.get("grad_sync", 0) > 0 else []
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["F0", "B0"] + sync
     assert "done in" in proc.stderr and f"wrote {paths['html']}" in proc.stderr
 
 

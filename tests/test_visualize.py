@@ -206,10 +206,8 @@ def test_chrome_trace_of_a_single_stage_plan(gpt_plan):
     trace = schedule_to_chrome_trace(gpt_plan)
     json.dumps(trace)  # plain JSON types only
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    names = [e["name"] for e in complete]
-    # one microbatch's forward and backward, then the gradient sync when the plan predicts one
-    assert names[:2] == ["F0", "B0"] and names[2:] == (["grad sync"] if gpt_plan.stages[0].predicted["grad_sync"] > 0
-                                                      else [])
+    sync = ["grad sync"] if gpt_plan.stages[0].predicted.get("grad_sync", 0) > 0 else []
+    assert [e["name"] for e in complete] == ["F0", "B0"] + sync
     latency = gpt_plan.stages[0].predicted["latency"] * 1e6
     assert complete[1]["ts"] + complete[1]["dur"] == pytest.approx(latency)
     _assert_rows_do_not_overlap(trace["traceEvents"])
