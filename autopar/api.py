@@ -121,7 +121,7 @@ def _plan_or_error(model, cluster, example_inputs, given: Plan | None, options: 
     try:
         chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
         return "plan", chosen.to_json()
-    except Exception as e:  # noqa: BLE001: every rank must learn of any failure, not only rank 0
+    except Exception as e:  # noqa: BLE001 - every rank must learn of any failure, not only rank 0
         try:
             pickle.loads(pickle.dumps(e))
             return "error", e

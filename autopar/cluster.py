@@ -328,8 +328,12 @@ def _link_from_dict(d: dict[str, Any], where: str) -> Link:
     if unknown:
         raise ClusterError(f"cluster JSON: {where} has unknown fields {sorted(unknown)}; known fields: "
                            f"{sorted(f.name for f in dataclasses.fields(Link))}{_FIX}")
+    group_bandwidth = d.get("group_bandwidth") or {}
+    if not isinstance(group_bandwidth, dict):
+        raise ClusterError(f"cluster JSON: {where}.group_bandwidth must be an object (group size: bytes/s), "
+                           f"got {group_bandwidth!r}{_FIX}")
     return Link(latency=d["latency"], bandwidth=d["bandwidth"], fits=fits,
-                group_bandwidth=d.get("group_bandwidth") or {}, hop_latency=d.get("hop_latency", 0.0))
+                group_bandwidth=dict(group_bandwidth), hop_latency=d.get("hop_latency", 0.0))
 
 
 def _cluster_from_dict(d: dict[str, Any]) -> Cluster:

@@ -35,6 +35,7 @@ from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageC
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.pins import apply_pins
+from autopar.passes.stage_owners import subsets_on
 from autopar.passes.strategies import generate_strategies
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_stages, transfers_between
@@ -97,10 +98,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                            TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options))
         clock.lap("layers")
-        choice = _stage_dp(costs, graph, candidates, options)
-        clock.lap("stage_dp")
-        plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
-        clock.lap("stage_ilps")
+        plan = _plan_stages(graph, layers, blocks, cluster, options, model_name, costs, candidates, at_microbatch,
+                            clock)
         plan.planner["mesh_solves"] = costs.solves
         if options.stages is None and candidates[0] == 1:
             plan = _or_single_stage(plan, lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
@@ -110,6 +109,61 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan
+
+
+MAX_STAGE_RETRIES = 8
+
+
+class _StageInfeasible(InfeasibleError):
+    """The exact solve of one chosen stage found no layout within memory (``entry``: its DP table cell)."""
+
+    def __init__(self, message: str, entry: tuple):
+        super().__init__(message)
+        self.entry = entry
+
+
+def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
+                 costs: StageCosts, candidates: list[int], at_microbatch, clock) -> Plan:
+    """Stage DP, then each chosen stage solved exactly. The DP prices stages from solutions at reference
+    microbatches, so its estimate can admit a stage whose exact solve at the chosen microbatch does not
+    fit. Such a cell (microbatches, first layer, last layer, mesh option, in-flight) is ruled out and the DP
+    re-run, which moves to its next-best choice; only when ``MAX_STAGE_RETRIES`` choices failed, or the DP has
+    nothing left, does planning report, naming what was tried."""
+    excluded: set[tuple] = set()
+    rejected: list[str] = []
+    while True:
+        try:
+            choice = _stage_dp(costs, graph, candidates, options, excluded)
+        except InfeasibleError as e:
+            if not rejected:
+                raise
+            raise InfeasibleError(f"{e}{_tried(rejected)}") from None
+        clock.lap("stage_dp")
+        try:
+            plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch)
+        except _StageInfeasible as e:
+            excluded.add(e.entry)
+            rejected.append(str(e))
+            if len(rejected) >= MAX_STAGE_RETRIES:
+                raise _infeasible(InfeasibleError("the stage DP's choices do not fit when solved exactly"), graph,
+                                  cluster, options, rejected) from None
+            continue
+        clock.lap("stage_ilps")
+        plan.planner["dp_rejected_stages"] = len(rejected)
+        return plan
+
+
+def _tried(rejected: list[str]) -> str:
+    return (f" The stage DP's {len(rejected)} earlier choice(s) were ruled out by their exact solve: "
+            + "; ".join(rejected[:3]) + ".")
+
+
+def _infeasible(e: InfeasibleError, graph, cluster: Cluster, options: PlanOptions, rejected: list[str]):
+    floor = memory_bounds(graph, cluster, options)[0]
+    tried = _tried(rejected) if rejected else ""
+    return InfeasibleError(f"{e}.{tried} For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
+                           f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
+                           + budget_unit_hint(cluster.memory_per_device))
 
 
 def _or_single_stage(pipelined: Plan, single) -> Plan:
@@ -213,15 +267,19 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
                          planner={"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status})
 
 
-def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions) -> StageChoice:
-    """The DP's stages (or the user's); when nothing fits, the error says what single-stage budget would."""
+def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions,
+              excluded: set[tuple] = frozenset()) -> StageChoice:
+    """The DP's stages (or the user's); when nothing fits, the error says what single-stage budget would.
+    ``excluded``: stage cells whose exact solve did not fit (see ``_plan_stages``)."""
     cluster = costs.cluster
     try:
         if isinstance(options.stages, (list, tuple)):
+            if excluded:
+                raise InfeasibleError("the manual stages do not fit when solved exactly")
             choice = _manual_stages(costs, options, candidates)
         else:
             choice = choose_stages(costs, graph.input_signature[0][0][0], candidates, options.schedule,
-                                   options.stages)
+                                   options.stages, excluded=excluded)
     except InfeasibleError as e:
         floor = memory_bounds(graph, cluster, options)[0]
         raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
@@ -271,17 +329,21 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     scaled = at_microbatch(B)
     ranks = place_stages(cluster, [stage.option.physical for stage in choice.stages])
     memo, solved = SolutionMemo(), {}
-    last = len(choice.stages) - 1
+    subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
+    subsets[-1].add("output")
+    subsets = subsets_on(graph.gm, scaled.gm, subsets)
     for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
-        option = chosen.option
-        subset = {name for layer in range(chosen.first, chosen.last + 1) for name in layers.nodes[layer]}
-        if s == last:
-            subset.add("output")
+        option, subset = chosen.option, subsets[s]
         env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
                       inflight=chosen.inflight, devices_per_node=option.physical[1])
-        solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
-                                  cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
-                                  memo=memo)
+        try:
+            solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
+                                      cluster.memory_per_device, options.time_limit, subset=subset, truncate=True,
+                                      memo=memo)
+        except InfeasibleError as e:
+            where = (f"stage {s} (layers {chosen.first}..{chosen.last} on {option.physical[0]}×{option.physical[1]}, "
+                     f"B={B}): {e}")
+            raise _StageInfeasible(where, (B, chosen.first, chosen.last, option, chosen.inflight)) from None
         solved[s] = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical,
                                layers=(chosen.first, chosen.last)), solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]

@@ -203,10 +203,12 @@ class Plan:
 
 
     # ---- presentation --------------------------------------------------------------------------
-    def summary(self, max_rows: int = 60) -> str:
+    def summary(self, max_rows: int = 60, glue: bool = False) -> str:
+        """Per stage: time, memory, parameter layouts by block part, collectives, main ops; ``glue=True``
+        also lists the glue ops (mask, position and shape arithmetic)."""
         from autopar.report import plan_summary
 
-        return plan_summary(self, max_rows=max_rows)
+        return plan_summary(self, max_rows=max_rows, glue=glue)
 
     def __str__(self) -> str:
         return self.summary()

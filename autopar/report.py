@@ -1,10 +1,13 @@
-"""Text views of a Plan: ``plan.summary()`` (a table per stage of op shardings and inserted collectives).
+"""Text views of a Plan: ``plan.summary()``, per stage: time and memory, the parameters' layouts grouped by
+block part (norms, embeddings, head, attention, MLP), the collectives, then the main ops' shardings; glue
+ops (mask and position arithmetic) only with ``glue=True``.
 
 Instances of a repeated block after the first are folded into one line, since their shardings are the
 first instance's (the ILP shares their variables).
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from autopar.ir.units import fmt_bytes, fmt_seconds
@@ -47,32 +50,79 @@ def _is_state(name: str) -> bool:
     return name.startswith(("p_", "b_", "c_"))
 
 
-def _stage_table(plan, stage, max_rows: int) -> list[str]:
+# Parameter groups; a name is matched against each pattern in turn
+# (norms first: "post_attention_layernorm" is a norm, not attention).
+PARAM_GROUPS = (
+    ("norms", re.compile(r"norm|(^|_)ln(_|\d|f)|layer_norm")),
+    ("embeddings", re.compile(r"embed|(^|_)wte|(^|_)wpe|shared|patch|position|token_type")),
+    ("head", re.compile(r"lm_head|(^|_)head|classifier|pooler|score|cls_")),
+    ("attention", re.compile(r"attn|attention|(^|_)(q|k|v|o)_proj|query|key|value|c_proj_attn|(^|_)(q|k|v|o)(_|$)")),
+    ("MLP", re.compile(r"mlp|ffn|feed_forward|experts|(^|_)fc|intermediate|up_proj|down_proj|gate|dense|(^|_)w[io]")),
+)
+GROUP_ORDER = ("attention", "MLP", "norms", "embeddings", "head", "other")  # how a summary lists them
+# Ops a user recognizes as the model's work; every other op is glue (mask, position and shape arithmetic).
+MAIN_OPS = re.compile(r"linear|\bmm\b|addmm|bmm|matmul|einsum|convolution|conv\d|embedding|attention|"
+                      r"cross_entropy|nll_loss|layer_norm|rms_norm|grouped_mm|softmax")
+
+
+def param_group(name: str) -> str:
+    """The block part a parameter belongs to (see ``PARAM_GROUPS``), or "other"."""
+    key = name.lower()
+    return next((group for group, pattern in PARAM_GROUPS if pattern.search(key)), "other")
+
+
+def _param_rows(plan, stage) -> list[str]:
+    """One row per (group, name with its block index folded to *, layout): how many tensors share it."""
+    counts: Counter = Counter()
+    for name in stage.nodes:
+        if name.startswith("p_"):
+            folded = re.sub(r"_(\d+)_", "_*_", name[2:], count=1)
+            counts[(param_group(name[2:]), folded, stage.shardings[name].out)] += 1
+    order = list(GROUP_ORDER)
+    rows = [f"  parameters ({sum(counts.values())} tensors; layout per mesh axis, R replicated, S(d) split on dim d):"]
+    for group, folded, layout in sorted(counts, key=lambda k: (order.index(k[0]), k[1], k[2])):
+        n = counts[(group, folded, layout)]
+        rows.append(f"    {group:<11} {folded:<52} {layout:<12}" + (f" ×{n}" if n > 1 else ""))
+    return rows
+
+
+def _op_rows(plan, stage, glue: bool) -> tuple[list[str], int]:
+    """Rows of the ops with their shardings (main ops, or only glue ops), folding later block instances."""
+    folded = _folded_nodes(plan, stage)
+    rows, hidden = [], 0
+    for name in stage.nodes:
+        s = stage.shardings[name]
+        if name in folded or _is_state(name) or (not s.ins and s.out.replace("R", "") == ""):
+            continue
+        op = plan.node_ops.get(name, "")
+        if bool(MAIN_OPS.search(op)) == glue:
+            hidden += 1
+            continue
+        kern = " ".join(f"{t}@{a}" for a, t in s.kernels)
+        rows.append(f"    {name:<34} {op:<34} {s.out:<10} {','.join(s.ins):<24} {kern}")
+    return rows, hidden
+
+
+def _stage_table(plan, stage, max_rows: int, glue: bool = False) -> list[str]:
+    """Per stage, in the order users ask: time and memory, parameter layouts by block part, collectives,
+    the main ops' shardings; glue ops last and only when ``glue`` is set."""
     p = stage.predicted
     layers = f", layers {stage.layers[0]}..{stage.layers[1]}" if stage.layers else ""
     lines = ["", f"stage {stage.index}: ranks {stage.ranks}, mesh {stage.mesh_shape[0]}×{stage.mesh_shape[1]} "
              f"on submesh {stage.submesh[0]}×{stage.submesh[1]}{layers}; latency "
              f"{fmt_seconds(p.get('latency', 0))}, memory {fmt_bytes(p.get('memory', 0))}"]
-    folded = _folded_nodes(plan, stage)
-    skipped: Counter = Counter()
-    rows = []
-    for name in stage.nodes:
-        if name in folded:
-            skipped[folded[name]] += 1
-            continue
-        s = stage.shardings[name]
-        if _is_state(name) or (not s.ins and s.out.replace("R", "") == ""):
-            continue  # parameter layouts show as the inputs of their readers
-        op = plan.node_ops.get(name, "")
-        kern = " ".join(f"{t}@{a}" for a, t in s.kernels)
-        rows.append(f"  {name:<34} {op:<34} {s.out:<10} {','.join(s.ins):<24} {kern}")
-    lines.append(f"  {'node':<34} {'op':<34} {'output':<10} {'inputs':<24} kernels")
-    lines += rows[:max_rows]
-    if len(rows) > max_rows:
-        lines.append(f"  ... {len(rows) - max_rows} more rows")
-    for cid, n in skipped.items():
-        lines.append(f"  ({n} ops of later {cid} instances in this stage: same shardings as its first one)")
+    lines += _param_rows(plan, stage)
     lines += _collective_lines(stage)
+    rows, glue_count = _op_rows(plan, stage, glue=False)
+    header = f"    {'node':<34} {'op':<34} {'output':<10} {'inputs':<24} kernels"
+    lines += ["  ops (later instances of a repeated block folded into the first):", header] + rows[:max_rows]
+    if len(rows) > max_rows:
+        lines.append(f"    ... {len(rows) - max_rows} more rows")
+    if glue:
+        glue_rows, _ = _op_rows(plan, stage, glue=True)
+        lines += ["  glue ops (masks, positions, shapes, elementwise):", header] + glue_rows
+    elif glue_count:
+        lines.append(f"  ({glue_count} glue ops (masks, positions, shapes, elementwise) not shown: summary(glue=True))")
     return lines
 
 
@@ -94,8 +144,8 @@ def _collective_lines(stage) -> list[str]:
     return lines
 
 
-def plan_summary(plan, max_rows: int = 60) -> str:
+def plan_summary(plan, max_rows: int = 60, glue: bool = False) -> str:
     lines = _header(plan)
     for stage in plan.stages:
-        lines += _stage_table(plan, stage, max_rows)
+        lines += _stage_table(plan, stage, max_rows, glue)
     return "\n".join(lines)

@@ -27,7 +27,9 @@ instead of the CPU math path's T×T probabilities.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import math
 import operator
 
@@ -91,7 +93,8 @@ def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     packed: list[torch.Tensor] = []
     try:
-        with FakeTensorMode(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t)
+        with _quiet_fake_tensor_log(), FakeTensorMode(), hooks:
             fakes = [_fake(a, grad) if isinstance(a, fx.Node) else a for a, grad in zip(flat, flags)]
             args, kwargs = pytree.tree_unflatten(fakes, spec)
             with torch.enable_grad():
@@ -101,6 +104,22 @@ def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
     inputs = [f for a, f in zip(flat, fakes) if isinstance(a, fx.Node) and isinstance(f, torch.Tensor)]
     outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
     return _classify(packed, inputs, outputs)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """Silence FakeTensorMode's ERROR log while probing. A graph rescaled to a microbatch keeps ops the batch
+    does not reach at the full batch (an HF causal mask built from the batch size), so some probes meet
+    shapes that do not broadcast; the op's meta kernel raises, fake_tensor logs a full traceback at ERROR
+    before re-raising, and ``_probe`` prices the op by its fallback rule. The exception is the signal;
+    the log line would only reach the user as a scary traceback during a successful plan."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _fake(arg: fx.Node, grad: bool):

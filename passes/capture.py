@@ -26,6 +26,7 @@ from torch.export.graph_signature import InputKind
 
 from autopar.errors import CaptureError
 from autopar.ir.graph import ModelGraph, PlaceholderInfo
+from autopar.passes.capture_hops import inline_higher_order_ops
 
 _ASSERT_OPS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -42,6 +43,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:
     example_inputs = normalize_inputs(example_inputs)
     ep = _export(model, example_inputs)
     gm = ep.graph_module
+    inline_higher_order_ops(gm, {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER})
     _strip_assertions(gm)
     placeholders = _describe_placeholders(ep, gm)
     aliases = _param_aliases(model, ep)

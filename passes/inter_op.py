@@ -321,8 +321,11 @@ class StageChoice:
 
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
-                  stages: int | None) -> StageChoice:
-    """Run the DP for every candidate B and keep the cheapest; InfeasibleError when nothing fits."""
+                  stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
+    """Run the DP for every candidate B and keep the cheapest; InfeasibleError when nothing fits.
+
+    excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
+    did not fit); the DP treats them as not fitting."""
     best: tuple[DPResult, int, np.ndarray] | None = None
     costs.prepare()
     sizes = [o.size for o in costs.options]
@@ -330,6 +333,9 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     for B in candidates:
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)
+        for b, k, i, option, f in excluded:
+            if b == B:
+                table[k, i, costs.options.index(option), min(f, max_f) - 1] = INF
         found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
                          hops=costs.hops_at(global_batch // B))
         if found is not None and (best is None or found.cost < best[0].cost):

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from examples.gpt import GPTConfig, make_gpt
+from tests.zoo_models import ZOO
 
 
 class MLP(nn.Module):
@@ -56,4 +57,4 @@ def make_hf_gpt2(batch_size: int = 8, seed: int = 0, n_layer: int = 2, n_embd: i
     return model, (ids, ids.clone())
 
 
-FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "hf_gpt2": make_hf_gpt2}
+FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "hf_gpt2": make_hf_gpt2, **{f"zoo_{k}": v for k, v in ZOO.items()}}

@@ -12,7 +12,7 @@ Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the 
     the steps of ``autopar.redistribute`` (collectives from ``autopar.runtime.collectives``);
   * shape arguments (view, reshape, expand, unflatten) are rewritten to local shapes;
   * rule kernels are applied (bias scaled by 1/W, mean scaled by 1/W, vocab-parallel embedding and
-    cross-entropy replaced by ``autopar.runtime.kernels``).
+    cross-entropy, expert-parallel grouped matmul replaced by ``autopar.runtime.kernels``).
 The generated code is plain Python (``gm.code``) and autograd differentiates it as usual.
 """
 from __future__ import annotations
@@ -181,6 +181,9 @@ class _Emitter:
             return K.vocab_parallel_embedding, [args[0], args[1], start], {}
         if "ce_batch" in tags or "ce_class" in tags:
             return self._loss_kernel(node, view, ins, axes, args)
+        if "local_experts" in tags:
+            first = _chunk_offset(ins[1], 0, view.in_shapes[1][0], self.mesh_shape, self.coord)
+            return K.local_experts_grouped_mm, [args[0], args[1], args[2], first], {}
         return target, args, kwargs
 
     def _loss_kernel(self, node, view, ins, axes, args):

@@ -12,6 +12,9 @@ so summing over the group (the Partial output's all-reduce) gives the lookup.
 
 With row shards, a mean is the local sum divided by the *global* count of counted targets
 (``ignore_index`` excluded), so each rank's value is a summand of the true mean (a Partial).
+
+``local_experts_grouped_mm``: expert parallelism for ``transformers``' grouped expert matmul (see
+``passes/strategies/experts.py``): this rank holds experts [e0, e0 + n) and computes their rows only.
 """
 from __future__ import annotations
 
@@ -30,6 +33,18 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, vocab_
     outside = (local < 0) | (local >= weight.shape[0])
     rows = F.embedding(local.masked_fill(outside, 0), weight)
     return rows * (~outside).unsqueeze(-1).to(rows.dtype)
+
+
+def local_experts_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                             first_expert: int) -> torch.Tensor:
+    """Rows of x [S, K] routed to the local experts ``weight`` [n, K, N] times their expert; zero rows for
+    the other experts. ``offs`` [E] are the global cumulative row ends; the local rows are the slice
+    [offs[e0 - 1], offs[e0 + n - 1]), whose local offsets are those ends minus its start."""
+    ends = offs[first_expert:first_expert + weight.shape[0]]
+    lo = int(offs[first_expert - 1]) if first_expert > 0 else 0
+    hi = int(ends[-1])
+    rows = torch.ops.transformers.grouped_mm_fallback(x[lo:hi], weight, ends - lo)
+    return F.pad(rows, (0, 0, lo, x.shape[0] - hi))
 
 
 def _reduce(x: torch.Tensor, keys: list[str], op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -3,7 +3,9 @@
     python benchmarks/plan_time.py                 (or ./run.sh bench plan_time)
     python benchmarks/plan_time.py --points 39B:64:p3.16xlarge:1024 175B:1024:dgx-a100:1536
 
-A point is MODEL:GPUS:PRESET:GLOBAL_BATCH. The defaults are Alpa's GPT weak-scaling suite on AWS
+A point is MODEL:GPUS:PRESET:GLOBAL_BATCH. MODEL is a GPT suite size, or a Hugging Face ``transformers`` Llama
+built from its published config on the meta device (``hf-llama3-8b``: Llama-3-8B, GQA, vocabulary 128256;
+``hf-llama2-70b``: Llama-2-70B, GQA; both at sequence 4096, bf16). The defaults are Alpa's GPT weak-scaling suite on AWS
 p3.16xlarge (8× V100 per node, 25 Gbps between nodes) at Alpa's global batch of 1024, and GPT-3 175B on
 1024 A100s at GPT-3's batch of 1536. Everything is timed: torch.export capture, layer clustering, the
 per-submesh ILPs with the stage DP, and the exact ILP of every chosen stage. A benchmark prints a table;
@@ -22,30 +24,70 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
+from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.presets import preset_gpus  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
 
 DEFAULT_POINTS = ["1.3B:4:p3.16xlarge:1024", "2.6B:8:p3.16xlarge:1024", "6.7B:16:p3.16xlarge:1024",
-                  "15B:32:p3.16xlarge:1024", "39B:64:p3.16xlarge:1024", "175B:1024:dgx-a100:1536"]
+                  "15B:32:p3.16xlarge:1024", "39B:64:p3.16xlarge:1024", "175B:1024:dgx-a100:1536",
+                  "hf-llama3-8b:64:dgx-h100:256", "hf-llama2-70b:32:dgx-h100:256", "hf-llama2-70b:64:dgx-h100:256"]
+HF_SEQ = 4096
+HF_LLAMAS = {  # published configs (hidden, intermediate, layers, heads, kv heads, vocabulary)
+    "hf-llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "hf-llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=32000),
+}
+
+
+class CausalLMLoss(torch.nn.Module):
+    """A transformers causal LM whose forward(input_ids, labels) returns the loss."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        return self.lm(input_ids=input_ids, labels=labels).loss
+
+
+def hf_llama(name: str, batch: int) -> tuple[torch.nn.Module, tuple, float, int]:
+    """(model on meta, inputs on meta, parameter count, sequence length) of a published Llama config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**HF_LLAMAS[name], max_position_embeddings=HF_SEQ, use_cache=False, attention_dropout=0.0,
+                      torch_dtype=torch.bfloat16)
+    with torch.device("meta"):
+        model = CausalLMLoss(LlamaForCausalLM(cfg).to(torch.bfloat16))
+    ids = torch.zeros(batch, HF_SEQ, dtype=torch.long, device="meta")
+    return model, (ids, ids), sum(p.numel() for p in model.parameters()), HF_SEQ
 
 
 def run_point(point: str) -> dict:
     name, gpus, preset, batch = point.split(":")
-    cfg = suite_config(name)
-    with torch.device("meta"):
-        model = GPT(cfg).half()
+    if name in HF_LLAMAS:
+        model, inputs, n_params, seq = hf_llama(name, int(batch))
+    else:
+        cfg = suite_config(name)
+        with torch.device("meta"):
+            model = GPT(cfg).half()
+        inputs, n_params, seq = make_batch(cfg, int(batch), device="meta"), cfg.n_params, cfg.seq_len
     start = time.perf_counter()
-    plan = autopar.plan(model, preset_gpus(preset, int(gpus)), make_batch(cfg, int(batch), device="meta"))
+    try:
+        plan = autopar.plan(model, preset_gpus(preset, int(gpus)), inputs)
+    except InfeasibleError as e:  # a row that says precisely why nothing fits
+        return {"model": name, "params": n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
+                "total": time.perf_counter() - start, "infeasible": str(e)}
     total = time.perf_counter() - start
     t = plan.timings
-    return {"model": name, "params": cfg.n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
+    return {"model": name, "params": n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
             "total": total, "capture": t.get("capture", 0.0), "dp": t.get("stage_dp", 0.0),
             "stages_s": t.get("stage_ilps", 0.0), "solves": plan.planner.get("mesh_solves", 0),
             "stages": len(plan.stages), "B": plan.microbatches,
             "shape": "+".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages[:3])
             + ("+…" if len(plan.stages) > 3 else ""),
             "step": plan.predicted["step_time"], "mem": plan.predicted["peak_memory"] / 2**30,
-            "pflops": 6 * cfg.n_params * int(batch) * cfg.seq_len / plan.predicted["step_time"] / 1e15}
+            "pflops": 6 * n_params * int(batch) * seq / plan.predicted["step_time"] / 1e15}
 
 
 def main(argv=None) -> int:
@@ -59,6 +101,10 @@ def main(argv=None) -> int:
     print("|" + "---|" * 14)
     for point in args.points:
         r = run_point(point)
+        if "infeasible" in r:
+            print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | "
+                  f"{r['total']:.1f} | no plan fits: {r['infeasible']} |", flush=True)
+            continue
         print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | "
               f"{r['total']:.1f} | {r['capture']:.1f} | {r['dp']:.1f} | {r['stages_s']:.1f} | {r['solves']} | "
               f"{r['stages']} ({r['shape']}) | {r['B']} | {r['step']:.2f} | {r['pflops']:.2f} | {r['mem']:.1f} |",

@@ -30,7 +30,9 @@ _WARNED: set[str] = set()  # ops already reported as rule-less in this process (
 
 
 def register(*targets) -> Callable[[RuleFn], RuleFn]:
-    """Register a rule for ATen op packets (``torch.ops.aten.mm``) or plain callables (operator.getitem)."""
+    """Register a rule for ATen op packets (``torch.ops.aten.mm``), single overloads (``aten.max.other``),
+    plain callables (operator.getitem), or an op's qualified name (``"lib.op.overload"``) for custom ops
+    that exist only once their library is imported."""
 
     def deco(fn: RuleFn) -> RuleFn:
         for t in targets:
@@ -44,7 +46,9 @@ def rule_for(target) -> RuleFn | None:
     if target in _RULES:
         return _RULES[target]
     packet = getattr(target, "overloadpacket", None)
-    return _RULES.get(packet)
+    if packet in _RULES:
+        return _RULES[packet]
+    return _RULES.get(str(target)) if isinstance(target, torch._ops.OpOverload) else None
 
 
 def has_rule(node: fx.Node) -> bool:
@@ -58,6 +62,7 @@ from autopar.passes.strategies import (  # noqa: E402,F401  # noqa: E402,F401
     creation,
     einsum,
     embedding,
+    experts,
     loss,
     matmul,
     norms,
@@ -93,8 +98,11 @@ def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[St
             by_signature[sig] = out[node.name]
     for name in sorted(missing - _WARNED):
         _WARNED.add(name)
-        warnings.warn(f"autopar: no sharding rule for {name}; it runs replicated (slower, never wrong). "
-                      f"Add a rule in passes/strategies/ to shard it.", stacklevel=2)
+        warnings.warn(f"autopar: no sharding rule for {name}: it runs replicated, so every device holds its full "
+                      f"inputs and output (extra memory), and the values around it are gathered to it and split "
+                      f"again (extra communication). Results stay exact. If this op is large in your model, "
+                      f"please report it with your model name and this op at the autopar issue tracker.",
+                      stacklevel=2)
     return out
 
 

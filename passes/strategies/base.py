@@ -40,6 +40,7 @@ KERNELS = {
     "vocab_embedding": "indices outside this rank's vocabulary rows read zero (output is Partial)",
     "ce_batch": "loss = local sum / global count of counted targets (output is Partial)",
     "ce_class": "softmax statistics are all-reduced over the class shards (vocab-parallel cross-entropy)",
+    "local_experts": "a grouped expert matmul computes only its own experts' rows, zeros elsewhere (output is Partial)",
 }
 
 

@@ -33,6 +33,7 @@ NONLINEAR = [
     aten.fill, aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like, aten.rand_like,
     aten.randn_like, aten.lerp, aten.addcmul, aten.addcdiv, aten.isnan, aten.isinf, aten.nan_to_num,
     aten.remainder, aten.fmod, aten.floor_divide, aten.tril, aten.triu, aten.bitwise_xor, aten.logical_xor,
+    aten.max.other, aten.min.other,  # elementwise overloads; the reducing ones are in reductions.py
 ]
 SUMS = [aten.add, aten.sub, aten.rsub]
 SCALES = [aten.mul, aten.div]

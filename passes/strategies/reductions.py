@@ -1,4 +1,4 @@
-"""Reductions and normalizing ops: sum, mean, amax/amin, max/min.dim, argmax, softmax, cumsum, logsumexp.
+"""Reductions and normalizing ops: sum, mean, amax/amin, max/min.dim, argmax, softmax, cumsum, logsumexp, diff.
 
 A kept dim keeps its shard. A reduced dim may be sharded only for sum and mean, whose local results
 are summands of the global one: the output is Partial, and a mean is scaled by 1/W
@@ -66,8 +66,9 @@ def mean_rule(view: OpView) -> list[AxisRule]:
     return _kept_rules(view, dims, keepdim) + partial + [AxisRule((P,), P)]
 
 
-@register(aten.amax, aten.amin, aten.argmax, aten.argmin, aten.max, aten.min, aten.logsumexp, aten.any,
-          aten.all, aten.prod)
+# max/min are registered per overload: their ``other`` overloads are elementwise (pointwise.py).
+@register(aten.amax, aten.amin, aten.argmax, aten.argmin, aten.max.default, aten.max.dim, aten.min.default,
+          aten.min.dim, aten.logsumexp, aten.any, aten.all, aten.prod)
 def extremum_rule(view: OpView) -> list[AxisRule]:
     if len(view.node.args) < 2 and "dim" not in view.node.kwargs:
         return []  # full reduction to a scalar: keep replicated
@@ -79,4 +80,14 @@ def extremum_rule(view: OpView) -> list[AxisRule]:
 def along_dim_rule(view: OpView) -> list[AxisRule]:
     shape = view.in_shapes[0]
     dim = norm_dim(view.arg(1), len(shape))
+    return [AxisRule((Shard(i),), Shard(i)) for i in range(len(shape)) if i != dim and shape[i] > 1]
+
+
+@register(aten.diff)
+def diff_rule(view: OpView) -> list[AxisRule]:
+    """diff along ``dim`` needs the whole of that dim; every other dim keeps its shard (no prepend/append)."""
+    shape = view.in_shapes[0]
+    if view.n_in != 1:
+        return []
+    dim = norm_dim(view.kwarg("dim", -1), len(shape))
     return [AxisRule((Shard(i),), Shard(i)) for i in range(len(shape)) if i != dim and shape[i] > 1]
