@@ -11,6 +11,8 @@ import torch.distributed as dist
 from autopar.cluster import Cluster
 from autopar.driver import PlanOptions, first_microbatch, plan_model
 from autopar.errors import ClusterError, PlanError
+from autopar.ir.precision import apply_to_graph
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
@@ -53,7 +55,8 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     if share_with is not None:
         options = _keep_layout_of(share_with.plan, options)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
-    graph = capture(model, first_microbatch(example_inputs, chosen.microbatches))
+    graph = apply_to_graph(capture(model, first_microbatch(example_inputs, chosen.microbatches)),
+                           resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
     built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout))

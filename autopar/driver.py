@@ -22,9 +22,11 @@ import torch
 
 from autopar import invariants
 from autopar.cluster import Cluster
-from autopar.cost_models.memory import TrainingSpec
+from autopar.cost_models.memory import TrainingSpec, zero_levels
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
 from autopar.ir.graph import ModelGraph
+from autopar.ir.precision import apply_to_graph
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
@@ -64,6 +66,10 @@ class PlanOptions:
     recompute: "auto" (the stage DP chooses, per stage, which layers recompute their activations in
       backward), "none", "full", or {layer glob: "none" | "full" | "selective" | "auto"}; see
       ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).
+    precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.ir.precision.PrecisionPolicy``.
+    zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the planner
+      keeps 0 unless forced), 0, 1, 2, or {parameter-fqn glob: level} (see ``cost_models.memory``).
+    bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
     """
 
     optimizer: str = "adamw"
@@ -75,16 +81,22 @@ class PlanOptions:
     layers: int | None = None
     debug: bool = False
     recompute: str | dict = "auto"
+    precision: object = "fp32"
+    zero: object = "auto"
+    bucket_bytes: int = 25 * 2 ** 20
 
     def __post_init__(self):
+        resolve_precision(self.precision)
+        check_zero(self.zero)
         check_policy(self.recompute)
 
 
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
     start = time.perf_counter()
-    graph = capture(model, example_inputs)
+    policy = resolve_precision(options.precision)
+    graph = apply_to_graph(capture(model, example_inputs), policy)
     _check(options, lambda: invariants.check_capture(graph))
-    recapture = lambda b: capture(model, first_microbatch(example_inputs, b))  # noqa: E731
+    recapture = lambda b: apply_to_graph(capture(model, first_microbatch(example_inputs, b)), policy)  # noqa: E731
     plan = plan_graph(graph, cluster, options, model_name=type(model).__name__, recapture=recapture)
     plan.timings["capture"] = round(time.perf_counter() - start - plan.timings["seconds"], 3)
     return plan
@@ -104,7 +116,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         _check(options, lambda: invariants.check_layers(graph, layers))
         costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
-                           TrainingSpec(optimizer=options.optimizer), batch_dims(graph), options.time_limit,
+                           training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers))
         clock.lap("layers")
@@ -275,7 +287,7 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
         attempts.append({**attempts[0], **{n: "full" for n, m in enumerate(modes) if m == "auto"}})
     tried, error = [], None
     for recompute in attempts:
-        env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), microbatches=microbatches,
+        env = CostEnv(cluster, mesh, training_spec(graph, options), microbatches=microbatches,
                       recomputed=recomputed_ops(layers, recompute, scaled) if recompute else frozenset())
         try:
             solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
@@ -369,7 +381,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         option, subset = chosen.option, subsets[s]
         k, i = chosen.first, chosen.last
         recompute = stage_modes(costs_modes, chosen.recompute, k, i)
-        env = CostEnv(cluster, option.logical, TrainingSpec(optimizer=options.optimizer), microbatches=B,
+        env = CostEnv(cluster, option.logical, training_spec(graph, options), microbatches=B,
                       inflight=chosen.inflight, devices_per_node=option.physical[1],
                       recomputed=recomputed_ops(layers, recompute, scaled))
         try:
@@ -426,9 +438,31 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
         modes = layer_modes(options.recompute, graph, layers)
         forced = {n: m for n, m in enumerate(modes) if m in ("full", "selective")}
         recomputed = recomputed_ops(layers, forced, graph)
-    env = CostEnv(cluster, mesh, TrainingSpec(optimizer=options.optimizer), recomputed=recomputed)
+    env = CostEnv(cluster, mesh, training_spec(graph, options), recomputed=recomputed)
     problem = build_problem(graph, strategies, blocks, env, None).problem
     return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
+
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+def check_zero(zero) -> None:
+    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise (level 3 is not run by the runtime)."""
+    levels = list(zero.values()) if isinstance(zero, dict) else [zero]
+    if zero == "auto" or (levels and all(isinstance(v, int) and v in ZERO_LEVELS for v in levels)):
+        return
+    raise PlanError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
+                    f"{{parameter-fqn glob: level}} (level 3, parameters sharded between uses, is not run by "
+                    f"autopar's runtime)")
+
+
+def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
+    """The memory model's view of ``options``: optimizer, forced ZeRO levels, autocast's weight copies."""
+    policy = resolve_precision(options.precision)
+    names = {p.name: p.fqn for p in graph.placeholders if p.kind == "parameter"}
+    copy = policy.compute_dtype.itemsize if policy.compute_dtype is not None else 0
+    return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
+                        compute_itemsize=copy)
 
 
 def _check(options: PlanOptions, fn) -> None:

@@ -38,6 +38,10 @@ class InputError(AutoparError):
     """Inputs passed at run time differ from the example inputs the plan was made for."""
 
 
+class PrecisionError(AutoparError):
+    """An unknown precision policy, or one the device cannot run."""
+
+
 class CommunicationError(RuntimeError):
     """A collective failed or timed out, typically because another rank died."""
 

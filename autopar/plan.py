@@ -75,6 +75,7 @@ class Stage:
     inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # from earlier stages: value -> spec
     outputs: list[str] = dataclasses.field(default_factory=list)       # values later stages read
     recompute: dict[int, str] = dataclasses.field(default_factory=dict)
+    zero: dict[str, int] = dataclasses.field(default_factory=dict)     # parameter -> ZeRO level (absent: 0)
 
 
 @dataclasses.dataclass
@@ -96,6 +97,8 @@ class Plan:
     node_ops: dict[str, str] = dataclasses.field(default_factory=dict)
     node_layers: dict[str, int] = dataclasses.field(default_factory=dict)
     transfers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    precision: str = "fp32"
+    bucket_bytes: int = 25 * 2 ** 20
     version: int = PLAN_VERSION
     # How long planning took, by phase: not part of the plan (not saved, not compared), so the same
     # inputs give byte-identical JSON.
@@ -280,7 +283,8 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
                  submesh=_tuple2(d["submesh"]), nodes=list(d["nodes"]), shardings=shardings,
                  collectives=collectives, layers=layers, predicted=dict(d.get("predicted", {})),
                  inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])),
-                 recompute={int(k): str(v) for k, v in d.get("recompute", {}).items()})
+                 recompute={int(k): str(v) for k, v in d.get("recompute", {}).items()},
+                 zero={k: int(v) for k, v in d.get("zero", {}).items()})
 
 
 def _read_text(source) -> str:
@@ -316,6 +320,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         predicted=dict(d.get("predicted", {})),
         planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
         node_ops=d.get("node_ops", {}), node_layers={k: int(v) for k, v in d.get("node_layers", {}).items()},
-        transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)))
+        transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)),
+        precision=str(d.get("precision", "fp32")), bucket_bytes=int(d.get("bucket_bytes", 25 * 2 ** 20)))
     plan.validate()
     return plan

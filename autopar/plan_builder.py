@@ -19,10 +19,13 @@ import math
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
+from autopar.cost_models.memory import held_state_bytes
+from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
-from autopar.placement import local_shape, spec_str
+from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.redistribute import grad_partial_axes
 
@@ -40,6 +43,7 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
                   nodes=names, shardings=shardings, layers=layers)
     stage.inputs = {name: spec_str(spec) for name, spec in solution.inputs.items()}
     stage.outputs = sorted(solution.sends)
+    stage.zero = {n: lvl for n, lvl in env.training.zero if n in shardings and lvl}
     stage.collectives = _collectives(graph, solution, env, set(names))
     per_mb = (solution.step_time - solution.sync_time) / env.microbatches
     stage.predicted = {"latency": per_mb, "forward": per_mb / 3, "backward": 2 * per_mb / 3,
@@ -50,11 +54,15 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
 
 
 def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
-    """One optimizer step over the local shards of the parameters this stage holds."""
+    """One optimizer step over the local shards of the parameters this stage holds (1/n of those whose
+    optimizer state ZeRO shards n ways)."""
     numel, tensors, itemsize = 0.0, 0, 4
     for p in graph.placeholders:
         if p.kind == "parameter" and p.name in solution.strategies:
-            numel += math.prod(local_shape(p.shape, solution.strategies[p.name].out_spec, env.mesh_shape))
+            spec = solution.strategies[p.name].out_spec
+            ways = math.prod(n for n, q in zip(env.mesh_shape, spec) if not q.is_shard())
+            shard = ways if env.training.zero_level(p.name) >= 1 else 1  # ZeRO steps 1/n of it
+            numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
             tensors, itemsize = tensors + 1, p.dtype.itemsize
     return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)
 
@@ -83,6 +91,51 @@ def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]
                     phase = "step"  # a parameter's gradient sync: the runtime defers and buckets it per step
                 out.append(Collective(arg.name, node.name, kind, axis, float(nbytes), phase, float(seconds)))
     return out
+
+
+def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
+    """The gradient-sync buckets the runtime builds for ``stage`` (``cost_models.memory.sync_buckets``),
+    from the parameters whose gradient codegen leaves to the once-per-step sync."""
+    trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
+    deferred = deferrable_syncs(graph, stage, requires_grad_nodes(graph.gm, trainable))
+    numel = {p.name: math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
+             for p in graph.placeholders if p.name in deferred}
+    return sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
+
+
+def predict_state(graph, stage, bucket_bytes: float, optimizer: str) -> dict[str, float]:
+    """Bytes of parameters, gradients and optimizer state one rank of ``stage`` holds (``held_state_bytes``),
+    and its number of gradient-sync buckets."""
+    buckets = stage_sync_buckets(graph, stage, bucket_bytes)
+    in_bucket = {n for b in buckets for n in b["names"]}
+    loose = [math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
+             for p in graph.placeholders if p.kind == "parameter" and p.name in stage.shardings
+             and p.name not in in_bucket and _is_read(graph, p.name)]
+    held = held_state_bytes(buckets, loose, optimizer)
+    return {"state_params": held["params"], "state_grads": held["grads"], "state_optimizer": held["optimizer"],
+            "sync_buckets": float(len(buckets)),
+            "zero_gather_share": sum(b["numel"] for b in buckets if b["level"] >= 1)
+            / max(1, sum(b["numel"] for b in buckets))}
+
+
+def _is_read(graph, name: str) -> bool:
+    return bool(graph.gm.graph.find_nodes(op="placeholder", target=name)[0].users)
+
+
+def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float) -> float:
+    """Seconds of gradient sync the backward does not hide. Buckets of equal size become ready at
+    b/K, 2b/K, ..., b (b: the last microbatch's backward, K buckets) and go out one after another, so the
+    last finishes at max(b/K + s, b + s/K) (s: the sync's reduce part); what lies past b is exposed:
+
+        exposed = max(s / K, s − b·(K − 1)/K) + g
+
+    With ZeRO ≥ 1 a share f of the gradients is reduce-scattered (half a ring all-reduce) and the updated
+    shards all-gathered after the step (the other half, g = f·sync/2), which nothing hides."""
+    if sync <= 0:
+        return 0.0
+    gather = gather_share * sync / 2
+    s, k = sync - gather, max(int(buckets), 1)
+    return max(s / k, s - backward * (k - 1) / k) + gather
 
 
 def place_stages(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
@@ -121,11 +174,14 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
     ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop)
     makespan = max(op.end for op in ops)
     sync = max(s.predicted["grad_sync"] for s in stages)
+    exposed = max(exposed_sync(s.predicted["grad_sync"], s.predicted["backward"], s.predicted.get("sync_buckets", 1),
+                               s.predicted.get("zero_gather_share", 0.0)) for s in stages)
     optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
     busiest = max(microbatches * (f + b) for f, b in zip(forward, backward))
     compute = sum(s.predicted["compute"] for s in stages)
     comm = sum(s.predicted["comm"] for s in stages)
-    return {"step_time": makespan + sync + optimizer, "compute": compute, "comm": comm, "grad_sync": sync,
+    return {"step_time": makespan + exposed + optimizer, "compute": compute, "comm": comm, "grad_sync": sync,
+            "grad_sync_exposed": exposed,
             "optimizer": optimizer, "transfer": hop,  # hop: what trace.simulate_plan replays the schedule with
             "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
 
@@ -154,7 +210,10 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     microbatch, and a re-captured model (e.g. one that branches on batch size) can differ in structure.
     ``predicted`` is the schedule replay of the stages (``predict``); ``planner`` records how it was found."""
     sharded = sharded_graph if sharded_graph is not None else graph
-    return Plan(model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
+    for stage in stages:
+        stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer))
+    return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
+                model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,
                 optimizer=options.optimizer, recompute=getattr(options, "recompute", "auto"),
                 repeated_blocks=blocks.instances,

@@ -24,8 +24,8 @@ TFLOPS = 1e12
 # (predicted / published throughput), two rounds. V100: Megatron-LM's five runs on p3.16xlarge from Alpa's
 # OSDI'22 artifact (unfitted ratios 0.95-1.07); A100: Megatron-LM SC'21 Table 1's 1.7B@32 and 3.6B@64
 # (unfitted 1.06 and 1.10). H100: no published run is predicted yet, so 1.0 (not calibrated).
-P3_COMPUTE_TIME_SCALE = 0.992
-A100_COMPUTE_TIME_SCALE = 1.080
+P3_COMPUTE_TIME_SCALE = 0.990
+A100_COMPUTE_TIME_SCALE = 1.071
 H100_COMPUTE_TIME_SCALE = 1.0
 
 

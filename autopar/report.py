@@ -26,11 +26,30 @@ def _header(plan) -> list[str]:
                      f"pipeline bubble {fmt_seconds(p.get('bubble', 0))}; optimizer step "
                      f"{fmt_seconds(p.get('optimizer', 0))}); peak memory per device "
                      f"{fmt_bytes(p.get('peak_memory', 0))} of {fmt_bytes(c['memory_per_device'])}")
+    lines.append(_precision_line(plan))
     if plan.planner:
         q = plan.planner
         lines.append(f"planner: {q.get('ilp_variables', '?')} ILP variables, {q.get('ilp_status', '?')} "
                      f"({q.get('solver', '?')})")
     return lines
+
+
+def _precision_line(plan) -> str:
+    """Precision policy, ZeRO levels per stage and the gradient sync's exposed share."""
+    from autopar.ir.precision import resolve
+
+    zero = []
+    for s in plan.stages:
+        levels = sorted(set(s.zero.values()) | ({0} if len(s.zero) < _param_count(plan, s) else set()))
+        zero.append("/".join(str(x) for x in levels) or "0")
+    p = plan.predicted
+    hidden = f"; gradient sync {fmt_seconds(p['grad_sync_exposed'])} exposed of {fmt_seconds(p['grad_sync'])}" \
+        if "grad_sync_exposed" in p else ""
+    return f"precision {resolve(plan.precision).describe()}; ZeRO level(s) by stage: {', '.join(zero)}{hidden}"
+
+
+def _param_count(plan, stage) -> int:
+    return sum(1 for n in stage.shardings if n.startswith("p_"))
 
 
 def _folded_nodes(plan, stage) -> dict[str, str]:

@@ -44,13 +44,27 @@ def simulate_plan(plan) -> list[ScheduledOp]:
 
 
 def grad_sync_events(plan, ops: list[ScheduledOp]) -> list[ScheduledOp]:
-    """One "grad sync" op per stage that predicts ``grad_sync`` seconds, right after its last backward."""
+    """Per stage, its gradient-sync buckets as the runtime overlaps them with the last backward
+    (``plan_builder.exposed_sync``): K equal buckets of the reduce part, bucket k ready at k/K of that
+    backward, sent one after another; then, with ZeRO, the all-gather of the updated shards ("param gather").
+    Plans without bucket counts get one "grad sync" op after the last backward."""
     out = []
     for s, stage in enumerate(plan.stages):
-        seconds = float((stage.predicted or {}).get("grad_sync", 0.0) or 0.0)
-        if seconds > 0:
-            last = max(op.end for op in ops if op.stage == s)
-            out.append(ScheduledOp(s, -1, "grad sync", last, last + seconds))
+        p = stage.predicted or {}
+        seconds = float(p.get("grad_sync", 0.0) or 0.0)
+        if seconds <= 0:
+            continue
+        last = max((op for op in ops if op.stage == s), key=lambda op: op.end)
+        k = max(int(p.get("sync_buckets", 1) or 1), 1)
+        gather = float(p.get("zero_gather_share", 0.0)) * seconds / 2
+        each, free = (seconds - gather) / k, last.start if k > 1 else last.end
+        for i in range(k):
+            ready = last.start + (i + 1) / k * (last.end - last.start) if k > 1 else last.end
+            start = max(ready, free)
+            free = start + each
+            out.append(ScheduledOp(s, -1, "grad sync", start, free))
+        if gather > 0:
+            out.append(ScheduledOp(s, -1, "param gather", free, free + gather))
     return out
 
 
@@ -63,7 +77,8 @@ def schedule_to_chrome_trace(plan) -> dict:
     """Chrome Trace Event Format: {"traceEvents": [...]}; pid = stage index, tid 0 = its compute row.
 
     Each op is a complete event (ph="X", ts and dur in µs); metadata events name every process
-    "stage s (ranks a–b)" so Perfetto lists the stages in order.
+    "stage s (ranks a–b)" so Perfetto lists the stages in order. Gradient-sync buckets go on tid 1, under
+    the backward they overlap.
     """
     compute_ops = simulate_plan(plan)
     ops = compute_ops + grad_sync_events(plan, compute_ops)
@@ -77,10 +92,12 @@ def schedule_to_chrome_trace(plan) -> dict:
                        "args": {"sort_index": stage.index}})
         events.append({"ph": "M", "name": "thread_name", "pid": stage.index, "tid": 0,
                        "args": {"name": "compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": stage.index, "tid": 1,
+                       "args": {"name": "gradient sync"}})
     for op in ops:
         cat = {"F": "forward", "B": "backward"}.get(op.kind, op.kind)
         events.append({"ph": "X", "name": op_label(op), "cat": cat, "pid": plan.stages[op.stage].index,
-                       "tid": 0, "ts": op.start * 1e6, "dur": (op.end - op.start) * 1e6,
+                       "tid": 0 if op.microbatch >= 0 else 1, "ts": op.start * 1e6, "dur": (op.end - op.start) * 1e6,
                        "args": {"stage": op.stage, "microbatch": op.microbatch}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"model": plan.model, "schedule": plan.schedule, "microbatches": plan.microbatches,

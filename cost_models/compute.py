@@ -199,7 +199,10 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     kernel = attention_kernel(node, cluster)
     if kernel is not None:
         return scale * attention_time(node, kernel, flops, moved, strategy, cluster, differentiable) + overhead
-    dtype = next((v.dtype for v in in_vals + out_vals if isinstance(v, torch.Tensor)), torch.float32)
+    # The output's dtype is the one the op computes in: under autocast a linear reads fp32 tensors and
+    # computes (and returns) bf16; without autocast inputs and output agree.
+    floating = [v for v in out_vals + in_vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
+    dtype = floating[0].dtype if floating else torch.float32
     name = str(dtype).replace("torch.", "")
     rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
     return scale * max(flops / rate, moved / cluster.memory_bandwidth) + overhead

@@ -17,6 +17,17 @@ tensor the op touches, as a fraction of that tensor's bytes, so they shard as th
 consumer makes when it reshards an input before saving it is not counted (an under-estimate the
 fidelity benchmark measures).
 
+Weight-update sharding (ZeRO, over the data-parallel axes of a parameter: the mesh axes it is replicated on),
+per parameter element, with n = the product of those axes' sizes:
+
+    level 0: weight + gradient + optimizer state          level 1: weight + gradient + state / n
+    (state includes the fp32 master copy of a weight stored in fp16/bf16; with a precision policy the
+    weights stay fp32 and autocast's compute-dtype copy of each, saved for backward, adds its itemsize)
+    level 2: weight + (gradient + state) / n              (level 3, weights sharded between uses: not run)
+
+The runtime keeps the synced gradients of each bucket (``autopar.ir.buckets``) in one flat buffer, padded for
+levels ≥ 1 to n equal shards; ``held_state_bytes`` counts exactly what a rank then holds.
+
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
 All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
 this sum bounds the real peak from above by at most the gradient bytes (4 of the 16 bytes/parameter).
@@ -43,11 +54,26 @@ class TrainingSpec:
     """
 
     optimizer: str = "adamw"
+    zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, level); absent: 0
+    compute_itemsize: int = 0                # autocast's weight copies (saved for backward); 0 for fp32
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             raise ValueError(f"optimizer {self.optimizer!r} is not modelled; use one of "
                              f"{sorted(OPTIMIZER_STATE_BYTES)}")
+
+    def zero_level(self, name: str) -> int:
+        return dict(self.zero).get(name, 0)
+
+    def param_bytes(self, name: str, numel: float, dtype: torch.dtype, dp_ways: int) -> float:
+        """Bytes one device keeps for ``numel`` local elements of parameter ``name`` replicated ``dp_ways``
+        times (see the module docstring), plus the compute-dtype copy autocast saves for backward."""
+        item = torch.empty((), dtype=dtype).element_size()
+        level, n = self.zero_level(name), max(dp_ways, 1)
+        grad = item / n if level >= 2 else item
+        master = 4 if dtype in (torch.float16, torch.bfloat16) else 0  # fp32 copy of a low-precision weight
+        state = (OPTIMIZER_STATE_BYTES[self.optimizer] + master) / (n if level >= 1 else 1)
+        return numel * (item + grad + state + self.compute_itemsize)
 
     def param_state_bytes_per_element(self, dtype: torch.dtype) -> float:
         item = torch.empty((), dtype=dtype).element_size()
@@ -119,3 +145,41 @@ def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:
             best, best_bytes = arg, _out_bytes(arg)
     best = owner(best) if best is not node else node
     return node if best.op == "placeholder" else best
+
+
+def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
+    """{parameter placeholder: forced ZeRO level} from the ``zero`` option: an int for all parameters, or
+    {fqn glob: level} (first matching glob wins). "auto" forces nothing (the planner keeps level 0)."""
+    import fnmatch
+
+    if zero == "auto":
+        return {}
+    if isinstance(zero, dict):
+        out = {}
+        for name, fqn in names_to_fqns.items():
+            hit = next((lvl for glob, lvl in zero.items() if fnmatch.fnmatch(fqn, glob) or fnmatch.fnmatch(name, glob)),
+                       None)
+            if hit is not None:
+                out[name] = hit
+        return out
+    return {name: zero for name in names_to_fqns}
+
+
+def held_state_bytes(buckets: list[dict], loose: list[int], optimizer: str, itemsize: int = 4) -> dict[str, float]:
+    """{params, grads, optimizer}: bytes one rank holds. ``buckets``: {numel, ways, level} per synced bucket;
+    ``loose``: numel of every other trainable local tensor (its own gradient and state). The optimizer keeps
+    its state per tensor it steps (a bucket's shard at level ≥ 1, else each parameter) plus a 4-byte step
+    counter per tensor for adam/adamw."""
+    from autopar.ir.buckets import padded_numel
+
+    per_elem, step = OPTIMIZER_STATE_BYTES[optimizer], 4 if optimizer.startswith("adam") else 0
+    params = grads = state = 0.0
+    for n in loose:
+        params, grads, state = params + n * itemsize, grads + n * itemsize, state + n * per_elem + step
+    for b in buckets:
+        padded = padded_numel(b["numel"], b["ways"], b["level"])
+        shard = padded // b["ways"] if b["level"] >= 1 else None
+        params += padded * itemsize
+        grads += (shard if b["level"] >= 2 else padded) * itemsize
+        state += (shard * per_elem + step) if shard is not None else b["numel"] * per_elem + step * b["count"]
+    return {"params": params, "grads": grads, "optimizer": state}

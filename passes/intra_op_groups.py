@@ -342,7 +342,8 @@ class GroupBuilder:
         val = node.meta.get("val")
         if node.op == "placeholder" and name in self.params:
             numel = np.prod(local_shape(tuple(val.shape), strat.out_spec, self.env.mesh_shape))
-            return float(numel) * self.env.training.param_state_bytes_per_element(val.dtype), 0.0
+            ways = int(np.prod([size for size, p in zip(self.env.mesh_shape, strat.out_spec) if not p.is_shard()]))
+            return self.env.training.param_bytes(name, float(numel), val.dtype, ways), 0.0
         share = self.saved.get(name, 0.0)
         if not share or name in self.boundary:
             return 0.0, 0.0

@@ -9,6 +9,8 @@ A package rather than one module because its parts are read by different layers 
               is_free_view, requires_grad_nodes
     schedule  stage_order, simulate_schedule  the pipeline order the runtime executes and the planner replays
     units     fmt_bytes, fmt_seconds        quantities in messages and reports
+    precision PrecisionPolicy, POLICIES     dtypes of compute and gradient reduction, loss scaling
+    buckets   deferrable_syncs, sync_buckets  the gradient-sync buckets planner and runtime both build
 
 Dependencies point one way: api -> driver -> passes -> cost_models -> (Plan, Cluster) -> IR, and the
 runtime -> (Plan, Cluster) + IR. ``tests/test_architecture.py`` enforces it.

@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.ops import requires_grad_nodes
+from autopar.ir.precision import check_device
+from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
-from autopar.runtime import groups
+from autopar.runtime import gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
 
@@ -56,6 +59,20 @@ def shared_parameters(plan, graph) -> tuple[dict[str, str], dict[str, list[int]]
     return keys, members
 
 
+def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> None:
+    """Precision policy, loss scaler and bucketed gradient sync of this rank's runner (``runtime.optim``)."""
+    policy = resolve_precision(plan.precision)
+    device_type = plan.cluster.get("device_type", "cpu")
+    check_device(policy, device_type)
+    sync = gradsync.GradSync(runner.gm, graph, stage, mesh_index, plan.microbatches, plan.bucket_bytes,
+                             policy.reduce_dtype, timeout)
+    runner.setup(policy, device_type, sync, LossScaler(policy) if policy.loss_scaling else None)
+    reasons = (["scales the loss (fp16)"] if policy.loss_scaling else []) + \
+        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else [])
+    if reasons:
+        mark_needs_builder(runner, " and ".join(reasons))
+
+
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None) -> ParallelModule:
     """``graph``: the model captured at one microbatch (the global batch when there is one)."""
     rank = dist.get_rank()
@@ -74,6 +91,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     else:
         mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
         runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
+    _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
     state_keys = list(model.state_dict().keys())
     read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
     unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}

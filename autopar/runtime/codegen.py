@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autopar.errors import PlanError
+from autopar.ir.buckets import deferrable_syncs
 from autopar.ir.ops import OpView
 from autopar.placement import R, Spec, local_shape, local_slice, parse_spec
 from autopar.redistribute import grad_partial_axes, redistribute_steps
@@ -57,28 +58,8 @@ class _Emitter:
         self.deferred = self._deferrable_syncs() if defer else {}
 
     def _deferrable_syncs(self) -> dict[str, tuple[int, ...]]:
-        """Parameters whose every read in this stage only all-reduces the gradient, on the same axes:
-        the runner reduces those once per step, after all microbatches, instead of once per read."""
-        out = {}
-        for node in self.graph.gm.graph.nodes:
-            info = self.graph.placeholder(node.name) if node.op == "placeholder" else None
-            if info is None or info.kind != "parameter" or node.name not in self.stage.shardings:
-                continue
-            chains = set()
-            for user in node.users:
-                if user.name not in self.stage.shardings or user.op != "call_function":
-                    continue
-                sharding = self.stage.shardings[user.name]
-                view = OpView(user)
-                for idx, arg in enumerate(view.tensor_args):
-                    if arg is node:
-                        dst, out_spec = parse_spec(sharding.ins[idx]), parse_spec(sharding.out)
-                        axes = grad_partial_axes(dst, out_spec) if user.name in self.requires_grad else ()
-                        steps = redistribute_steps(self.spec_of(node.name), dst, axes)
-                        chains.add(tuple(s.axis for s in steps) if all(s.kind == "sync_grad" for s in steps) else None)
-            if len(chains) == 1 and None not in chains and next(iter(chains)):
-                out[node.name] = next(iter(chains))
-        return out
+        """Parameters whose gradient sync the runner does once per step (``ir.buckets.deferrable_syncs``)."""
+        return deferrable_syncs(self.graph, self.stage, self.requires_grad)
 
     def group(self, axis: int) -> str:
         return group_key(self.mesh_index, axis)

@@ -1,8 +1,21 @@
-"""Gradient synchronization done once per step, after every microbatch's backward.
+"""Gradient synchronization: bucketed, overlapped with backward, optionally ZeRO-sharded; tied parameters.
 
-``reduce_deferred``: parameters whose every read only all-reduces the gradient over some mesh axes (see
-``runtime.codegen._Emitter._deferrable_syncs``) are reduced here instead, in one flat buffer per axis group
-(like DDP's buckets), so B microbatches cost one all-reduce, not B.
+``GradSync``: parameters whose every read only all-reduces the gradient over some mesh axes (see
+``runtime.codegen._Emitter._deferrable_syncs``) are reduced here instead, once per step, in flat buckets
+(``cost_models.memory.sync_buckets``: the planner predicts the same buckets). Each parameter carries a
+post-accumulate-grad hook; when the last microbatch's backward has accumulated every gradient of a bucket,
+the bucket's collective starts at once, asynchronously (``async_op=True``, gloo and NCCL alike), while
+backward goes on with earlier layers. ``finish`` (end of ``train_step``) starts any bucket not started
+(a parameter that got no gradient) and waits for all, each under the collective timeout. Per bucket, by
+its ZeRO level over its n-way group (the mesh axes it is synced over):
+  * 0: all-reduce the flat gradient buffer in place; each ``p.grad`` is a view of it (DDP's
+    gradient_as_bucket_view), so nothing is copied back;
+  * 1: the parameters are views of one flat buffer padded to n equal shards; the rank's shard of it is the
+    ``shard`` parameter the optimizer steps; gradients are reduce-scattered into the rank's slice of the flat
+    gradient buffer (kept whole, as Megatron's distributed optimizer keeps its grad buffer);
+  * 2: as 1, but the full gradients are freed after the reduce-scatter: only the shard's gradient is kept.
+After the optimizer steps the shards, ``gather_params`` all-gathers them into the flat parameter buffers.
+Gradients are reduced in the precision policy's ``reduce_dtype`` (a temporary copy when it is not float32).
 
 ``sync_shared``: a parameter read by several stages (tied embeddings: GPT-2's token embedding is also
 its output projection) lives on every stage that reads it, each with its own layout. Each stage first
@@ -12,30 +25,170 @@ its shard. Identical gradients and identical optimizers keep the copies identica
 """
 from __future__ import annotations
 
+import datetime
+import time
+
 import torch
 import torch.distributed as dist
 
+from autopar.ir.buckets import padded_numel, sync_buckets
 from autopar.placement import local_slice, parse_spec
 from autopar.runtime import faults, groups
 from autopar.runtime.collectives import gather_full
 
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
-def reduce_deferred(gm, mesh_index: int) -> None:
-    by_axes: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}
-    for name, axes in gm.meta.get("deferred_syncs", {}).items():
-        param = getattr(gm, name)
-        if param.grad is not None:
-            by_axes.setdefault(tuple(axes), []).append(param)
-    for axes, params in sorted(by_axes.items()):
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        for axis in axes:
-            key = groups.group_key(mesh_index, axis)
-            faults.guard("all_reduce", key, dist.all_reduce, flat, group=groups.get(key))
+
+class Bucket:
+    """One gradient-sync bucket of a stage (see module docstring)."""
+
+    def __init__(self, gm, spec: dict, mesh_index: int, mesh_shape):
+        self.names, self.level, self.ways = spec["names"], spec["level"], spec["ways"]
+        self.params = [getattr(gm, n) for n in self.names]
+        self.numel = spec["numel"]
+        self.key = _group_key(mesh_index, spec["axes"], mesh_shape)
+        self.group = groups.get(self.key)
+        self.padded = padded_numel(self.numel, self.ways, self.level)
+        self.shard_size = self.padded // self.ways
+        me = groups.local_rank_in(self.key)
+        self.lo, self.hi = me * self.shard_size, (me + 1) * self.shard_size
+        self.expected, self.seen, self.work = 0, 0, None
+        self.shard = None
+        if self.level >= 1:
+            self._flatten_params()
+        if self.level <= 1:
+            self.grad_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
+            self._grads_as_views()
+        else:
+            self.grad_shard = torch.zeros(self.shard_size, dtype=self.params[0].dtype)
+        if self.shard is not None:
+            self.shard.grad = self.grad_flat[self.lo:self.hi] if self.level == 1 else self.grad_shard
+
+    def _offsets(self):
         offset = 0
-        for p in params:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+        for p in self.params:
+            yield p, offset, offset + p.numel()
+            offset += p.numel()
+
+    def _flatten_params(self) -> None:
+        self.param_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
+        for p, a, b in self._offsets():
+            self.param_flat[a:b].copy_(p.detach().reshape(-1))
+            p.data = self.param_flat[a:b].view_as(p)
+        self.shard = torch.nn.Parameter(self.param_flat[self.lo:self.hi])
+
+    def _grads_as_views(self) -> None:
+        """Point every ``p.grad`` at its slice of the flat buffer (copying a gradient allocated elsewhere)."""
+        for p, a, b in self._offsets():
+            view = self.grad_flat[a:b].view_as(p)
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+
+    def launch(self, reduce_dtype: torch.dtype) -> None:
+        """Start this bucket's collective (asynchronously); see the module docstring for each level."""
+        if self.level <= 1:
+            self._grads_as_views()
+            flat = self.grad_flat
+        else:
+            flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
+            for p, a, b in self._offsets():
+                if p.grad is not None:
+                    flat[a:b].copy_(p.grad.reshape(-1))
+                p.grad = None
+        self.buffer = flat if flat.dtype == reduce_dtype else flat.to(reduce_dtype)
+        if self.level == 0:
+            self.work = _start("all_reduce", self.key, dist.all_reduce, self.buffer, group=self.group)
+            self.out = self.buffer
+        else:
+            self.out = torch.empty(self.shard_size, dtype=reduce_dtype)
+            self.work = _start("reduce_scatter", self.key, _REDUCE_SCATTER, self.out, self.buffer,
+                               group=self.group)
+
+    def complete(self, timeout) -> None:
+        faults.guard("wait", self.key, self.work.wait, timeout)
+        self.work = None
+        if self.level == 0:
+            if self.out is not self.grad_flat:
+                self.grad_flat.copy_(self.out)
+        elif self.level == 1:
+            self.grad_flat[self.lo:self.hi].copy_(self.out)
+        else:
+            self.grad_shard.copy_(self.out)
+        self.buffer = self.out = None
+
+    def gather_params(self) -> None:
+        """All-gather the updated shards into the flat parameter buffer (ZeRO ≥ 1)."""
+        faults.guard("all_gather", self.key, _ALL_GATHER, self.param_flat, self.shard.detach().clone(),
+                     group=self.group)
+
+
+class GradSync:
+    """The buckets of one stage and the hooks that start them (see module docstring)."""
+
+    def __init__(self, gm, graph, stage, mesh_index: int, microbatches: int, bucket_bytes: float,
+                 reduce_dtype: torch.dtype = torch.float32, timeout=None):
+        deferred = gm.meta.get("deferred_syncs", {})
+        numel = {n: getattr(gm, n).numel() for n in deferred}
+        specs = sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
+        self.buckets = [Bucket(gm, spec, mesh_index, stage.mesh_shape) for spec in specs]
+        self.microbatches, self.reduce_dtype = microbatches, reduce_dtype
+        self.timeout = timeout or datetime.timedelta(seconds=300)
+        self.armed = False
+        # (event, bucket, perf_counter, buckets whose gradients are not all in yet): for tests and traces
+        self.events: list[tuple[str, int, float, int]] = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(lambda _, b=bucket: self._accumulated(b))
+
+    def begin(self) -> None:
+        """Arm the hooks for one ``train_step``."""
+        self.armed = True
+        self.events.clear()
+        for b in self.buckets:
+            b.seen, b.expected = 0, len(b.params) * self.microbatches
+
+    def _accumulated(self, bucket: Bucket) -> None:
+        if not self.armed:
+            return
+        bucket.seen += 1
+        if bucket.seen == bucket.expected and bucket.work is None:
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        waiting = sum(1 for b in self.buckets if b.seen < b.expected)  # > 0: backward is still running
+        self.events.append(("launch", self.buckets.index(bucket), time.perf_counter(), waiting))
+        bucket.launch(self.reduce_dtype)
+
+    def finish(self) -> None:
+        """Start what has not started, wait for everything (under the timeout)."""
+        self.armed = False
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket)
+        for i, bucket in enumerate(self.buckets):
+            bucket.complete(self.timeout)
+            self.events.append(("done", i, time.perf_counter(), 0))
+
+    def gather_params(self) -> None:
+        for bucket in self.buckets:
+            if bucket.level >= 1:
+                bucket.gather_params()
+
+
+def _group_key(mesh_index: int, axes, mesh_shape) -> str:
+    """The process group over ``axes`` of the mesh: one axis's group, or the whole mesh's."""
+    real = [a for a in axes if mesh_shape[a] > 1]
+    if len(real) == 1:
+        return groups.group_key(mesh_index, real[0])
+    return f"m{mesh_index}.all"
+
+
+def _start(what: str, key: str, fn, *args, **kwargs):
+    return faults.guard(what, key, fn, *args, async_op=True, **kwargs)
 
 
 def sync_shared(gm, stage, shared: dict[str, str], coord, mesh_index: int) -> None:

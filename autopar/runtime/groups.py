@@ -27,7 +27,7 @@ def group_key(mesh_index: int, axis: int) -> str:
 def build_groups(meshes: list[np.ndarray], timeout: datetime.timedelta | None = None,
                  extra: dict[str, list[int]] | None = None) -> int:
     """Create the groups of every axis of every mesh (an int array of global ranks per mesh), one group
-    of each whole mesh ("m<id>.all", used by pipelines), and the ``extra`` named groups (keys get the
+    of each whole mesh ("m<id>.all", used by pipelines and by gradient buckets synced over both axes), and the ``extra`` named groups (keys get the
     same "m<first id>." prefix). Returns the id of the first mesh: mesh i is ``base + i``. Every compiled
     module gets fresh ids, so one process may hold several modules at once."""
     base = _NEXT_MESH[0]
@@ -40,7 +40,7 @@ def build_groups(meshes: list[np.ndarray], timeout: datetime.timedelta | None = 
                 continue
             for members in np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis]):
                 _new(group_key(m, axis), members, timeout)
-        if len(meshes) > 1 and ranks.size > 1:
+        if ranks.size > 1 and (len(meshes) > 1 or sum(d > 1 for d in ranks.shape) > 1):
             _new(f"m{m}.all", ranks.ravel(), timeout)
     for key in sorted(extra or {}):
         _new(f"m{base}.{key}", extra[key], timeout)

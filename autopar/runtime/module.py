@@ -6,6 +6,9 @@ Contract (tests outside this repository rely on it):
   * ``pm.train_step(*inputs)`` runs forward and backward of the model's loss, leaves each local shard's
     gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns
     the loss, identical on every rank and detached (``.item()`` it; backward has already run);
+  * ``pm.optimizer(torch.optim.AdamW, lr=...)`` builds the optimizer the plan needs (ZeRO shards, fp16 loss
+    scaling: ``runtime.optim``); for fp32/bf16 plans without ZeRO, any torch optimizer built from
+    ``pm.parameters()`` works as well;
   * ``pm.parameters()`` are this rank's shards, so any torch optimizer steps them; for the same reason
     ``pm.state_dict()`` holds this rank's shards only (use ``full_state_dict()`` for whole tensors, or
     ``autopar.runtime.checkpoint`` for sharded checkpoints);
@@ -54,6 +57,14 @@ class ParallelModule(torch.nn.Module):
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
                              "ModelOutput with a 'loss' entry. Wrap the model so forward returns the loss.")
         return self.runner.train_step(inputs, self._loss_index)
+
+    def optimizer(self, cls=torch.optim.AdamW, **kwargs):
+        """An optimizer of class ``cls`` (with ``kwargs``) over what this rank steps under the plan: its
+        parameter shards, and for ZeRO ≥ 1 its shard of each gradient bucket; ``step()`` also unscales and
+        skips overflowed steps (fp16) and all-gathers updated ZeRO shards. See ``autopar.runtime.optim``."""
+        from autopar.runtime.optim import PlanOptimizer
+
+        return PlanOptimizer(self.runner, cls, **kwargs)
 
     @property
     def code(self) -> str:
@@ -209,6 +220,9 @@ def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer, args,
     built from ``model.parameters()``, which autopar never trains."""
     if optimizer in _CHECKED:
         return
+    from autopar.runtime.optim import check_raw
+
+    check_raw(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
     _CHECKED.add(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if params and all(p.grad is None for p in params):

@@ -7,7 +7,8 @@ One ``train_step``:
      each value a later stage reads and sends the shards; a backward receives the gradients of what was
      sent (or starts from loss / B on the last stage), runs backward, and returns the gradients of what
      was received;
-  3. once per step: the deferred gradient all-reduces and the tied-parameter sync (``gradsync``);
+  3. the bucketed gradient sync starts during the last microbatch's backward (``gradsync.GradSync``), is
+     waited on at the end of the step, then the tied-parameter sync runs (``gradsync.sync_shared``);
   4. the loss, the mean of the microbatch losses, goes from the last stage to every rank.
 
 Gradients therefore accumulate over microbatches exactly as one big batch's would (for a loss that is a
@@ -47,6 +48,7 @@ class PipelineRunner(StageModule):
         chunks = _split(inputs, self.plan.microbatches)
         pending, live, losses = [], {}, []
         S = len(self.plan.stages)
+        self.gradsync.begin()
         for kind, mb in stage_order(self.plan.schedule, self.stage.index, S, self.plan.microbatches):
             if kind == FORWARD:
                 live[mb] = self._forward(chunks[mb], mb, pending, loss_index)
@@ -56,7 +58,7 @@ class PipelineRunner(StageModule):
                 self._backward(live.pop(mb), mb, pending)
         for work, _ in pending:
             work.wait()
-        gradsync.reduce_deferred(self.gm, self.mesh_index)
+        self.gradsync.finish()
         gradsync.sync_shared(self.gm, self.stage, self.shared, self.coord, self.mesh_index)
         return self._broadcast_loss(losses)
 
@@ -82,7 +84,7 @@ class PipelineRunner(StageModule):
             if route.value in self.grads_needed and torch.is_grad_enabled():
                 t.requires_grad_(True)
             received.append((route, t))
-        outs = self.gm(*inputs, *[t for _, t in received])
+        outs = self.run_module(*inputs, *[t for _, t in received])
         n_sent = len(self.stage.outputs)
         wholes = []
         for name, local in zip(self.stage.outputs, outs[:n_sent]):
@@ -97,7 +99,7 @@ class PipelineRunner(StageModule):
     def _backward(self, state, mb: int, pending: list) -> None:
         received, wholes, loss, _ = state
         if self.last:
-            (loss / self.plan.microbatches).backward()
+            self.scaled(loss / self.plan.microbatches).backward()
         else:
             grads = [self._whole_grad(name, whole, mb) for name, whole in zip(self.stage.outputs, wholes)]
             pairs = [(w, g) for w, g in zip(wholes, grads) if w.requires_grad]

@@ -1,9 +1,11 @@
 """Single-stage runtime: every rank runs its generated module on its shards (SPMD); no pipelining.
 
 Gradient synchronization: a replicated parameter read by a sharded op needs its gradient all-reduced.
-Where every read of a parameter needs only that, the all-reduce is deferred to after ``backward`` and
-bucketed (``gradsync.reduce_deferred``); elsewhere the generated graph carries it
-(``identity_fwd_all_reduce_bwd``).
+Where every read of a parameter needs only that, the all-reduce is bucketed and started while backward
+runs (``gradsync.GradSync``); elsewhere the generated graph carries it (``identity_fwd_all_reduce_bwd``).
+
+Precision: every call of the generated module runs under the policy's autocast (``autopar.ir.precision``);
+with loss scaling the loss is multiplied by ``scaler.scale`` before backward (``runtime.optim``).
 """
 from __future__ import annotations
 
@@ -15,9 +17,21 @@ from autopar.runtime import gradsync
 
 class StageModule(torch.nn.Module):
     """What both runners share: ``gm`` (this rank's generated module), ``stage`` (its plan stage) and
-    ``mesh_index`` (its mesh in the group registry), set by the subclass."""
+    ``mesh_index`` (its mesh in the group registry), set by the subclass; ``setup`` adds the precision
+    policy, the loss scaler and the gradient sync."""
 
     gm: fx.GraphModule
+
+    def setup(self, policy, device_type: str, gradsync_: "gradsync.GradSync", scaler) -> None:
+        self.policy, self.device_type, self.gradsync, self.scaler = policy, device_type, gradsync_, scaler
+
+    def run_module(self, *args):
+        """One call of the generated module, under the precision policy's autocast."""
+        with self.policy.autocast(self.device_type):
+            return self.gm(*args)
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.scaler is None else loss * self.scaler.scale
 
     @property
     def code(self) -> str:
@@ -38,10 +52,11 @@ class SpmdRunner(StageModule):
         self.mesh_index = mesh_index
 
     def forward(self, inputs: tuple) -> tuple:
-        return tuple(self.gm(*inputs))
+        return tuple(self.run_module(*inputs))
 
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
-        loss = self.gm(*inputs)[loss_index]
-        loss.backward()
-        gradsync.reduce_deferred(self.gm, self.mesh_index)
-        return loss.detach()
+        loss = self.run_module(*inputs)[loss_index]
+        self.gradsync.begin()
+        self.scaled(loss).backward()
+        self.gradsync.finish()
+        return loss.detach().float()

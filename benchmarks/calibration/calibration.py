@@ -8,7 +8,8 @@ For each row (``published.py``: source, layout, published TFLOP/s) the GPT of ``
 the meta device in the run's precision with the attention its system ran (materialized scores: Megatron-LM of
 2021 and Alpa's JAX GPT compute softmax(QK^T) as separate kernels), captured at the global batch, and planned
 for the preset cluster with the run's layout fixed: Megatron rows through ``autopar.baselines.megatron_configs``
-(manual stages, Megatron's weight pins, microbatches, 1F1B), Alpa rows through manual stages of its layer
+(manual stages, Megatron's weight pins, microbatches, 1F1B) plus LayerNorms replicated over tp (Megatron-LM
+had no sequence parallelism then), Alpa rows through manual stages of its layer
 clusters with the batch dimension pinned to mesh axis 0 (its ``force_batch_dim_to_mesh_dim``), the rest left to
 the ILP as Alpa left it to its own. Printed per row: predicted and published step time and throughput, and
 ratio = predicted / published throughput (above 1: the model is optimistic); then the median and worst
@@ -42,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, score_options  # noqa: E402
+from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, score_options, spec_text  # noqa: E402
 from autopar.driver import PlanOptions  # noqa: E402
 from autopar.fidelity import log_ratio_summary  # noqa: E402
 from autopar.ir.schedule import simulate_schedule  # noqa: E402
@@ -70,6 +71,9 @@ def layout_options(run: Run, cluster) -> dict:
     if run.layout == "megatron":
         config = MegatronConfig(dp=run.dp, tp=run.tp, pp=run.pp, microbatches=run.microbatches)
         options = megatron_options(config, run.layers, cluster.devices_per_node)
+        # Megatron-LM of 2021 keeps the hidden states replicated across tp between blocks (no sequence
+        # parallelism): LayerNorms run replicated, which the ILP would otherwise shard over the sequence.
+        options["pin"] = {**options["pin"], "layer_norm*": spec_text(config, "S(0)", "R")}
     else:
         stages = [{"layers": [first, last], "submesh": list(submesh), "mesh": list(mesh)}
                   for first, last, submesh, mesh in run.stages]

@@ -2,6 +2,7 @@
 
     python benchmarks/plan_time.py                 (or ./run.sh bench plan_time)
     python benchmarks/plan_time.py --points 39B:64:p3.16xlarge:1024 175B:1024:dgx-a100:1536
+    python benchmarks/plan_time.py --precision bf16 [--zero 1]   (GPT stored fp32, bf16 autocast)
 
 A point is MODEL:GPUS:PRESET:GLOBAL_BATCH. MODEL is a GPT suite size, or a Hugging Face ``transformers`` Llama
 built from its published config on the meta device (``hf-llama3-8b``: Llama-3-8B, GQA, vocabulary 128256;
@@ -63,18 +64,21 @@ def hf_llama(name: str, batch: int) -> tuple[torch.nn.Module, tuple, float, int]
     return model, (ids, ids), sum(p.numel() for p in model.parameters()), HF_SEQ
 
 
-def run_point(point: str) -> dict:
+def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
+    """GPT sizes are stored in fp16 without ``precision``; with one, in fp32 and planned under that policy
+    (bf16: fp32 master weights, bf16 autocast; see autopar.ir.precision)."""
     name, gpus, preset, batch = point.split(":")
+    options = {"zero": zero, **({"precision": precision} if precision else {})}
     if name in HF_LLAMAS:
         model, inputs, n_params, seq = hf_llama(name, int(batch))
     else:
         cfg = suite_config(name)
         with torch.device("meta"):
-            model = GPT(cfg).half()
+            model = GPT(cfg) if precision else GPT(cfg).half()
         inputs, n_params, seq = make_batch(cfg, int(batch), device="meta"), cfg.n_params, cfg.seq_len
     start = time.perf_counter()
     try:
-        plan = autopar.plan(model, preset_gpus(preset, int(gpus)), inputs)
+        plan = autopar.plan(model, preset_gpus(preset, int(gpus)), inputs, **options)
     except InfeasibleError as e:  # a row that says precisely why nothing fits
         return {"model": name, "params": n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
                 "total": time.perf_counter() - start, "infeasible": str(e)}
@@ -93,14 +97,19 @@ def run_point(point: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="MODEL:GPUS:PRESET:BATCH")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                        help="plan GPT sizes stored in fp32 under this policy (default: fp16-stored, fp32 policy)")
+    parser.add_argument("--zero", default="auto", help="ZeRO level for every parameter: auto, 0, 1 or 2")
     args = parser.parse_args(argv)
+    zero = args.zero if args.zero == "auto" else int(args.zero)
     print(f"# autopar plan time — {time.strftime('%Y-%m-%d')}, {platform.machine()} {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}")
+          f"torch {torch.__version__}, load {os.getloadavg()[0]:.1f}, precision {args.precision or 'default'}, "
+          f"zero {zero}")
     print("| model | GPUs | cluster | batch | plan total s | capture s | DP s | stage ILPs s | mesh solves "
           "| stages (submeshes) | B | predicted step s | PFLOP/s | peak GiB |")
     print("|" + "---|" * 14)
     for point in args.points:
-        r = run_point(point)
+        r = run_point(point, args.precision, zero)
         if "infeasible" in r:
             print(f"| {r['model']} ({r['params']:.1f}B) | {r['gpus']} | {r['preset']} | {r['batch']} | "
                   f"{r['total']:.1f} | no plan fits: {r['infeasible']} |", flush=True)

@@ -1,0 +1,120 @@
+"""The optimizer path: ``pm.optimizer(torch.optim.AdamW, lr=...)`` and fp16's dynamic loss scaling.
+
+Why a builder rather than only ``pm.parameters()``: with ZeRO ≥ 1 a rank steps only its shard of each
+gradient bucket (a flat slice no parameter of the module is), and then the shards must be all-gathered back
+into the parameters; with fp16 a step must be skipped on every rank together when any rank's gradients
+overflowed. Neither fits a torch optimizer built over ``pm.parameters()``, so ``pm.optimizer(cls, **kw)``
+builds ``cls`` over the right tensors (any torch optimizer class: it only ever sees ordinary tensors with
+``.grad``) and wraps its ``step``. For fp32/bf16 plans without ZeRO, ``pm.parameters()`` keeps its
+contract and any optimizer built on it works as before; the plans that need the builder make a raw
+optimizer over ``pm.parameters()`` raise a ``UsageError`` at its first step.
+
+Loss scaling (``LossScaler``, the constants and update rule of ``torch.amp.GradScaler``): before each step
+the gradients the optimizer steps are divided by the scale; a found-inf flag (1 if any of this rank's is
+inf/NaN) is all-reduced with MAX over every rank of the job, under the collective timeout, so every rank
+takes the same decision: skip the step and multiply the scale by ``backoff_factor``, or step and count a
+clean step (``growth_interval`` of them in a row multiply the scale by ``growth_factor``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import UsageError
+from autopar.runtime import faults
+
+
+class LossScaler:
+    """Dynamic loss scale shared by the runner (scales the loss) and ``PlanOptimizer`` (unscales, decides)."""
+
+    def __init__(self, policy):
+        self.scale = float(policy.init_scale)
+        self.policy = policy
+        self.clean_steps = 0
+        self.skipped = 0
+
+    def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        """Divide ``grads`` by the scale in place; True when any rank found an inf/NaN (a collective)."""
+        found = torch.zeros(1)
+        inv = 1.0 / self.scale
+        for g in grads:
+            g.mul_(inv)
+            if not torch.isfinite(g).all():
+                found.fill_(1.0)
+        faults.guard("all_reduce", None, dist.all_reduce, found, op=dist.ReduceOp.MAX)
+        return bool(found.item())
+
+    def update(self, found_inf: bool) -> None:
+        if found_inf:
+            self.scale *= self.policy.backoff_factor
+            self.clean_steps = 0
+            self.skipped += 1
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.policy.growth_interval:
+            self.scale *= self.policy.growth_factor
+            self.clean_steps = 0
+
+
+class PlanOptimizer:
+    """A torch optimizer over what this rank steps: every parameter outside ZeRO buckets, and the shard of
+    each ZeRO bucket. ``step`` = [unscale + agree on overflow] + inner step + all-gather of the shards."""
+
+    def __init__(self, runner, cls, **kwargs):
+        self.runner = runner
+        sync = runner.gradsync
+        zeroed = {id(p) for b in sync.buckets if b.level >= 1 for p in b.params}
+        self.targets = [p for p in runner.gm.parameters() if id(p) not in zeroed and p.requires_grad]
+        self.targets += [b.shard for b in sync.buckets if b.level >= 1]
+        self.inner = cls(self.targets, **kwargs)
+        self.inner._autopar_owned = True
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> bool:
+        """One optimizer step; False when skipped because some rank's gradients overflowed (fp16)."""
+        scaler = self.runner.scaler
+        if scaler is not None:
+            found = scaler.unscale_and_check([p.grad for p in self.targets if p.grad is not None])
+            scaler.update(found)
+            if found:
+                return False
+        self.inner.step()
+        self.runner.gradsync.gather_params()
+        return True
+
+    def zero_grad(self) -> None:
+        """Zero every gradient in place (the flat bucket buffers stay where the gradients point)."""
+        for p in self.targets:
+            if p.grad is not None:
+                p.grad.zero_()
+        for p in self.runner.gm.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+
+def mark_needs_builder(runner, reason: str) -> None:
+    """Tag this rank's parameters so a raw optimizer over them raises at its first step (``check_raw``)."""
+    for p in runner.gm.parameters():
+        p._autopar_needs_builder = reason
+
+
+def check_raw(optimizer, params) -> None:
+    if getattr(optimizer, "_autopar_owned", False):
+        return
+    reason = next((getattr(p, "_autopar_needs_builder") for p in params if hasattr(p, "_autopar_needs_builder")), None)
+    if reason:
+        raise UsageError(f"this plan {reason}, which an optimizer over pm.parameters() cannot do; build it with "
+                         f"pm.optimizer(torch.optim.AdamW, lr=...) (any torch optimizer class and its arguments)")
