@@ -27,9 +27,10 @@ def group_key(mesh_index: int, axis: int) -> str:
 def build_groups(meshes: list[np.ndarray], timeout: datetime.timedelta | None = None,
                  extra: dict[str, list[int]] | None = None) -> int:
     """Create the groups of every axis of every mesh (an int array of global ranks per mesh), one group
-    of each whole mesh ("m<id>.all", used by pipelines and by gradient buckets synced over both axes), and the ``extra`` named groups (keys get the
-    same "m<first id>." prefix). Returns the id of the first mesh: mesh i is ``base + i``. Every compiled
-    module gets fresh ids, so one process may hold several modules at once."""
+    of each whole mesh ("m<id>.all", used by pipelines and by gradient buckets synced over both axes), and
+    the ``extra`` named groups (keys get the same "m<first id>." prefix). Returns the id of the first
+    mesh: mesh i is ``base + i``. Every compiled module gets fresh ids, so one process may hold several
+    modules at once."""
     base = _NEXT_MESH[0]
     _NEXT_MESH[0] += len(meshes)
     for i, ranks in enumerate(meshes):
