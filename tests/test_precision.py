@@ -125,15 +125,17 @@ def test_precision_the_device_cannot_run_is_one_clear_error():
 
 
 def test_forced_zero_level_memory_cannot_hold_is_one_clear_error():
-    """A budget between what ZeRO-2 and ZeRO-0 need: level 2 plans, level 0 is infeasible."""
+    """A budget between what ZeRO-2 and ZeRO-0 need: level 2 plans, level 0 is infeasible (recompute off: it
+    would buy the memory back another way)."""
     model, batch = FACTORIES["gpt"]()
     cluster = autopar.Cluster.local(4, mesh_shape=(2, 2))
-    at2 = autopar.plan(model, cluster, batch, zero=2, **options("gpt", "dp"))
-    at0 = autopar.plan(model, cluster, batch, zero=0, **options("gpt", "dp"))
+    at2 = autopar.plan(model, cluster, batch, zero=2, recompute="none", **options("gpt", "dp"))
+    at0 = autopar.plan(model, cluster, batch, zero=0, recompute="none", **options("gpt", "dp"))
     budget = (at2.predicted["peak_memory"] + at0.predicted["peak_memory"]) / 2
-    assert autopar.plan(model, cluster.with_memory(budget), batch, zero=2, **options("gpt", "dp")).stages[0].zero
+    tight = cluster.with_memory(budget)
+    assert autopar.plan(model, tight, batch, zero=2, recompute="none", **options("gpt", "dp")).stages[0].zero
     with pytest.raises(InfeasibleError):
-        autopar.plan(model, cluster.with_memory(budget), batch, zero=0, **options("gpt", "dp"))
+        autopar.plan(model, tight, batch, zero=0, recompute="none", **options("gpt", "dp"))
 
 
 # ---- the memory model ----------------------------------------------------------------------------------------

@@ -135,6 +135,7 @@ class GradSync:
         numel = {n: getattr(gm, n).numel() for n in deferred}
         specs = sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
         self.buckets = [Bucket(gm, spec, mesh_index, stage.mesh_shape) for spec in specs]
+        self._args = (graph, stage, mesh_index, microbatches, bucket_bytes, reduce_dtype, timeout)
         self.microbatches, self.reduce_dtype = microbatches, reduce_dtype
         self.timeout = timeout or datetime.timedelta(seconds=300)
         self.armed = False
@@ -143,6 +144,13 @@ class GradSync:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _, b=bucket: self._accumulated(b))
+
+    def over(self, gm) -> "GradSync":
+        """The same buckets over ``gm``'s current tensors: after ``ParallelModule.share_state_of`` put another
+        module's parameters into ``gm``, the hooks and flat buffers must follow them (ZeRO level 0 only: at
+        higher levels the parameters are views of this sync's flat buffer)."""
+        assert all(b.level == 0 for b in self.buckets), "only ZeRO level 0 buckets can follow shared tensors"
+        return GradSync(gm, *self._args)
 
     def begin(self) -> None:
         """Arm the hooks for one ``train_step``."""

@@ -131,6 +131,11 @@ class ParallelModule(torch.nn.Module):
         and local shape here and there, or PlanError names it."""
         from autopar.errors import PlanError
 
+        sync = getattr(self.runner, "gradsync", None)
+        if any(b.level >= 1 for b in getattr(sync, "buckets", ())) or any(
+                b.level >= 1 for b in getattr(getattr(other.runner, "gradsync", None), "buckets", ())):
+            raise PlanError("share_with needs ZeRO level 0 (sharded optimizer state belongs to one module's "
+                            "optimizer); compile both modules with zero=0, or drop the smaller batch")
         for info in self._graph.placeholders:
             if info.kind not in ("parameter", "buffer"):
                 continue
@@ -143,6 +148,8 @@ class ParallelModule(torch.nn.Module):
                                 f"(the planner could not keep its layout for these inputs); drop this batch or "
                                 f"plan both modules with the same pin for it")
             setattr(self.runner.gm, info.name, theirs)
+        if sync is not None:  # its hooks and buffers hold this module's own tensors: rebuild over the shared ones
+            self.runner.gradsync = sync.over(self.runner.gm)
         self._unused = other._unused
 
     # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
