@@ -37,6 +37,7 @@ LAYERS = {
     "autopar.cost_models": "cost_models",
     "autopar.passes": "passes",
     "autopar.driver": "driver",
+    "autopar.options": "driver",
     "autopar.plan_builder": "driver",
     "autopar.invariants": "driver",
     "autopar.runtime": "runtime",

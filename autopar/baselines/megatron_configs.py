@@ -35,14 +35,15 @@ import math
 from typing import Iterator
 
 from autopar import driver
-from autopar.driver import PlanOptions, first_microbatch, plan_graph
+from autopar.driver import plan_graph
 from autopar.errors import InfeasibleError
+from autopar.options import PlanOptions, first_microbatch
 
 TP_DEGREES = (1, 2, 4, 8)
 # Megatron's --recompute-granularity: none, selective (attention core of every block), full (every block);
 # as autopar recompute options (the blocks are the layers of a Megatron config's plan).
 RECOMPUTE_LEVERS = {"none": "none", "selective": {"*": "selective"}, "full": "full"}
-MAX_MICROBATCHES = 512  # autopar.driver.MAX_MICROBATCHES: the same range autopar searches
+MAX_MICROBATCHES = 512  # autopar.options.MAX_MICROBATCHES: the same range autopar searches
 
 # Megatron's tensor-parallel weight specs on the tp axis, by node-name glob (the dp axis is always R).
 COLUMN = "S(0)"

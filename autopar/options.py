@@ -1,0 +1,106 @@
+"""Planner options (``PlanOptions``, accepted by ``autopar.plan`` and ``autopar.compile`` as keywords), the
+checks that make a bad option one clear ``PlanError`` before any planning, and the microbatch split they imply."""
+from __future__ import annotations
+
+import dataclasses
+
+from autopar.cost_models.memory import TrainingSpec, zero_levels
+from autopar.errors import PlanError
+from autopar.ir.graph import ModelGraph
+from autopar.ir.precision import resolve as resolve_precision
+from autopar.passes.recompute import check_policy
+
+SCHEDULES = ("1f1b", "gpipe")
+MAX_MICROBATCHES = 512
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Planner settings.
+
+    optimizer: training optimizer, for memory (see cost_models.memory.OPTIMIZER_STATE_BYTES).
+    time_limit: seconds each ILP may take; the best solution found by then is used.
+    pin: {node-name glob: spec text}: fix those nodes' output specs (e.g. {"idx": "S(0)R", "p_*": "RR"}
+      forces data parallelism); the planner fills in everything else. See ``apply_pins``.
+    stages: None lets the DP choose; an int forces that many stages (1: one stage on the cluster's
+      ``mesh_shape``, no DP); a list of {"layers": [first, last], "submesh": [nodes, devices per node],
+      "mesh": [a, b] (optional logical mesh)} fixes the stages and the planner fills in the rest.
+    microbatches: B; None lets the planner choose among powers of two that divide the batch.
+    schedule: "1f1b" (default) or "gpipe".
+    layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
+    debug: check each pass's output invariants after it runs (slower; see ``autopar.invariants``).
+    recompute: "auto" (the stage DP chooses, per stage, which layers recompute their activations in
+      backward), "none", "full", or {layer glob: "none" | "full" | "selective" | "auto"}; see
+      ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).
+    precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.ir.precision.PrecisionPolicy``.
+    zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the planner
+      keeps 0 unless forced), 0, 1, 2, or {parameter-fqn glob: level} (see ``cost_models.memory``).
+    bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
+    """
+
+    optimizer: str = "adamw"
+    time_limit: float = 60.0
+    pin: dict[str, str] | None = None
+    stages: int | list | None = None
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    layers: int | None = None
+    debug: bool = False
+    recompute: str | dict = "auto"
+    precision: object = "fp32"
+    zero: object = "auto"
+    bucket_bytes: int = 25 * 2 ** 20
+
+    def __post_init__(self):
+        resolve_precision(self.precision)
+        check_zero(self.zero)
+        check_policy(self.recompute)
+
+
+ZERO_LEVELS = (0, 1, 2)
+
+
+def check_zero(zero) -> None:
+    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise (level 3 is not run by the runtime)."""
+    levels = list(zero.values()) if isinstance(zero, dict) else [zero]
+    if zero == "auto" or (levels and all(isinstance(v, int) and v in ZERO_LEVELS for v in levels)):
+        return
+    raise PlanError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
+                    f"{{parameter-fqn glob: level}} (level 3, parameters sharded between uses, is not run by "
+                    f"autopar's runtime)")
+
+
+def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
+    """The memory model's view of ``options``: optimizer, forced ZeRO levels, autocast's weight copies."""
+    policy = resolve_precision(options.precision)
+    names = {p.name: p.fqn for p in graph.placeholders if p.kind == "parameter"}
+    copy = policy.compute_dtype.itemsize if policy.compute_dtype is not None else 0
+    return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
+                        compute_itemsize=copy)
+
+
+def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:
+    """The user's B, or powers of two up to 512 that split the batch (dim 0 of the first input)."""
+    if options.schedule not in SCHEDULES:
+        raise PlanError(f"schedule {options.schedule!r} is not known; use one of {list(SCHEDULES)}")
+    batch = graph.input_signature[0][0][0] if graph.input_signature and graph.input_signature[0][0] else 1
+    if options.microbatches is not None:
+        if not isinstance(options.microbatches, int) or options.microbatches < 1 or batch % options.microbatches:
+            raise PlanError(f"microbatches={options.microbatches!r} does not split the batch of {batch} evenly; "
+                            f"choose a divisor of {batch}")
+        return [options.microbatches]
+    return [b for b in (2 ** k for k in range(10)) if b <= min(batch, MAX_MICROBATCHES) and batch % b == 0]
+
+
+def first_microbatch(example_inputs, microbatches: int) -> tuple:
+    """The first of ``microbatches`` equal slices of every input along dim 0 (the runtime's split)."""
+    from autopar.passes.capture import normalize_inputs
+
+    example_inputs = normalize_inputs(example_inputs)
+    if microbatches == 1:
+        return example_inputs
+    for i, t in enumerate(example_inputs):
+        if t.dim() == 0 or t.shape[0] % microbatches:
+            raise PlanError(f"input {i} has shape {tuple(t.shape)}: its dim 0 does not split into "
+                            f"{microbatches} microbatches; pass a batch divisible by {microbatches} or re-plan")
+    return tuple(t.chunk(microbatches, dim=0)[0] for t in example_inputs)
