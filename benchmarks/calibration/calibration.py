@@ -15,12 +15,9 @@ the ILP as Alpa left it to its own. Printed per row: predicted and published ste
 ratio = predicted / published throughput (above 1: the model is optimistic); then the median and worst
 |ln ratio| over fitted and hold-out rows apart. Goal: every row within 0.90-1.10.
 
-Recompute and precision are passed as ``PlanOptions(recompute=..., precision=...)`` when the planner has those
-options. Until it does, this benchmark (and only it) prices full recompute with a LABELLED ADJUSTMENT, to be
-removed once ``recompute`` reaches the planner: each stage's backward gets one more forward of its microbatch
-(the schedule is replayed with b + f instead of b), and the plan is made with the memory budget lifted, since
-the activations the recomputing run does not keep would otherwise not fit. Precision comes from the model's
-dtype (``.half()``), which the cost model reads already.
+Recompute and precision are passed as ``PlanOptions(recompute=..., precision=...)``: the published runs
+recompute every layer, and the planner prices that (one more forward per layer in backward, only the layer's
+input kept). Precision comes from the model's dtype (``.half()``), which the cost model reads already.
 
 --fit: the preset's one end-to-end constant per GPU type, ``Cluster.compute_time_scale``, is fitted on the rows
 marked "fit" only (one per GPU type): s ← s · (geometric mean of their ratios), twice (compute scales with s,
@@ -46,7 +43,6 @@ import autopar  # noqa: E402
 from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, score_options, spec_text  # noqa: E402
 from autopar.driver import PlanOptions  # noqa: E402
 from autopar.fidelity import log_ratio_summary  # noqa: E402
-from autopar.ir.schedule import simulate_schedule  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.presets import preset_gpus  # noqa: E402
 from benchmarks.calibration.published import PENDING, RUNS, Run, published_step_time  # noqa: E402
@@ -55,7 +51,6 @@ from examples.gpt import GPT, GPTConfig, make_batch  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "calibration.md")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 PLANNER_OPTIONS = {f.name for f in dataclasses.fields(PlanOptions)}
-LIFTED_MEMORY = 2.0**50  # the labelled recompute adjustment's budget (module docstring)
 
 
 def cluster_for(run: Run, scale: float | None = None) -> autopar.Cluster:
@@ -87,28 +82,14 @@ def layout_options(run: Run, cluster) -> dict:
     return options
 
 
-def recompute_adjusted(plan) -> float:
-    """LABELLED ADJUSTMENT (module docstring): step time with one more forward per backward, replayed."""
-    forward = [s.predicted["forward"] for s in plan.stages]
-    backward = [s.predicted["backward"] + s.predicted["forward"] for s in plan.stages]
-    p = plan.predicted
-    ops = simulate_schedule(forward, backward, plan.microbatches, plan.schedule if len(forward) > 1 else "gpipe",
-                            p.get("transfer", 0.0))
-    return max(op.end for op in ops) + p["grad_sync"] + p["optimizer"]
-
-
 def predict(run: Run, graph, scale: float | None = None) -> dict:
     """Predicted step time of ``run`` on an already captured ``graph``."""
     cluster = cluster_for(run, scale)
-    adjust = run.recompute == "full" and "recompute" not in PLANNER_OPTIONS
-    if adjust:
-        cluster = cluster.with_memory(LIFTED_MEMORY)
     start = time.perf_counter()
     scored = score_options(graph, cluster, run.name, layout_options(run, cluster), model_name="GPT")
     if scored.plan is None:
         return {"step": math.nan, "status": scored.status, "seconds": time.perf_counter() - start}
-    step = recompute_adjusted(scored.plan) if adjust else scored.step_time
-    return {"step": step, "status": "adjusted" if adjust else "ok", "seconds": time.perf_counter() - start,
+    return {"step": scored.step_time, "status": "ok", "seconds": time.perf_counter() - start,
             "scale": cluster.compute_time_scale}
 
 
