@@ -73,6 +73,19 @@ def batch_pin_name(model_name: str, i: int) -> str:
     return {"mlp": ["x", "y"], "gpt": ["idx", "targets"], "hf_gpt2": ["input_ids", "labels"]}[model_name][i]
 
 
+def train_one_device(model, batches) -> tuple[list[float], dict]:
+    """The single-device reference: AdamW(LR, EPS) over ``batches`` in order; (losses, final state dict)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for batch in batches:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, copy.deepcopy(model.state_dict())
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / (b.double().norm() + 1e-30))
 

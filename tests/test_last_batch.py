@@ -7,7 +7,6 @@ trained on the same 4 batches: the loss of the step after the small batch (so th
 batch trained) and the final weights. The small batch's error names ``share_with``. Negative control: the old advice
 (a module compiled from the model without ``share_with``) trains another copy, and the final weights differ.
 """
-import copy
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch
 import autopar
 from autopar.errors import InputError
 from tests.models import make_mlp
-from tests.parity import EPS, LR, layout_options, rel
+from tests.parity import EPS, LR, layout_options, rel, train_one_device
 
 SMALL = 5
 
@@ -56,15 +55,7 @@ def train(cluster, plan_json: str, share: bool) -> dict:
 
 def single_device() -> tuple[list, dict]:
     model, _ = make_mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for batch in batches():
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, copy.deepcopy(model.state_dict())
+    return train_one_device(model, batches())
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ device (the tolerances of tests/parity.py); negative control: one device's 2-ste
 planning fails on rank 0 (1 KB per device): every rank must end with that InfeasibleError within the configured
 60 s collective timeout of its start, not after the 30-minute plan-exchange wait.
 """
-import copy
 import json
 import os
 import socket
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from tests.models import make_small_gpt
-from tests.parity import EPS, LR, rel
+from tests.parity import rel, train_one_device
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "torchrun_train.py")
 LOSS_TOL, PARAM_TOL, TIMEOUT_S = 1e-5, 1e-4, 60
@@ -47,15 +46,7 @@ def torchrun_two_nodes(out_dir, mode: str) -> list[int]:
 
 def single_device(steps: int):
     model, batch = make_small_gpt()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for _ in range(steps):
-        loss = model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, copy.deepcopy(model.state_dict())
+    return train_one_device(model, [batch] * steps)
 
 
 @pytest.mark.distributed
