@@ -149,6 +149,15 @@ def _with_gradient(model) -> set[str]:
     return {k for k, n in norms.items() if n > 1e-6 * top}
 
 
+def launch_cases(cases: list[tuple], world: int, timeout: float = 120) -> list[dict]:
+    """One ``autopar.launch`` of ``run_cases`` on ``world`` ranks: every rank's results, with rank 0's
+    marked ``ranks_agree`` per case (all ranks saw the same loss)."""
+    per_rank = autopar.launch(run_cases, world, cases, world, timeout=timeout)
+    for case in cases:
+        per_rank[0][case]["ranks_agree"] = len({round(r[case]["loss"], 12) for r in per_rank}) == 1
+    return per_rank
+
+
 def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     """Every case in one process group. A case's last field names a sabotage (its negative control):
     "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients

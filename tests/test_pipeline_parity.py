@@ -6,8 +6,7 @@ The negative control returns zero gradients between stages and must fail the sam
 """
 import pytest
 
-import autopar
-from tests.parity import run_cases
+from tests.parity import launch_cases
 
 LAYOUTS = [f"{shape}-{schedule}" for shape in ("pp2x2", "pp4x1", "pp1+3") for schedule in ("1f1b", "gpipe")]
 CASES = [(m, (1, 4), layout, None) for m in ("gpt", "hf_gpt2") for layout in LAYOUTS]
@@ -16,11 +15,7 @@ NEGATIVE = [("gpt", (1, 4), "pp2x2-1f1b", "transfer")]
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = autopar.launch(run_cases, 4, CASES + NEGATIVE, 4, timeout=120)
-    out = per_rank[0]
-    for case in CASES:
-        out[case]["ranks_agree"] = len({round(r[case]["loss"], 12) for r in per_rank}) == 1
-    return out
+    return launch_cases(CASES + NEGATIVE, 4)[0]
 
 
 def _id(case):

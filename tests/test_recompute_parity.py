@@ -10,8 +10,7 @@ nothing hangs) and must fail the same check.
 """
 import pytest
 
-import autopar
-from tests.parity import run_cases
+from tests.parity import launch_cases
 
 CASES = [
     ("gpt", (1, 4), "auto:rc-full", None),
@@ -26,10 +25,9 @@ pytestmark = [pytest.mark.distributed]
 
 @pytest.fixture(scope="module")
 def results():
-    per_rank = autopar.launch(run_cases, 4, CASES + NEGATIVE, 4, timeout=120)
+    per_rank = launch_cases(CASES + NEGATIVE, 4)
     out = per_rank[0]
     for case in CASES:
-        out[case]["ranks_agree"] = len({round(r[case]["loss"], 12) for r in per_rank}) == 1
         out[case]["replayed_anywhere"] = sum(r[case]["replayed_comm_calls"] for r in per_rank)
         out[case]["regions_anywhere"] = sum(r[case]["regions"] for r in per_rank)
     return out

@@ -17,7 +17,7 @@ import autopar
 from autopar.errors import CaptureError
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies, rule_for
-from tests.parity import run_cases
+from tests.parity import launch_cases
 from tests.zoo_models import ZOO
 
 CASES = {
@@ -31,11 +31,7 @@ CASES = {
 def results():
     out = {}
     for world, cases in CASES.items():
-        per_rank = autopar.launch(run_cases, world, cases, world, timeout=900)
-        for case in cases:
-            losses = {round(r[case]["loss"], 12) for r in per_rank}
-            per_rank[0][case]["ranks_agree"] = len(losses) == 1
-        out.update(per_rank[0])
+        out.update(launch_cases(cases, world, timeout=900)[0])
     return out
 
 
