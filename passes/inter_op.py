@@ -187,6 +187,7 @@ class StageCosts:
         self.modes = recompute_modes or ["none"] * layers.count
         self.share = forward_share(next(iter(graphs.values())), layers) if set(self.modes) - {"none"} else None
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
+        self._recompute: dict[int, LayerRecompute] = {}  # id of a LayerCosts in ``variants`` -> its prices
 
     def _env(self, option: MeshOption) -> CostEnv:
         return CostEnv(self.cluster, option.logical, self.training, devices_per_node=option.physical[1])
@@ -262,8 +263,10 @@ class StageCosts:
         """Recompute prices of one solution, or None when the policy recomputes nothing (``recompute``)."""
         if self.share is None:
             return None
-        keep = self.cut_bytes[costs.reference_batch] * costs.reference_batch / costs.batch_split
-        return LayerRecompute(costs, self.share, keep, self.modes)
+        if id(costs) not in self._recompute:  # kept per solution: its prefix tables serve every B
+            keep = self.cut_bytes[costs.reference_batch] * costs.reference_batch / costs.batch_split
+            self._recompute[id(costs)] = LayerRecompute(costs, self.share, keep, self.modes)
+        return self._recompute[id(costs)]
 
     def recompute_of(self, B: int, k: int, i: int, m: int, f: int) -> tuple[int, ...]:
         """The layers recomputed in table entry [k, i, m, f-1] of the last ``table(.., B, ..)``."""
