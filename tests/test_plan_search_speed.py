@@ -1,7 +1,8 @@
 """The planner's speed-ups return what the plain search returns (fast tier: no process groups, no capture).
 
 Each vectorized, cached or pruned path is checked against a direct evaluation of its definition on small
-random cases: the recompute tables against trying ``prefixes(k, i)`` one by one.
+random cases: the recompute tables against trying ``prefixes(k, i)`` one by one, and the forked helpers
+against plain calls.
 """
 from types import SimpleNamespace
 
@@ -50,3 +51,25 @@ def test_recompute_tables_match_prefix_by_prefix(seed):
         assert np.array_equal(fits, want_fits) and np.array_equal(prefix, want_prefix)
         assert np.array_equal(lat, want_lat)  # bit-identical, not just close
         assert fits.any() and not fits.all()  # the case exercises both outcomes
+
+
+def _square_and_pid(x):
+    import os
+
+    return x * x, os.getpid()
+
+
+def test_forked_helpers_return_what_the_plain_calls_return():
+    import os
+
+    from autopar.passes.forked import Beside, can_fork, parallel_map
+
+    items = [5, 3, 8, 1]
+    got = parallel_map(_square_and_pid, items)
+    assert [v for v, _ in got] == [x * x for x in items]  # in the items' order, whatever finished first
+    beside = Beside(lambda: _square_and_pid(7))
+    value, pid = beside.result()
+    assert value == 49 and (pid != os.getpid()) == can_fork()  # computed in a worker exactly when forking is safe
+    unwanted = Beside(lambda: _square_and_pid(2))
+    unwanted.cancel()  # a result nobody waits for leaves no worker behind
+    assert unwanted._pool is None
