@@ -83,6 +83,21 @@ def test_distributed_optimizer_config_shards_optimizer_state_over_dp():
     assert plans[True].predicted["peak_memory"] < plans[False].predicted["peak_memory"]
 
 
+def test_the_hand_grid_is_priced_under_the_precision_policy_it_is_given():
+    """A grid point's plan sees the policy's dtypes (as autopar.plan does): fp16 compute is faster on a V100."""
+    from autopar.baselines.megatron_configs import capture_once, score_config
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, seq_len=256, n_layer=4, n_head=8, n_embd=512))
+    batch, cluster = make_batch(model.cfg, 32, device="meta"), autopar.Cluster.preset("p3.16xlarge")
+    step = {}
+    for precision in ("fp32", "fp16"):
+        graph, recapture = capture_once(model, batch, precision)
+        config = MegatronConfig(dp=4, tp=2, pp=1, microbatches=1, precision=precision)
+        step[precision] = score_config(graph, cluster, config, 4, recapture).step_time
+    assert step["fp16"] < 0.5 * step["fp32"], step
+
+
 def test_a_megatron_config_that_does_not_fit_scores_out_of_memory():
     """Its pins are written for its (dp, tp) stage mesh, not the whole cluster's: the infeasible manual
     stages must still end as InfeasibleError ("OOM"), not as a pin error from the error message's hint."""

@@ -166,7 +166,7 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
 
     Stages: with n_experts > 1 (MoE) the default layers are cut evenly and pp must divide their count;
     otherwise they are cut by ``balanced_ranges`` of their FLOPs or of their parameter bytes."""
-    graph, recapture = capture_once(model, batch)
+    graph, recapture = capture_once(model, batch, precision)
     weights = layer_weights(graph)
     n_layers = len(weights["flops"])
     moe = n_experts > 1

@@ -253,17 +253,21 @@ def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) ->
     return best, scored
 
 
-def capture_once(model, batch) -> tuple:
-    """(graph at the global batch, recapture(B) at one of B microbatches): what every grid point shares."""
+def capture_once(model, batch, precision: str = "fp32") -> tuple:
+    """(graph at the global batch, recapture(B) at one of B microbatches): what every grid point shares,
+    with ``precision``'s dtypes propagated as ``autopar.plan`` does (so both sides are priced alike)."""
+    from autopar.ir.precision import apply_to_graph, resolve
     from autopar.passes.capture import capture
 
-    return capture(model, batch), lambda b: capture(model, first_microbatch(batch, b))
+    policy = resolve(precision)
+    return (apply_to_graph(capture(model, batch), policy),
+            lambda b: apply_to_graph(capture(model, first_microbatch(batch, b)), policy))
 
 
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
                   log=None, precision: str = "fp32") -> tuple[Scored | None, list[Scored]]:
     """Grid search of ``megatron_grid`` scored by ``score_config`` (see ``grid_search``)."""
-    graph, recapture = capture_once(model, batch)
+    graph, recapture = capture_once(model, batch, precision)
     grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
                               precision=precision))
     return grid_search(grid, lambda c: score_config(graph, cluster, c, n_blocks, recapture),
