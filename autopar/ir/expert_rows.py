@@ -33,23 +33,36 @@ def is_grouped_mm(node: fx.Node) -> bool:
     return [len(_shape(a)) for a in node.args[:3]] == [2, 3, 1] and not extra
 
 
-def rows_source(node, depth: int = 0) -> fx.Node | None:
-    """The grouped matmul whose rows ``node`` can carry (see module docstring), or None."""
-    if not isinstance(node, fx.Node) or node.op != "call_function" or depth > 16:
+_CACHE_KEY = "autopar_rows_source"  # node.meta entry: (args the answer was found for, answer)
+
+
+def rows_source(node) -> fx.Node | None:
+    """The grouped matmul whose rows ``node`` can carry (see module docstring), or None. Cached in the
+    node's meta with the args it was found for (every node is asked, once per strategy list and ILP)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
+    cached = node.meta.get(_CACHE_KEY)
+    if cached is not None and cached[0] == node.args:
+        return cached[1]
+    found = _find_source(node)
+    node.meta[_CACHE_KEY] = (node.args, found)
+    return found
+
+
+def _find_source(node: fx.Node) -> fx.Node | None:
     if is_grouped_mm(node):
         return node
     packet = getattr(node.target, "overloadpacket", None)
     if node.target is operator.getitem or packet in ROW_KEEPING or (packet in SPLITS and _split_dim(node) != 0):
-        return rows_source(node.args[0], depth + 1)
+        return rows_source(node.args[0])
     if packet is aten.mul:
         tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
-        sources = {rows_source(a, depth + 1) for a in tensors}
+        sources = {rows_source(a) for a in tensors}
         if len(sources - {None}) != 1:
             return None
         (source,) = sources - {None}
         rows = _shape(source)[0]
-        other_rows_broadcast = all(rows_source(a, depth + 1) is source or _row_broadcast(a, rows) for a in tensors)
+        other_rows_broadcast = all(rows_source(a) is source or _row_broadcast(a, rows) for a in tensors)
         return source if other_rows_broadcast else None
     return None
 
