@@ -94,6 +94,7 @@ def run_case(case) -> dict:
     held = held_bytes(pm, opt)  # before full_state_dict, which allocates nothing it keeps
     units = pm.runner.gradsync.units.units
     gathers = sum(u.gathers for u in units)  # ZeRO-3: all-gathers of units in 3 steps
+    peaks = {"step": pm.runner.gradsync.units.peak_bytes, "forward": _forward_peak(pm, batch)}
     full = pm.full_state_dict()
     ref_state = {k: r.model.state_dict() for k, r in refs.items()}
     param_err = {k: max(rel(full[n], v) for n, v in sd.items()) for k, sd in ref_state.items()}
@@ -102,7 +103,17 @@ def run_case(case) -> dict:
             "held": held, "predicted": {k: mine.predicted[f"state_{k}"] for k in held},
             "events": list(pm.runner.gradsync.events), "zero": sorted(set(mine.zero.values())),
             "buckets": len(pm.runner.gradsync.buckets), "units": len(units), "gathers": gathers,
+            "gathered_peak": peaks, "predicted_transient": mine.predicted.get("zero3_transient", 0.0),
             "regions": sum(1 for name, _ in pm.runner.gm.named_children() if name.startswith("recompute_"))}
+
+
+def _forward_peak(pm, batch) -> float:
+    """Most bytes of ZeRO-3 units gathered at once in one forward without gradients (every microbatch's)."""
+    units = pm.runner.gradsync.units
+    units.peak_bytes = units.gathered_bytes
+    with torch.no_grad():
+        pm(*batch)
+    return float(units.peak_bytes)
 
 
 def overflow_case(model_name: str = "gpt") -> dict:

@@ -103,6 +103,17 @@ def test_zero3_gathers_every_unit_in_each_microbatch_forward_and_backward(result
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3 and not c[4]], ids=_id)
+def test_zero3_units_gathered_at_once_equal_plan_prediction(results, case):
+    """The most bytes of units gathered at once, in a forward and over whole training steps (backward's
+    re-gathers included), equal the plan's ``zero3_transient``."""
+    for per_rank in results:
+        r = per_rank[case]
+        assert r["predicted_transient"] > 0
+        assert r["gathered_peak"] == {"forward": r["predicted_transient"], "step": r["predicted_transient"]}, r
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", [c for c in CASES if not c[4]], ids=_id)
 def test_gradient_sync_starts_before_backward_ends(results, case):
     events = results[0][case]["events"]

@@ -95,7 +95,8 @@ def parameter_sources(graph: fx.Graph, unit_of: dict[str, int], param_op: str) -
     for node in graph.nodes:
         if node.op == param_op and node.name in unit_of:
             sources[node] = {unit_of[node.name]}
-        elif node.op == "call_function" and node.all_input_nodes and all(a in sources for a in node.all_input_nodes):
+        elif node.op in ("call_function", "call_method") and node.all_input_nodes and all(
+                a in sources for a in node.all_input_nodes):
             sources[node] = set().union(*(sources[a] for a in node.all_input_nodes))
     return sources
 

@@ -50,6 +50,7 @@ class Unit:
         self.dirty = False  # the full buffer may have been written outside a step (``materialize``)
         self.backward_seen = 0
         self.gathers = 0
+        registry.note(self.nbytes)  # built gathered (gradsync filled the flat buffer): free it at once
         self.free()
 
     def gather(self) -> None:
@@ -62,6 +63,7 @@ class Unit:
                      group=self.bucket.group)
         self.gathered, self.gathers = True, self.gathers + 1
         self.registry.by_storage[flat.untyped_storage().data_ptr()] = self
+        self.registry.note(self.nbytes)
 
     def free(self) -> None:
         """Keep only the shard: fold in writes made to the full buffer, then release its storage."""
@@ -72,6 +74,7 @@ class Unit:
         self.registry.by_storage.pop(flat.untyped_storage().data_ptr(), None)
         flat.untyped_storage().resize_(0)
         self.gathered, self.backward_seen = False, 0
+        self.registry.note(-self.nbytes)
 
     def absorb(self) -> None:
         """After ``materialize`` (a checkpoint load writes the full buffer): copy this rank's slice into the shard."""
@@ -111,13 +114,19 @@ class Units:
 
     def __init__(self, gm: fx.GraphModule, buckets: list):
         self.by_storage: dict[int, Unit] = {}
+        self.gathered_bytes = self.peak_bytes = 0  # bytes of units gathered now / at most since reset
         self.units = [Unit(b, self) for b in buckets if b.level == 3]
+        self.peak_bytes = 0
         self.of_param = {name: u for u in self.units for name in u.bucket.names}
         for unit in self.units:
             for p in unit.bucket.params:
                 p.register_post_accumulate_grad_hook(lambda _, u=unit: u.accumulated())
         if self.units:
             insert_unit_calls(gm, self)
+
+    def note(self, delta: int) -> None:
+        self.gathered_bytes += delta
+        self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
 
     def hooks(self):
         """The saved-tensor hooks the generated module runs under (see module docstring)."""
