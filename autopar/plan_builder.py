@@ -23,6 +23,7 @@ from autopar.cost_models.memory import held_state_bytes
 from autopar.ir.buckets import deferrable_syncs, padded_numel, peak_gathered, sync_buckets, unit_spans
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
+from autopar.ir.recompute import region_keys
 from autopar.ir.schedule import simulate_schedule
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
@@ -103,10 +104,11 @@ def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
     return sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
 
 
-def predict_state(graph, stage, bucket_bytes: float, optimizer: str) -> dict[str, float]:
+def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers=None) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state one rank of ``stage`` holds (``held_state_bytes``),
     its number of gradient-sync buckets, the shares of their elements at ZeRO levels 1-2 and 3, and the
-    most bytes of ZeRO-3 units gathered at once (``zero3_transient``: ``ir.buckets.unit_spans``)."""
+    most bytes of ZeRO-3 units gathered at once (``zero3_transient``: ``ir.buckets.unit_spans``;
+    ``node_layers`` {op: layer} places the stage's recomputed regions)."""
     buckets = stage_sync_buckets(graph, stage, bucket_bytes)
     in_bucket = {n for b in buckets for n in b["names"]}
     loose = [math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
@@ -118,16 +120,23 @@ def predict_state(graph, stage, bucket_bytes: float, optimizer: str) -> dict[str
             "sync_buckets": float(len(buckets)),
             "zero_gather_share": sum(b["numel"] for b in buckets if b["level"] in (1, 2)) / total,
             "zero3_share": sum(b["numel"] for b in buckets if b["level"] == 3) / total,
-            "zero3_transient": _zero3_transient(graph, buckets)}
+            "zero3_transient": _zero3_transient(graph, stage, buckets, node_layers or {})}
 
 
-def _zero3_transient(graph, buckets: list[dict], itemsize: int = 4) -> float:
-    """Peak bytes of level-3 units gathered at once in forward (each unit: its padded flat buffer)."""
+def _zero3_transient(graph, stage, buckets: list[dict], node_layers: dict, itemsize: int = 4) -> float:
+    """Peak bytes of level-3 units gathered at once in forward (each unit: its padded flat buffer). A run of
+    consecutive ops of one recomputed region is one call in the generated module: it reads all their units
+    at once, so the run shares one position."""
     units = [b for b in buckets if b["level"] == 3]
     if not units:
         return 0.0
     unit_of = {name: k for k, b in enumerate(units) for name in b["names"]}
-    order = {n: i for i, n in enumerate(graph.gm.graph.nodes)}
+    regions = region_keys(graph, node_layers, stage.recompute) if stage.recompute else {}
+    order, position, previous = {}, -1, None
+    for node in graph.gm.graph.nodes:
+        key = regions.get(node.name)
+        position += 0 if key is not None and key == previous else 1
+        order[node], previous = position, key
     spans = {k: (order[a], order[b]) for k, (a, b) in unit_spans(graph.gm.graph, unit_of, "placeholder").items()}
     return peak_gathered(spans, {k: padded_numel(b["numel"], b["ways"], 3) * itemsize for k, b in enumerate(units)})
 
@@ -248,7 +257,8 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     ``predicted`` is the schedule replay of the stages (``predict``); ``planner`` records how it was found."""
     sharded = sharded_graph if sharded_graph is not None else graph
     for stage in stages:
-        stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer))
+        stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer,
+                                             dict(layers.of_node) if layers is not None else None))
         charge_zero3(stage)
     return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
                 model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,

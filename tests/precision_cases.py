@@ -15,6 +15,9 @@ Sabotage "gather": every ZeRO-3 unit all-gather fills only this rank's shard, th
 negative control of parameters sharded between uses).
 """
 import copy
+import os
+import shutil
+import tempfile
 
 import torch
 
@@ -147,7 +150,62 @@ def run_all(rank: int, cases: list) -> dict:
         finally:
             undo()
     out["overflow"] = overflow_case()
+    out["zero3_checkpoint"] = zero3_checkpoint_case(tempfile.gettempdir())
     return out
+
+
+def zero3_checkpoint_case(scratch: str) -> dict:
+    """ZeRO-3 and pm.save/load (model state): GPT dp at level 3 trains 2 steps and saves; a module compiled
+    from other weights at level 3 (and one at level 0) loads it, and one more step with a fresh AdamW must
+    give what the saving module gives. Negative control: at level 3 with the loaded values never folded into
+    the shards (``Unit.absorb`` off) the step starts from the other weights' shards."""
+    rank = torch.distributed.get_rank()
+    box = [os.path.join(scratch, f"autopar-zero3-{os.getpid()}") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    model, batch = FACTORIES["gpt"]()
+    pm = _zero3_module(model, batch, 3)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    for _ in range(2):
+        pm.train_step(*batch)
+        opt.step()
+        opt.zero_grad()
+    pm.save(box[0])
+    saved = pm.full_state_dict()
+    local = pm.state_dict()  # copies: the units it gathered are freed by the next forward
+    with torch.no_grad():
+        pm(*batch)
+    keys = {info.name: info.fqn for info in pm._graph.placeholders if info.fqn in saved}
+    out = {"state_dict_err": max(rel(v, saved[keys[k.rsplit(".", 1)[-1]]]) for k, v in local.items()
+                                 if k.rsplit(".", 1)[-1] in keys)}
+    expected = _one_fresh_step(pm, batch)
+    other, _ = FACTORIES["gpt"](seed=1)
+    for name, level, absorb in (("z3", 3, zero3.Unit.absorb), ("z0", 0, zero3.Unit.absorb),
+                                ("z3_no_absorb", 3, lambda unit: setattr(unit, "dirty", False))):
+        original, zero3.Unit.absorb = zero3.Unit.absorb, absorb
+        try:
+            loaded = _zero3_module(other, batch, level)
+            loaded.load(box[0])
+            out[f"load_err_{name}"] = max(rel(v, saved[k]) for k, v in loaded.full_state_dict().items())
+            after = _one_fresh_step(loaded, batch)
+        finally:
+            zero3.Unit.absorb = original
+        out[f"step_err_{name}"] = max(rel(v, expected[k]) for k, v in after.items())
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    return out
+
+
+def _zero3_module(model, batch, level: int):
+    return autopar.compile(model, autopar.Cluster.local(4, mesh_shape=(2, 2)), batch, zero=level,
+                           bucket_bytes=BUCKET_BYTES, **options("gpt", "dp"))
+
+
+def _one_fresh_step(pm, batch) -> dict:
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    pm.train_step(*batch)
+    opt.step()
+    return pm.full_state_dict()
 
 
 def _sabotage(kind):

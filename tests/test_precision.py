@@ -133,6 +133,17 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(results):
         assert steps[1]["scale_after"] == steps[1]["scale_before"] / 2 == steps[2]["scale_after"]
 
 
+@pytest.mark.distributed
+def test_zero3_checkpoint_loads_into_level_3_and_level_0(results):
+    for per_rank in results:
+        r = per_rank["zero3_checkpoint"]
+        assert r["state_dict_err"] == 0.0, "pm.state_dict() at level 3 holds the replicated parameters whole"
+        assert r["load_err_z3"] == r["load_err_z0"] == 0.0, r
+        assert r["step_err_z3"] <= 1e-6 and r["step_err_z0"] <= 1e-4, r
+        assert r["load_err_z3_no_absorb"] == 0.0 and r["step_err_z3_no_absorb"] > 1e-2, \
+            f"loaded values never reaching the shards went unnoticed: {r}"
+
+
 # ---- bad input (no processes) ------------------------------------------------------------------------------
 def test_unknown_precision_is_one_clear_error():
     with pytest.raises(PrecisionError, match="precision='fp8'.*bf16"):

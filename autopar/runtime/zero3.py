@@ -31,6 +31,8 @@ the planner's prediction (``held_state_bytes``) and the runtime on one layout.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx as fx
 
@@ -129,7 +131,9 @@ class Units:
         self.peak_bytes = max(self.peak_bytes, self.gathered_bytes)
 
     def hooks(self):
-        """The saved-tensor hooks the generated module runs under (see module docstring)."""
+        """The saved-tensor hooks the generated module runs under (see module docstring); none without units."""
+        if not self.units:
+            return contextlib.nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, t: torch.Tensor):
