@@ -232,6 +232,16 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
             "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
 
 
+def _unshard_tied(graph, stages: list[Stage]) -> None:
+    """A parameter several stages read (tied embeddings) stays at ZeRO level 0: ``gradsync.sync_shared`` sums
+    its whole gradient over the holding stages after the step's sync, which a reduce-scattered (ZeRO ≥ 1)
+    gradient no longer is."""
+    params = [p.name for p in graph.placeholders if p.kind == "parameter"]
+    tied = {n for n in params if sum(n in s.shardings for s in stages) > 1}
+    for stage in stages:
+        stage.zero = {n: level for n, level in stage.zero.items() if n not in tied}
+
+
 def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Cluster) -> list[dict]:
     """Every value a stage sends to a later one: its size per microbatch and the estimated seconds."""
     owner = {name: s.index for s in stages for name in s.nodes if name not in s.inputs}
@@ -256,6 +266,7 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     microbatch, and a re-captured model (e.g. one that branches on batch size) can differ in structure.
     ``predicted`` is the schedule replay of the stages (``predict``); ``planner`` records how it was found."""
     sharded = sharded_graph if sharded_graph is not None else graph
+    _unshard_tied(sharded, stages)
     for stage in stages:
         stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer,
                                              dict(layers.of_node) if layers is not None else None))

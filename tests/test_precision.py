@@ -28,6 +28,7 @@ CASES = [
     ("gpt", "dp", "fp32", 3, None), ("gpt", "pp", "fp32", 3, None), ("gpt", "dp", "bf16", 3, None),
     ("gpt", "dp-rc", "fp32", 3, None),
     ("zoo_llama", "dp", "fp32", 3, None), ("zoo_llama", "pp", "fp32", 3, None),
+    ("hf_gpt2", "pp", "fp32", 3, None),  # tied embedding on both stages: kept at level 0, the rest at 3
     ("gpt", "dp", "fp32", 3, "gather"), ("gpt", "pp", "fp32", 3, "gather"),
     ("zoo_llama", "dp", "fp32", 3, "gather"), ("zoo_llama", "pp", "fp32", 3, "gather"),
 ]
@@ -97,7 +98,7 @@ def test_zero3_gathers_every_unit_in_each_microbatch_forward_and_backward(result
     microbatches = 1 if case[1].startswith("dp") else options(case[0], case[1])["microbatches"]
     for per_rank in results:
         r = per_rank[case]
-        assert r["units"] == r["buckets"] > 1
+        assert r["buckets"] >= r["units"] > 1
         assert r["gathers"] == 2 * r["units"] * microbatches * STEPS, r
         assert (r["regions"] > 0) == (case[1] == "dp-rc"), "dp-rc must run recomputed regions (their replay gathers)"
 
