@@ -33,8 +33,8 @@ def layout_options(layout: str, model_name: str, cluster, model, batch, recomput
     recomputing) so the plan must shard (ZeRO held out: it would buy the memory without sharding a tensor,
     and these suites step a torch optimizer over ``pm.parameters()``; tests/test_precision.py covers ZeRO);
     "dp" pins the batch split on every axis and replicated parameters;
-    "ep" pins MoE expert weights split by expert and the grouped matmuls' outputs Partial (each device's
-    experts' rows: expert parallelism)."""
+    "ep" pins MoE expert weights split by expert and the grouped matmuls' and the expert activation's
+    outputs to their experts' rows (EXPERT_ROWS: expert parallelism, the expert MLP without communication)."""
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)
@@ -43,8 +43,8 @@ def layout_options(layout: str, model_name: str, cluster, model, batch, recomput
     if layout == "ep":  # expert parallel: every MoE expert weight split by experts on the widest axis
         axis = max(range(len(cluster.mesh_shape)), key=lambda a: cluster.mesh_shape[a])
         spec = "".join("S(0)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
-        partial = "".join("P" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
-        return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": partial}}
+        rows = "".join("P(rows)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
+        return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": rows, "silu*": rows}}
     floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute, zero=0))
     return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1, "zero": 0}
 
