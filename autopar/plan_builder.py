@@ -44,17 +44,18 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
                   nodes=names, shardings=shardings, layers=layers)
     stage.inputs = {name: spec_str(spec) for name, spec in solution.inputs.items()}
     stage.outputs = sorted(solution.sends)
-    stage.zero = {n: lvl for n, lvl in env.training.zero if n in shardings and lvl}
+    stage.zero = {n: lvl for n, lvl in (*env.training.zero, *solution.zero.items()) if n in shardings and lvl}
     stage.collectives = _collectives(graph, solution, env, set(names))
     per_mb = (solution.step_time - solution.sync_time) / env.microbatches
     stage.predicted = {"latency": per_mb, "forward": per_mb / 3, "backward": 2 * per_mb / 3,
                        "compute": solution.compute_time, "comm": solution.comm_time,
-                       "grad_sync": solution.sync_time, "memory": solution.memory, "peak_memory": solution.memory,
-                       "optimizer": _optimizer_seconds(graph, solution, env)}
+                       "grad_sync": solution.sync_time - solution.zero_gather,  # exposed_sync adds the gathers
+                       "memory": solution.memory, "peak_memory": solution.memory,
+                       "optimizer": _optimizer_seconds(graph, solution, env, stage.zero)}
     return stage
 
 
-def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
+def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dict[str, int]) -> float:
     """One optimizer step over the local shards of the parameters this stage holds (1/n of those whose
     optimizer state ZeRO shards n ways)."""
     numel, tensors, itemsize = 0.0, 0, 4
@@ -62,7 +63,7 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
         if p.kind == "parameter" and p.name in solution.strategies:
             spec = solution.strategies[p.name].out_spec
             ways = math.prod(n for n, q in zip(env.mesh_shape, spec) if not q.is_shard())
-            shard = ways if env.training.zero_level(p.name) >= 1 else 1  # ZeRO steps 1/n of it
+            shard = ways if zero.get(p.name, 0) >= 1 else 1  # ZeRO steps 1/n of it
             numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
             tensors, itemsize = tensors + 1, p.dtype.itemsize
     return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)

@@ -57,7 +57,8 @@ class TrainingSpec:
     """
 
     optimizer: str = "adamw"
-    zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, level); absent: 0
+    zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, forced level)
+    zero_search: bool = False                # parameters absent from ``zero``: the ILP chooses (else level 0)
     compute_itemsize: int = 0                # autocast's weight copies (saved for backward); 0 for fp32
 
     def __post_init__(self):
@@ -68,11 +69,16 @@ class TrainingSpec:
     def zero_level(self, name: str) -> int:
         return dict(self.zero).get(name, 0)
 
-    def param_bytes(self, name: str, numel: float, dtype: torch.dtype, dp_ways: int) -> float:
+    def zero_searched(self, name: str) -> bool:
+        """Whether the ILP chooses ``name``'s level (no level was forced for it)."""
+        return self.zero_search and name not in dict(self.zero)
+
+    def param_bytes(self, name: str, numel: float, dtype: torch.dtype, dp_ways: int, level: int | None = None) -> float:
         """Bytes one device keeps for ``numel`` local elements of parameter ``name`` replicated ``dp_ways``
-        times (see the module docstring), plus the compute-dtype copy autocast saves for backward."""
+        times (see the module docstring), plus the compute-dtype copy autocast saves for backward.
+        ``level``: the ZeRO level to price (default: the forced one, else 0)."""
         item = torch.empty((), dtype=dtype).element_size()
-        level, n = self.zero_level(name), max(dp_ways, 1)
+        level, n = self.zero_level(name) if level is None else level, max(dp_ways, 1)
         weight = item / n if level >= 3 else item
         grad = item / n if level >= 2 else item
         master = 4 if dtype in (torch.float16, torch.bfloat16) else 0  # fp32 copy of a low-precision weight
@@ -153,7 +159,8 @@ def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:
 
 def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
     """{parameter placeholder: forced ZeRO level} from the ``zero`` option: an int for all parameters, or
-    {fqn glob: level} (first matching glob wins). "auto" forces nothing (the planner keeps level 0)."""
+    {fqn glob: level} (first matching glob wins). "auto" forces nothing: the ILP chooses every parameter's
+    level (``passes.intra_op_zero``), as it does for the parameters no glob matches."""
     import fnmatch
 
     if zero == "auto":

@@ -70,6 +70,8 @@ class Group:
     mem_param: np.ndarray = None        # bytes of parameter state, per leader strategy
     mem_act: np.ndarray = None          # bytes of saved activations (× in-flight microbatches)
     peak: np.ndarray = None             # largest transient, per leader strategy
+    zero_base: np.ndarray = None        # ZeRO twins (``intra_op_zero``): the column each column copies
+    zero_gather: np.ndarray = None      # seconds of the twins' after-step all-gather (0 for base columns)
 
     @property
     def mem(self) -> np.ndarray:

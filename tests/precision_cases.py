@@ -2,8 +2,9 @@
 
 A case is (model, layout, precision, zero, sabotage). Layouts: "dp" (one 2×2 stage, parameters pinned
 replicated, the batch split over both axes: every parameter's gradient goes through the bucketed sync; "dp-rc"
-the same with every layer recomputed in backward) and
-"pp" (2 stages × 2 devices, 4 microbatches, 1F1B). Each case trains 3 AdamW steps with ``pm.optimizer`` on
+the same with every layer recomputed in backward), "tp" (one 2×2 stage: Megatron's tensor parallelism on axis
+1, the batch and ZeRO on axis 0) and "pp" (2 stages × 2 devices, 4 microbatches, 1F1B). Each case trains 3
+AdamW steps with ``pm.optimizer`` on
 the sharded module, and the same on single-device copies: one under the same precision policy (autocast,
 and ``torch.amp.GradScaler`` for fp16), one in fp32. It reports the loss and parameter errors against both,
 the bytes of parameters, gradients and optimizer state this rank holds (counted from the tensors: distinct
@@ -30,6 +31,10 @@ LR, EPS, STEPS = 1e-3, 1e-6, 3
 BUCKET_BYTES = 20000  # several buckets even for the small test models, so overlap is visible
 PIPE = [{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 2]}]
 DP_PINS = {"gpt": ("idx", "targets"), "llama": ("input_ids", "labels"), "zoo_llama": ("input_ids", "labels")}
+# Megatron's layout on mesh axis 1 (column-parallel q/k/v/gate/up, row-parallel o/down), batch over axis 0
+TP_PINS = {"zoo_llama": {**{f"p_*_{w}_proj_weight": "RS(0)" for w in ("q", "k", "v", "gate", "up")},
+                         "p_*_o_proj_weight": "RS(1)", "p_*_down_proj_weight": "RS(1)",
+                         "input_ids": "S(0)R", "labels": "S(0)R"}}
 
 
 def options(model_name: str, layout: str) -> dict:
@@ -37,6 +42,8 @@ def options(model_name: str, layout: str) -> dict:
         a, b = DP_PINS[model_name]
         rc = {"recompute": "full"} if layout == "dp-rc" else {}
         return {"stages": 1, "pin": {"p_*": "RR", a: "S(0)S(0)", b: "S(0)S(0)"}, **rc}
+    if layout == "tp":
+        return {"stages": 1, "pin": TP_PINS[model_name]}
     return {"stages": PIPE, "microbatches": 4, "layers": 2, "schedule": "1f1b"}
 
 

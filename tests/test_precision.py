@@ -1,7 +1,8 @@
 """Precision policy, ZeRO and the overlapped gradient sync: parity, memory, loss scaling, bad input.
 
-One 4-rank launch runs every case of ``tests/precision_cases.py`` (2×2 mesh; GPT example; ZeRO-3 also on the
-zoo's HF Llama).
+One 4-rank launch runs every case of ``tests/precision_cases.py`` (2×2 mesh; the GPT example; the zoo's HF
+``LlamaForCausalLM`` at ZeRO 1, 2 and 3: data parallel, pipelined, and at 1 and 2 Megatron tensor parallel
+with ZeRO on the data-parallel axis).
 
 Tolerances. fp32: as tests/test_parity.py (loss ≤ 1e-5 relative per step, parameters ≤ 1e-4 per tensor
 after 3 AdamW steps), at every ZeRO level, SPMD and pipelined. bf16/fp16: the parallel run is compared with
@@ -25,6 +26,11 @@ CASES = [
     ("gpt", "pp", "fp32", 0, None), ("gpt", "pp", "fp32", 2, None),
     ("gpt", "dp", "bf16", 0, None), ("gpt", "dp", "fp16", 2, None),
     ("gpt", "dp", "fp32", 2, "sync"), ("gpt", "pp", "fp32", 0, "sync"),
+    ("zoo_llama", "dp", "fp32", 1, None), ("zoo_llama", "dp", "fp32", 2, None),
+    ("zoo_llama", "pp", "fp32", 1, None), ("zoo_llama", "pp", "fp32", 2, None),
+    ("zoo_llama", "tp", "fp32", 1, None), ("zoo_llama", "tp", "fp32", 2, None),
+    ("zoo_llama", "dp", "fp32", 2, "sync"), ("zoo_llama", "pp", "fp32", 1, "sync"),
+    ("zoo_llama", "tp", "fp32", 2, "sync"),
     ("gpt", "dp", "fp32", 3, None), ("gpt", "pp", "fp32", 3, None), ("gpt", "dp", "bf16", 3, None),
     ("gpt", "dp-rc", "fp32", 3, None),
     ("zoo_llama", "dp", "fp32", 3, None), ("zoo_llama", "pp", "fp32", 3, None),
