@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
@@ -24,6 +26,7 @@ from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
+from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_rank_bytes, resolved
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
@@ -187,18 +190,40 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
 
 
 def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Cluster) -> list[dict]:
-    """Every value a stage sends to a later one: its size per microbatch and the estimated seconds."""
-    owner = {name: s.index for s in stages for name in s.nodes if name not in s.inputs}
+    """Every value a stage sends to a later one, shard to shard (``autopar.ir.shard_boxes``): its whole size
+    per microbatch (``nbytes``), the most bytes one rank sends or receives (``rank_bytes``, forward and
+    gradient back), and the estimated seconds
+
+        seconds = (α + fwd / β) + (α + bwd / β)       (the second term only for a value with a gradient)
+
+    with fwd / bwd the max per-rank bytes of the forward pieces and of the gradient pieces, α, β the
+    inter-node link if any piece crosses nodes, else the intra-node link (point-to-point: ``bandwidth_for(2)``).
+    A piece a rank hands to itself (a later model chunk on the same devices) costs nothing."""
+    owner = {name: s for s in stages for name in s.nodes if name not in s.inputs}
     vals = {n.name: n.meta.get("val") for n in microbatch_graph.gm.graph.nodes}
-    link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
     out = []
     for s in stages:
         for name in s.inputs:
-            val = vals[name]
-            nbytes = float(val.numel() * val.element_size())
-            out.append({"value": name, "src": owner[name], "dst": s.index, "nbytes": nbytes,
-                        "seconds": 2 * (link.latency + nbytes / link.bandwidth_for(2))})
+            val, src = vals[name], owner[name]
+            shape, itemsize = tuple(val.shape), val.element_size()
+            src_spec = resolved(parse_spec(src.shardings[name].out))
+            meshes = (np.asarray(src.ranks).reshape(src.mesh_shape), np.asarray(s.ranks).reshape(s.mesh_shape))
+            args = (shape, src_spec, meshes[0], parse_spec(s.inputs[name]), meshes[1])
+            fwd = forward_pieces(*args)
+            bwd = backward_pieces(*args) if val.dtype.is_floating_point else []
+            link = _link_between(cluster, fwd)
+            seconds = sum(link.latency + max_rank_bytes(p, itemsize) / link.bandwidth_for(2) for p in (fwd, bwd) if p)
+            out.append({"value": name, "src": src.index, "dst": s.index, "nbytes": float(val.numel() * itemsize),
+                        "rank_bytes": max_rank_bytes(fwd, itemsize) + max_rank_bytes(bwd, itemsize),
+                        "seconds": float(seconds)})
     return out
+
+
+def _link_between(cluster: Cluster, pieces) -> object:
+    """The inter-node link if any piece crosses nodes, else the intra-node one."""
+    M = cluster.devices_per_node
+    crosses = any(p.sender // M != p.receiver // M for p in pieces)
+    return cluster.inter_node if crosses else cluster.intra_node
 
 
 def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_name: str, blocks, *,

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.schedule import BACKWARD, FORWARD, stage_order
-from autopar.placement import R, parse_spec
+from autopar.ir.shard_boxes import resolved
+from autopar.placement import parse_spec
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import faults, gradsync
 from autopar.runtime.collectives import step_call
@@ -42,6 +43,7 @@ class PipelineRunner(StageModule):
         self.routes_in = [r for r in routes if r.dst.index == stage.index]
         self.routes_out = {v: [r for r in routes if r.src.index == stage.index and r.value == v] for v in stage.outputs}
         self.grads_needed = {r.value for r in self.routes_in if r.dtype.is_floating_point}
+        self.mailbox: dict = {}  # pieces this rank sends to itself (``transfer``)
 
     # ---- steps ---------------------------------------------------------------------------------
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
@@ -80,7 +82,7 @@ class PipelineRunner(StageModule):
     def _forward(self, inputs, mb: int, pending: list, loss_index):
         received = []
         for route in sorted(self.routes_in, key=lambda r: r.value):
-            t = recv_forward(route, mb, self.me)
+            t = recv_forward(route, mb, self.me, self.mailbox)
             if route.value in self.grads_needed and torch.is_grad_enabled():
                 t.requires_grad_(True)
             received.append((route, t))
@@ -88,10 +90,10 @@ class PipelineRunner(StageModule):
         n_sent = len(self.stage.outputs)
         wholes = []
         for name, local in zip(self.stage.outputs, outs[:n_sent]):
-            whole = self._gather(local, name)
+            value = self._resolve(local, name)
             for route in self.routes_out[name]:
-                send_forward(whole.detach(), route, mb, self.me, pending)
-            wholes.append(whole)
+                send_forward(value.detach(), route, mb, self.me, pending, self.mailbox)
+            wholes.append(value)
         results = list(outs[n_sent:])
         loss = results[loss_index] if self.last and loss_index is not None else None
         return received, wholes, loss, results
@@ -101,32 +103,31 @@ class PipelineRunner(StageModule):
         if self.last:
             self.scaled(loss / self.plan.microbatches).backward()
         else:
-            grads = [self._whole_grad(name, whole, mb) for name, whole in zip(self.stage.outputs, wholes)]
+            grads = [self._sent_grad(name, whole, mb) for name, whole in zip(self.stage.outputs, wholes)]
             pairs = [(w, g) for w, g in zip(wholes, grads) if w.requires_grad]
             if pairs:
                 torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
         for route, t in received:
             if route.value in self.grads_needed:
-                send_backward(t.grad, route, mb, self.me, pending)
+                send_backward(t.grad, route, mb, self.me, pending, self.mailbox)
 
-    def _gather(self, local: torch.Tensor, name: str) -> torch.Tensor:
-        """The value whole on every rank of this stage, differentiably (the collectives codegen emits)."""
+    def _resolve(self, local: torch.Tensor, name: str) -> torch.Tensor:
+        """The value with its Partial axes reduced, shards kept (``shard_boxes.resolved``), differentiably
+        (the collectives codegen emits): what the shard-to-shard transfer sends from."""
         src = parse_spec(self.stage.shardings[name].out)
         value = local
-        for step in redistribute_steps(src, (R,) * len(src)):
+        for step in redistribute_steps(src, resolved(src)):
             fn, args = step_call(step, group_key(self.mesh_index, step.axis), value)
             value = fn(*args)
         return value
 
-    def _whole_grad(self, name: str, whole: torch.Tensor, mb: int) -> torch.Tensor:
-        grad = torch.zeros_like(whole) if whole.dtype.is_floating_point else None
-        if grad is None:
+    def _sent_grad(self, name: str, value: torch.Tensor, mb: int) -> torch.Tensor | None:
+        """The gradient of this rank's box of a sent value: every route's receivers return their pieces."""
+        if not value.dtype.is_floating_point:
             return None
+        grad = torch.zeros_like(value)
         for route in self.routes_out[name]:
-            recv_backward(route, mb, self.me, grad)
-        if len(self.stage.ranks) > 1:
-            key = f"m{self.mesh_index}.all"
-            faults.guard("all_reduce", key, dist.all_reduce, grad, group=_stage_group(self.mesh_index))
+            recv_backward(route, mb, self.me, grad, self.mailbox)
         return grad
 
     def _broadcast_loss(self, losses: list) -> torch.Tensor:
@@ -134,12 +135,6 @@ class PipelineRunner(StageModule):
         value = value.to(torch.float32).clone()
         faults.guard("broadcast", None, dist.broadcast, value, src=self.plan.stages[-1].ranks[0])
         return value
-
-
-def _stage_group(index: int):
-    from autopar.runtime import groups
-
-    return groups.get(f"m{index}.all")
 
 
 def _routes(plan, graph) -> list[Route]:
