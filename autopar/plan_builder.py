@@ -26,7 +26,7 @@ from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
-from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_rank_bytes, resolved
+from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, resolved
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
@@ -153,6 +153,14 @@ def place_stages(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[lis
     return [placed[s] for s in range(len(submeshes))]
 
 
+def place_chunks(cluster: Cluster, submeshes: list[tuple[int, int]], virtual: int = 1) -> list[list[int]]:
+    """``place_stages`` for the first pp = len / ``virtual`` stages; stage j then runs on the ranks of
+    stage j mod pp (interleaved 1F1B's round robin of model chunks)."""
+    pp = len(submeshes) // virtual
+    placed = place_stages(cluster, submeshes[:pp])
+    return [placed[j % pp] for j in range(len(submeshes))]
+
+
 def _take(free: list[list[bool]], nodes: int, width: int, M: int) -> list[int]:
     if nodes > 1 or width == M:
         chosen = [n for n in range(len(free)) if all(free[n])][:nodes]
@@ -169,35 +177,41 @@ def _take(free: list[list[bool]], nodes: int, width: int, M: int) -> list[int]:
     raise ValueError(f"submeshes do not tile the cluster: no room for a 1×{width} submesh")
 
 
-def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: list[dict]) -> dict[str, float]:
-    """Step time by replaying the schedule (see module docstring), with its parts."""
+def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: list[dict],
+            virtual: int = 1) -> dict[str, float]:
+    """Step time by replaying the schedule (see module docstring), with its parts. Interleaved plans
+    (``virtual`` chunks per device) replay per device; a device's busy time and peak memory sum its
+    chunks' (each chunk's peak with its own most microbatches in flight: an upper bound)."""
     forward = [s.predicted["forward"] for s in stages]
     backward = [s.predicted["backward"] for s in stages]
     hop = max((t["seconds"] for t in transfers), default=0.0) / 2
-    ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop)
+    ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop, virtual)
     makespan = max(op.end for op in ops)
+    pp = len(stages) // virtual
+    device_f = [sum(forward[j::pp]) for j in range(pp)]
+    device_b = [sum(backward[j::pp]) for j in range(pp)]
     sync = max(s.predicted["grad_sync"] for s in stages)
     exposed = max(exposed_sync(s.predicted["grad_sync"], s.predicted["backward"], s.predicted.get("sync_buckets", 1),
                                s.predicted.get("zero_gather_share", 0.0)) for s in stages)
     optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
-    busiest = max(microbatches * (f + b) for f, b in zip(forward, backward))
+    busiest = max(microbatches * (f + b) for f, b in zip(device_f, device_b))
     compute = sum(s.predicted["compute"] for s in stages)
     comm = sum(s.predicted["comm"] for s in stages)
     return {"step_time": makespan + exposed + optimizer, "compute": compute, "comm": comm, "grad_sync": sync,
             "grad_sync_exposed": exposed,
             "optimizer": optimizer, "transfer": hop,  # hop: what trace.simulate_plan replays the schedule with
-            "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
+            "bubble": max(0.0, makespan - busiest),
+            "peak_memory": max(sum(s.predicted["peak_memory"] for s in stages[j::pp]) for j in range(pp))}
 
 
 def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Cluster) -> list[dict]:
     """Every value a stage sends to a later one, shard to shard (``autopar.ir.shard_boxes``): its whole size
     per microbatch (``nbytes``), the most bytes one rank sends or receives (``rank_bytes``, forward and
-    gradient back), and the estimated seconds
+    gradient back), and the estimated seconds, per direction (the gradient only for a floating value):
 
-        seconds = (α + fwd / β) + (α + bwd / β)       (the second term only for a value with a gradient)
+        α_intra + max_rank_bytes / β_intra(2)        every piece inside a node
+        α_inter + max_node_bytes / β_inter           some piece crosses nodes (the node's NIC is shared)
 
-    with fwd / bwd the max per-rank bytes of the forward pieces and of the gradient pieces, α, β the
-    inter-node link if any piece crosses nodes, else the intra-node link (point-to-point: ``bandwidth_for(2)``).
     A piece a rank hands to itself (a later model chunk on the same devices) costs nothing."""
     owner = {name: s for s in stages for name in s.nodes if name not in s.inputs}
     vals = {n.name: n.meta.get("val") for n in microbatch_graph.gm.graph.nodes}
@@ -205,30 +219,31 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
     for s in stages:
         for name in s.inputs:
             val, src = vals[name], owner[name]
-            shape, itemsize = tuple(val.shape), val.element_size()
+            itemsize = val.element_size()
             src_spec = resolved(parse_spec(src.shardings[name].out))
             meshes = (np.asarray(src.ranks).reshape(src.mesh_shape), np.asarray(s.ranks).reshape(s.mesh_shape))
-            args = (shape, src_spec, meshes[0], parse_spec(s.inputs[name]), meshes[1])
+            args = (tuple(val.shape), src_spec, meshes[0], parse_spec(s.inputs[name]), meshes[1])
             fwd = forward_pieces(*args)
             bwd = backward_pieces(*args) if val.dtype.is_floating_point else []
-            link = _link_between(cluster, fwd)
-            seconds = sum(link.latency + max_rank_bytes(p, itemsize) / link.bandwidth_for(2) for p in (fwd, bwd) if p)
             out.append({"value": name, "src": src.index, "dst": s.index, "nbytes": float(val.numel() * itemsize),
                         "rank_bytes": max_rank_bytes(fwd, itemsize) + max_rank_bytes(bwd, itemsize),
-                        "seconds": float(seconds)})
+                        "seconds": sum(_send_seconds(cluster, p, itemsize) for p in (fwd, bwd) if p)})
     return out
 
 
-def _link_between(cluster: Cluster, pieces) -> object:
-    """The inter-node link if any piece crosses nodes, else the intra-node one."""
+def _send_seconds(cluster: Cluster, pieces, itemsize: int) -> float:
+    """One direction of a transfer (see ``transfers_between``)."""
     M = cluster.devices_per_node
-    crosses = any(p.sender // M != p.receiver // M for p in pieces)
-    return cluster.inter_node if crosses else cluster.intra_node
+    if any(p.sender // M != p.receiver // M for p in pieces):
+        link = cluster.inter_node
+        return float(link.latency + max_node_bytes(pieces, itemsize, M) / link.bandwidth)
+    link = cluster.intra_node
+    return float(link.latency + max_rank_bytes(pieces, itemsize) / link.bandwidth_for(2))
 
 
 def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_name: str, blocks, *,
                   microbatches: int = 1, schedule: str = "none", layers=None, transfers=None,
-                  sharded_graph=None, planner: dict | None = None) -> Plan:
+                  sharded_graph=None, planner: dict | None = None, virtual_stages: int = 1) -> Plan:
     """``graph``: the model at the full batch (its input signature is what users pass); ``sharded_graph``:
     the graph at one microbatch that the stages' shardings name (default ``graph``). The fingerprint and
     op names come from the latter, since ``compile`` validates the plan against the model captured at one
@@ -244,4 +259,5 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
                 repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},
                 node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [],
-                predicted=predict(stages, microbatches, schedule, transfers or []), planner=dict(planner or {}))
+                predicted=predict(stages, microbatches, schedule, transfers or [], virtual_stages),
+                planner=dict(planner or {}), virtual_stages=virtual_stages)

@@ -65,6 +65,11 @@ SHARD_TO_SHARD = {
     "dp2>1+1": ([{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 1]},
                  {"layers": [2, 2], "submesh": [1, 1]}], {"p_*": "RR"}),
 }
+# Interleaved 1F1B: pp devices groups × v model chunks, chunk j on the submesh of chunk j mod pp.
+INTERLEAVED = {
+    "pp2x2v2": ([{"layers": [k, k], "submesh": [1, 2]} for k in range(4)], 2),
+    "pp4x1v2": ([{"layers": [k, k], "submesh": [1, 1]} for k in range(8)], 2),
+}
 
 
 def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tuple:
@@ -74,6 +79,10 @@ def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tu
     of the whole model's memory would depend on the schedule (GPipe keeps 4 microbatches' activations,
     1F1B 2 or 1) and on the memory model, and leave no window that both forces and admits sharding."""
     shape, schedule = layout.split("-")
+    if shape in INTERLEAVED:
+        stages, v = INTERLEAVED[shape]
+        return cluster, {"stages": stages, "schedule": schedule, "virtual_stages": v, "microbatches": 4,
+                         "layers": len(stages)}
     if shape in SHARD_TO_SHARD:
         stages, pin = SHARD_TO_SHARD[shape]
         return cluster, {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages), "pin": pin}
@@ -118,7 +127,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
     layout, _, rc = layout.partition(":rc-")
     recompute = recompute_option(rc) if rc else "none"
-    if layout.startswith("pp") or layout.split("-")[0] in SHARD_TO_SHARD:
+    if layout.startswith("pp") or layout.split("-")[0] in SHARD_TO_SHARD:  # pipelines (interleaved: "pp...v2")
         cluster, options = pipeline_options(layout, cluster, model, batch, recompute)
     else:
         cluster, options = layout_options(layout, model_name, cluster, model, batch, recompute)
@@ -151,7 +160,8 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "kernels": sorted({t for s in stages for sh in s.shardings.values() for _, t in sh.kernels}),
             "transfer_specs": [(_resolved_text(stages[t["src"]].shardings[t["value"]].out),
                                 stages[t["dst"]].inputs[t["value"]]) for t in pm.plan.transfers],
-            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule, "comm_calls": comm_calls[0],
+            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
+            "virtual_stages": pm.plan.virtual_stages, "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
             "keys_match": list(full) == list(reference.state_dict()),
@@ -184,7 +194,8 @@ def launch_cases(cases: list[tuple], world: int, timeout: float = 120) -> list[d
 def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     """Every case in one process group. A case's last field names a sabotage (its negative control):
     "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients
-    between pipeline stages; "offsets" misplaces each shard-to-shard piece; "replay" skips the collectives
+    between pipeline stages; "offsets" misplaces each shard-to-shard piece;
+    "accumulate" keeps only the last microbatch's gradients; "replay" skips the collectives
     when a recomputed region re-runs in backward."""
     results = {}
     for case in cases:
@@ -252,6 +263,16 @@ def _sabotage(kind) -> callable:
         original = transfer.relative
         transfer.relative = lambda region, within: tuple(slice(0, r.stop - r.start) for r in region)
         return lambda: setattr(transfer, "relative", original)
+    if kind == "accumulate":  # each microbatch's backward overwrites the gradients instead of adding to them
+        original = pipeline.PipelineRunner._backward
+
+        def overwrite(self, *args):
+            for p in self.gm.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            return original(self, *args)
+        pipeline.PipelineRunner._backward = overwrite
+        return lambda: setattr(pipeline.PipelineRunner, "_backward", original)
     if kind == "transfer":
         original = pipeline.send_backward
         pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)

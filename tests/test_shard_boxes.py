@@ -7,7 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, intersect, max_rank_bytes, relative, resolved
+from autopar.ir.shard_boxes import (
+    backward_pieces,
+    box,
+    forward_pieces,
+    intersect,
+    max_node_bytes,
+    max_rank_bytes,
+    relative,
+    resolved,
+)
 from autopar.placement import local_slice, parse_spec
 
 SHAPE = (8, 4, 6)
@@ -96,3 +105,14 @@ def test_intersect_and_partial_senders():
     with pytest.raises(ValueError, match="resolve"):
         forward_pieces(SHAPE, parse_spec("P"), np.arange(2), parse_spec("R"), np.arange(2, 3))
     assert resolved(parse_spec("PS(1)")) == parse_spec("RS(1)")
+
+
+def test_node_bytes_count_what_crosses_each_nic():
+    """8 ranks of node 0 (S(0)) to 8 ranks of node 1 (S(0)): each rank moves 1/8, the NIC the whole tensor;
+    two stages inside one node cross no NIC."""
+    src_ranks, dst_ranks = _meshes((8,), (8,))
+    pieces = forward_pieces(SHAPE, parse_spec("S(0)"), src_ranks, parse_spec("S(0)"), dst_ranks)
+    whole = float(np.prod(SHAPE) * 4)
+    assert max_rank_bytes(pieces, 4) == whole / 8
+    assert max_node_bytes(pieces, 4, 8) == whole
+    assert max_node_bytes(pieces, 4, 16) == 0.0

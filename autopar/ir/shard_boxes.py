@@ -20,8 +20,9 @@ mesh first (``resolved``). Then:
   * a receiver on a Partial axis at coordinate ≠ 0 holds zeros and receives nothing.
 
 At most one piece travels between two ranks per direction (two boxes intersect in one box), so a message
-is named by (value, microbatch, direction) alone. Per-rank bytes — what the cost model charges the link —
-are ``max_rank_bytes``.
+is named by (value, microbatch, direction) alone. What the cost model charges the link: the most bytes one
+rank moves (``max_rank_bytes``) inside a node, the most bytes one node's NIC moves (``max_node_bytes``)
+across nodes.
 """
 from __future__ import annotations
 
@@ -131,5 +132,18 @@ def max_rank_bytes(pieces: list[Piece], itemsize: int) -> float:
         if p.sender == p.receiver:
             continue
         for key in (("out", p.sender), ("in", p.receiver)):
+            load[key] = load.get(key, 0) + p.numel()
+    return float(max(load.values(), default=0) * itemsize)
+
+
+def max_node_bytes(pieces: list[Piece], itemsize: int, devices_per_node: int) -> float:
+    """The most bytes that leave or enter any one node (global rank r on node r div ``devices_per_node``):
+    what bounds a transfer across nodes, whose NIC the node's ranks share."""
+    load: dict[tuple[str, int], int] = {}
+    for p in pieces:
+        src, dst = p.sender // devices_per_node, p.receiver // devices_per_node
+        if src == dst:
+            continue
+        for key in (("out", src), ("in", dst)):
             load[key] = load.get(key, 0) + p.numel()
     return float(max(load.values(), default=0) * itemsize)

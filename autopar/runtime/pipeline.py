@@ -3,8 +3,9 @@
 One ``train_step``:
   1. split every input along dim 0 into B microbatches (the planner checked they divide);
   2. run this stage's ops in the order ``autopar.ir.schedule.stage_order`` gives (the order the plan's
-     picture shows): a forward receives the stage's inputs from earlier stages, runs the module, gathers
-     each value a later stage reads and sends the shards; a backward receives the gradients of what was
+     picture shows): a forward receives the stage's inputs from earlier stages, runs the module, reduces
+     the Partial axes of each value a later stage reads and sends each receiver the pieces of its shard
+     this rank holds (shard to shard, ``transfer``); a backward receives the gradient pieces of what was
      sent (or starts from loss / B on the last stage), runs backward, and returns the gradients of what
      was received;
   3. the bucketed gradient sync starts during the last microbatch's backward (``gradsync.GradSync``), is
@@ -12,7 +13,8 @@ One ``train_step``:
   4. the loss, the mean of the microbatch losses, goes from the last stage to every rank.
 
 Gradients therefore accumulate over microbatches exactly as one big batch's would (for a loss that is a
-mean over equal-size microbatches). Why not torch.distributed.pipelining: its PipelineStage runs one stage
+mean over equal-size microbatches). Interleaved plans run several of these, one per model chunk, under
+``interleaved.InterleavedRunner``. Why not torch.distributed.pipelining: its PipelineStage runs one stage
 per rank group of equal size and sends whole tensors; autopar's stages live on submeshes of different
 sizes and shapes, each intra-op sharded, with shard-to-shard transfers between them (``transfer``).
 """
