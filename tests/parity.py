@@ -147,6 +147,10 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         ref_opt.zero_grad()
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
     comm_calls = counted()
+    forward_err = None
+    if pm.plan.virtual_stages > 1:  # inference through the chunks, after training: the trained model's loss
+        with torch.no_grad():
+            forward_err = abs(pm(*batch).item() - reference(*batch).item()) / abs(reference(*batch).item())
     full = pm.full_state_dict()
     errors = {k: rel(full[k], v) for k, v in reference.state_dict().items() if k in moved}
     worst = max(errors, key=errors.get)
@@ -161,7 +165,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "transfer_specs": [(_resolved_text(stages[t["src"]].shardings[t["value"]].out),
                                 stages[t["dst"]].inputs[t["value"]]) for t in pm.plan.transfers],
             "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
-            "virtual_stages": pm.plan.virtual_stages, "comm_calls": comm_calls[0],
+            "virtual_stages": pm.plan.virtual_stages, "forward_err": forward_err, "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
             "keys_match": list(full) == list(reference.state_dict()),

@@ -65,6 +65,7 @@ def test_interleaved_1f1b_matches_single_device(results, case):
     assert len(r["stages"]) == {"pp2x2v2": 4, "pp4x1v2": 8}[case[2].split("-")[0]], r["stages"]
     assert r["loss_err"] <= 1e-5, r
     assert r["param_err"] <= 1e-4, r
+    assert r["forward_err"] <= 1e-5, r
     assert r["keys_match"] and r["shapes_match"] and r["ranks_agree"]
 
 
