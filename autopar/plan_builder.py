@@ -19,14 +19,14 @@ import math
 import numpy as np
 
 from autopar.cluster import Cluster
-from autopar.cost_models.communication import redistribute_messages
+from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import held_state_bytes
 from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
-from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, resolved
+from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, resolved, wire_spec
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
@@ -212,7 +212,9 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
         α_intra + max_rank_bytes / β_intra(2)        every piece inside a node
         α_inter + max_node_bytes / β_inter           some piece crosses nodes (the node's NIC is shared)
 
-    A piece a rank hands to itself (a later model chunk on the same devices) costs nothing."""
+    A piece a rank hands to itself (a later model chunk on the same devices) costs nothing. Receivers that
+    replicate the value get slices (``wire``, see ``shard_boxes.wire_spec``) and all-gather them inside
+    their stage: ``gather_seconds``, forward and backward, is part of ``seconds``."""
     owner = {name: s for s in stages for name in s.nodes if name not in s.inputs}
     vals = {n.name: n.meta.get("val") for n in microbatch_graph.gm.graph.nodes}
     out = []
@@ -220,14 +222,19 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
         for name in s.inputs:
             val, src = vals[name], owner[name]
             itemsize = val.element_size()
-            src_spec = resolved(parse_spec(src.shardings[name].out))
+            shape, floating = tuple(val.shape), val.dtype.is_floating_point
+            src_spec, dst_spec = resolved(parse_spec(src.shardings[name].out)), parse_spec(s.inputs[name])
+            wire = wire_spec(shape, dst_spec, s.mesh_shape) if floating else dst_spec
             meshes = (np.asarray(src.ranks).reshape(src.mesh_shape), np.asarray(s.ranks).reshape(s.mesh_shape))
-            args = (tuple(val.shape), src_spec, meshes[0], parse_spec(s.inputs[name]), meshes[1])
+            args = (shape, src_spec, meshes[0], wire, meshes[1])
             fwd = forward_pieces(*args)
-            bwd = backward_pieces(*args) if val.dtype.is_floating_point else []
+            bwd = backward_pieces(*args) if floating else []
+            widen = sum(redistribute_cost(shape, itemsize, wire, dst_spec, tuple(s.mesh_shape),
+                                          axis_links(cluster, tuple(s.mesh_shape), s.submesh[1]), (), floating))
             out.append({"value": name, "src": src.index, "dst": s.index, "nbytes": float(val.numel() * itemsize),
                         "rank_bytes": max_rank_bytes(fwd, itemsize) + max_rank_bytes(bwd, itemsize),
-                        "seconds": sum(_send_seconds(cluster, p, itemsize) for p in (fwd, bwd) if p)})
+                        "wire": spec_str(wire), "gather_seconds": float(widen),
+                        "seconds": widen + sum(_send_seconds(cluster, p, itemsize) for p in (fwd, bwd) if p)})
     return out
 
 

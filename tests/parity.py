@@ -57,11 +57,15 @@ PIPELINES = {
 # Pipelines whose cross-stage values change sharding on the way (shard-to-shard transfers), pinned on the
 # GPT example: (stages, pins). DP stages split the batch and replicate weights; the TP stage splits its MLP
 # Megatron-style (fc by output rows, proj by input columns), so its output arrives Partial and is reduced
-# before the send; "dp2>1+1" sends the batch halves of two ranks to one rank.
+# before the send; "dp2>tp2" sends to a stage that replicates its input (each receiver gets half and the
+# two all-gather it: ``shard_boxes.wire_spec``); "dp2>1+1" sends the batch halves of two ranks to one rank.
 SHARD_TO_SHARD = {
     "dp2>dp2": (PIPELINES["pp2x2"], {"idx": "RS(0)", "targets": "RS(0)", "p_*": "RR"}),
     "tp2>dp2": (PIPELINES["pp2x2"], {"idx": "RR", "targets": "RS(0)", "p_blocks_0_mlp_fc_*": "RS(0)",
                                      "p_blocks_0_mlp_proj_weight": "RS(1)", "p_blocks_1_*": "RR", "p_lm_head*": "RR"}),
+    "dp2>tp2": (PIPELINES["pp2x2"], {"idx": "RS(0)", "targets": "RR", "p_blocks_0_*": "RR", "p_wte*": "RR",
+                                     "p_wpe*": "RR", "p_blocks_1_mlp_fc_*": "RS(0)",
+                                     "p_blocks_1_mlp_proj_weight": "RS(1)"}),
     "dp2>1+1": ([{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 1]},
                  {"layers": [2, 2], "submesh": [1, 1]}], {"p_*": "RR"}),
 }
@@ -165,7 +169,8 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "transfer_specs": [(_resolved_text(stages[t["src"]].shardings[t["value"]].out),
                                 stages[t["dst"]].inputs[t["value"]]) for t in pm.plan.transfers],
             "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
-            "virtual_stages": pm.plan.virtual_stages, "forward_err": forward_err, "comm_calls": comm_calls[0],
+            "virtual_stages": pm.plan.virtual_stages, "forward_err": forward_err,
+            "wires": [t.get("wire") for t in pm.plan.transfers], "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
             "keys_match": list(full) == list(reference.state_dict()),

@@ -16,6 +16,7 @@ from autopar.ir.shard_boxes import (
     max_rank_bytes,
     relative,
     resolved,
+    wire_spec,
 )
 from autopar.placement import local_slice, parse_spec
 
@@ -116,3 +117,18 @@ def test_node_bytes_count_what_crosses_each_nic():
     assert max_rank_bytes(pieces, 4) == whole / 8
     assert max_node_bytes(pieces, 4, 8) == whole
     assert max_node_bytes(pieces, 4, 16) == 0.0
+
+
+def test_replicating_receivers_take_slices_of_the_widest_free_dim():
+    """Megatron's scatter/gather: k replicas each receive 1/k (then all-gather inside their stage); a dim
+    already sharded, or one the split does not divide, is not used; no such dim leaves the axis Replicate."""
+    assert wire_spec(SHAPE, parse_spec("RR"), (1, 2)) == parse_spec("RS(0)")
+    assert wire_spec(SHAPE, parse_spec("S(2)R"), (2, 2)) == parse_spec("S(2)S(0)")
+    assert wire_spec(SHAPE, parse_spec("R"), (3,)) == parse_spec("S(2)")
+    assert wire_spec(SHAPE, parse_spec("R"), (5,)) == parse_spec("R")
+    assert wire_spec(SHAPE, parse_spec("P"), (2,)) == parse_spec("P")
+    src_ranks, dst_ranks = _meshes((8,), (8,))
+    whole = float(np.prod(SHAPE) * 4)
+    plain = forward_pieces(SHAPE, parse_spec("S(0)"), src_ranks, parse_spec("R"), dst_ranks)
+    wired = forward_pieces(SHAPE, parse_spec("S(0)"), src_ranks, wire_spec(SHAPE, parse_spec("R"), (8,)), dst_ranks)
+    assert max_node_bytes(plain, 4, 8) == 8 * whole and max_node_bytes(wired, 4, 8) == whole

@@ -32,6 +32,7 @@ import math
 from typing import Sequence
 
 import numpy as np
+from torch.distributed.tensor import Shard
 
 from autopar.placement import R, Spec
 
@@ -53,6 +54,29 @@ class Piece:
 def resolved(spec: Spec) -> Spec:
     """``spec`` with its Partial axes made Replicate: what a sender holds after reducing its summands."""
     return tuple(R if p.is_partial() else p for p in spec)
+
+
+def wire_spec(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> Spec:
+    """How a receiving stage gets a value it holds in ``spec``: each Replicate axis of size k > 1 becomes
+    ``Shard(d)`` for the largest tensor dim d no axis shards yet whose size the split divides, so the k
+    replicas each receive 1/k of the box and all-gather it inside their own stage afterwards (Megatron-LM's
+    scatter/gather of cross-stage sends: the slow link carries each box once, not once per replica).
+    An axis where no dim divides stays Replicate (its replicas each receive the whole box)."""
+    out, factor = list(spec), [1] * len(shape)
+    for axis, p in enumerate(spec):
+        if p.is_shard():
+            factor[p.dim] *= mesh_shape[axis]
+    taken = {p.dim for p in spec if p.is_shard()}
+    for axis, p in enumerate(spec):
+        k = mesh_shape[axis]
+        if not p.is_replicate() or k == 1:
+            continue
+        free = [d for d in range(len(shape)) if d not in taken and shape[d] % (factor[d] * k) == 0]
+        if free:
+            d = max(free, key=lambda d: (shape[d], -d))
+            out[axis], factor[d] = Shard(d), factor[d] * k
+            taken.add(d)
+    return tuple(out)
 
 
 def box(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]) -> Box:

@@ -82,13 +82,14 @@ class PipelineRunner(StageModule):
 
     # ---- one microbatch --------------------------------------------------------------------------
     def _forward(self, inputs, mb: int, pending: list, loss_index):
-        received = []
+        received, values = [], []
         for route in sorted(self.routes_in, key=lambda r: r.value):
             t = recv_forward(route, mb, self.me, self.mailbox)
             if route.value in self.grads_needed and torch.is_grad_enabled():
                 t.requires_grad_(True)
             received.append((route, t))
-        outs = self.run_module(*inputs, *[t for _, t in received])
+            values.append(self._redistribute(t, route.wire, route.dst_spec))
+        outs = self.run_module(*inputs, *values)
         n_sent = len(self.stage.outputs)
         wholes = []
         for name, local in zip(self.stage.outputs, outs[:n_sent]):
@@ -117,8 +118,12 @@ class PipelineRunner(StageModule):
         """The value with its Partial axes reduced, shards kept (``shard_boxes.resolved``), differentiably
         (the collectives codegen emits): what the shard-to-shard transfer sends from."""
         src = parse_spec(self.stage.shardings[name].out)
-        value = local
-        for step in redistribute_steps(src, resolved(src)):
+        return self._redistribute(local, src, resolved(src))
+
+    def _redistribute(self, value: torch.Tensor, src, dst) -> torch.Tensor:
+        """``value`` from ``src`` to ``dst`` on this stage's mesh, differentiably (the collectives codegen
+        emits): reduces a sent value's Partial axes, all-gathers a received one's wire slices."""
+        for step in redistribute_steps(src, dst):
             fn, args = step_call(step, group_key(self.mesh_index, step.axis), value)
             value = fn(*args)
         return value

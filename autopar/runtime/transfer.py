@@ -10,6 +10,9 @@ Backward: one designated receiver per distinct box returns the gradient of each 
 sender rank whose box meets it (``backward_pieces``), so each sender rank assembles the whole gradient
 of its own box (Replicate axes carry full gradients, see ``autopar.redistribute``) without a collective.
 
+Receivers that replicate the value over an axis each get a slice of it (``shard_boxes.wire_spec``) and
+all-gather it inside their stage (``PipelineRunner``), so the link between stages carries each box once.
+
 A piece whose sender and receiver are the same rank (a stage sending to a later model chunk on the same
 devices, as interleaved pipelines do) is handed over through ``mailbox`` instead of the network.
 
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, relative, resolved
+from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, relative, resolved, wire_spec
 from autopar.placement import local_shape, parse_spec
 from autopar.runtime import faults
 from autopar.runtime.groups import coordinate
@@ -48,11 +51,13 @@ class Route:
     def __post_init__(self):
         self.src_spec = resolved(parse_spec(self.src.shardings[self.value].out))
         self.dst_spec = parse_spec(self.dst.inputs[self.value])
+        floating = self.dtype.is_floating_point
+        self.wire = wire_spec(self.shape, self.dst_spec, self.dst.mesh_shape) if floating else self.dst_spec
         self.src_mesh = np.asarray(self.src.ranks).reshape(self.src.mesh_shape)
         self.dst_mesh = np.asarray(self.dst.ranks).reshape(self.dst.mesh_shape)
-        self.forward = forward_pieces(self.shape, self.src_spec, self.src_mesh, self.dst_spec, self.dst_mesh)
-        self.backward = (backward_pieces(self.shape, self.src_spec, self.src_mesh, self.dst_spec, self.dst_mesh)
-                         if self.dtype.is_floating_point else [])
+        self.forward = forward_pieces(self.shape, self.src_spec, self.src_mesh, self.wire, self.dst_mesh)
+        self.backward = (backward_pieces(self.shape, self.src_spec, self.src_mesh, self.wire, self.dst_mesh)
+                         if floating else [])
 
     def tag(self, microbatch: int, direction: int) -> int:
         return ((self.index * 4096) + microbatch) * 2 + direction
@@ -61,10 +66,11 @@ class Route:
         return box(self.shape, self.src_spec, self.src.mesh_shape, coordinate(self.src_mesh, rank))
 
     def dst_box(self, rank: int):
-        return box(self.shape, self.dst_spec, self.dst.mesh_shape, coordinate(self.dst_mesh, rank))
+        return box(self.shape, self.wire, self.dst.mesh_shape, coordinate(self.dst_mesh, rank))
 
     def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.shape, self.dst_spec, self.dst.mesh_shape)
+        """The receiver's piece as it arrives (``wire``; the receiving stage all-gathers it to ``dst_spec``)."""
+        return local_shape(self.shape, self.wire, self.dst.mesh_shape)
 
     def src_local_shape(self) -> tuple[int, ...]:
         return local_shape(self.shape, self.src_spec, self.src.mesh_shape)
