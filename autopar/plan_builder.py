@@ -26,7 +26,7 @@ from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
-from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, resolved, wire_spec
+from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, send_spec, wire_spec
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
@@ -223,7 +223,8 @@ def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Clu
             val, src = vals[name], owner[name]
             itemsize = val.element_size()
             shape, floating = tuple(val.shape), val.dtype.is_floating_point
-            src_spec, dst_spec = resolved(parse_spec(src.shardings[name].out)), parse_spec(s.inputs[name])
+            src_spec = send_spec(shape, parse_spec(src.shardings[name].out), src.mesh_shape, floating)
+            dst_spec = parse_spec(s.inputs[name])
             wire = wire_spec(shape, dst_spec, s.mesh_shape) if floating else dst_spec
             meshes = (np.asarray(src.ranks).reshape(src.mesh_shape), np.asarray(s.ranks).reshape(s.mesh_shape))
             args = (shape, src_spec, meshes[0], wire, meshes[1])

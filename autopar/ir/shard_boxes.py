@@ -79,6 +79,15 @@ def wire_spec(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> Sp
     return tuple(out)
 
 
+def send_spec(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], floating: bool = True) -> Spec:
+    """What a sending stage sends from: its Partial axes reduced (``resolved``) and, for a value with a
+    gradient, its Replicate axes split as ``wire_spec`` splits a receiver's, so each replica serves, and
+    in backward receives the gradient of, only its slice; the split's backward all-gathers the gradient
+    inside the sending stage (the gradient convention wants it whole on every replica)."""
+    spec = resolved(spec)
+    return wire_spec(shape, spec, mesh_shape) if floating else spec
+
+
 def box(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int], coord: Sequence[int]) -> Box:
     """The block of the full tensor the device at ``coord`` holds (axis 0 splits a dim first)."""
     start, length = [0] * len(shape), list(shape)

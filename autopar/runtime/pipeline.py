@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.schedule import BACKWARD, FORWARD, stage_order
-from autopar.ir.shard_boxes import resolved
 from autopar.placement import parse_spec
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import faults, gradsync
@@ -115,10 +114,11 @@ class PipelineRunner(StageModule):
                 send_backward(t.grad, route, mb, self.me, pending, self.mailbox)
 
     def _resolve(self, local: torch.Tensor, name: str) -> torch.Tensor:
-        """The value with its Partial axes reduced, shards kept (``shard_boxes.resolved``), differentiably
-        (the collectives codegen emits): what the shard-to-shard transfer sends from."""
+        """The value with its Partial axes reduced and its Replicate axes split (``shard_boxes.send_spec``),
+        shards kept, differentiably: what the shard-to-shard transfer sends from (every route of a value
+        sends from the same spec)."""
         src = parse_spec(self.stage.shardings[name].out)
-        return self._redistribute(local, src, resolved(src))
+        return self._redistribute(local, src, self.routes_out[name][0].src_spec)
 
     def _redistribute(self, value: torch.Tensor, src, dst) -> torch.Tensor:
         """``value`` from ``src`` to ``dst`` on this stage's mesh, differentiably (the collectives codegen

@@ -10,7 +10,9 @@ Backward: one designated receiver per distinct box returns the gradient of each 
 sender rank whose box meets it (``backward_pieces``), so each sender rank assembles the whole gradient
 of its own box (Replicate axes carry full gradients, see ``autopar.redistribute``) without a collective.
 
-Receivers that replicate the value over an axis each get a slice of it (``shard_boxes.wire_spec``) and
+Senders that replicate the value over an axis each send only a slice of it (``shard_boxes.send_spec``),
+so in backward each gets its slice's gradient and the stage all-gathers it (the split's backward);
+receivers that replicate the value over an axis each get a slice of it (``shard_boxes.wire_spec``) and
 all-gather it inside their stage (``PipelineRunner``), so the link between stages carries each box once.
 
 A piece whose sender and receiver are the same rank (a stage sending to a later model chunk on the same
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, relative, resolved, wire_spec
+from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, relative, send_spec, wire_spec
 from autopar.placement import local_shape, parse_spec
 from autopar.runtime import faults
 from autopar.runtime.groups import coordinate
@@ -49,9 +51,10 @@ class Route:
     dtype: torch.dtype
 
     def __post_init__(self):
-        self.src_spec = resolved(parse_spec(self.src.shardings[self.value].out))
-        self.dst_spec = parse_spec(self.dst.inputs[self.value])
         floating = self.dtype.is_floating_point
+        self.src_spec = send_spec(self.shape, parse_spec(self.src.shardings[self.value].out), self.src.mesh_shape,
+                                  floating)
+        self.dst_spec = parse_spec(self.dst.inputs[self.value])
         self.wire = wire_spec(self.shape, self.dst_spec, self.dst.mesh_shape) if floating else self.dst_spec
         self.src_mesh = np.asarray(self.src.ranks).reshape(self.src.mesh_shape)
         self.dst_mesh = np.asarray(self.dst.ranks).reshape(self.dst.mesh_shape)
