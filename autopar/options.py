@@ -40,7 +40,7 @@ class PlanOptions:
       ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).
     precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.ir.precision.PrecisionPolicy``.
     zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the planner
-      keeps 0 unless forced), 0, 1, 2, or {parameter-fqn glob: level} (see ``cost_models.memory``).
+      keeps 0 unless forced), 0, 1, 2, 3, or {parameter-fqn glob: level} (see ``cost_models.memory``).
     bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
     """
 
@@ -65,17 +65,17 @@ class PlanOptions:
         check_schedule(self.schedule, self.virtual_stages, self.stages)
 
 
-ZERO_LEVELS = (0, 1, 2)
+ZERO_LEVELS = (0, 1, 2, 3)
 
 
 def check_zero(zero) -> None:
-    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise (level 3 is not run by the runtime)."""
+    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise."""
     levels = list(zero.values()) if isinstance(zero, dict) else [zero]
     if zero == "auto" or (levels and all(isinstance(v, int) and v in ZERO_LEVELS for v in levels)):
         return
     raise PlanError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
-                    f"{{parameter-fqn glob: level}} (level 3, parameters sharded between uses, is not run by "
-                    f"autopar's runtime)")
+                    f"{{parameter-fqn glob: level}} (1: optimizer state sharded, 2: and gradients, 3: and "
+                    f"parameters between uses)")
 
 
 def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:

@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from autopar.cost_models.compute import compute_time, local_bytes
 from autopar.cost_models.memory import saved_nodes
-from autopar.ir.ops import OpView, is_free_view, node_signature, requires_grad_nodes
-from autopar.passes.strategies import placeholder_strategies
+from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
+from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
 from autopar.placement import R, local_shape
 from autopar.redistribute import grad_partial_axes
@@ -146,7 +146,7 @@ class GroupBuilder:
         self.groups: list[Group] = []
         self.absorbed: dict[str, str] = {}
         # Caches keyed by structural signatures, so identical layers are priced once.
-        self.sig = {n.name: node_signature(n) if n.op != "output" else "output" for n in self.order}
+        self.sig = {n.name: strategy_signature(n) if n.op != "output" else "output" for n in self.order}
         self._node_time: dict[tuple, tuple[float, float]] = {}
         self._edge_time: dict[tuple, tuple[float, float]] = {}
         self._follow: dict[tuple, int] = {}

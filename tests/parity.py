@@ -31,8 +31,8 @@ LR, EPS, STEPS = 1e-3, 1e-6, 3
 def layout_options(layout: str, model_name: str, cluster, model, batch, recompute="none") -> tuple:
     """(cluster, plan options) for a layout: "auto" squeezes memory (with ``recompute``'s forced layers
     recomputing) so the plan must shard; "dp" pins the batch split on every axis and replicated parameters;
-    "ep" pins MoE expert weights split by expert and the grouped matmuls' outputs Partial (each device's
-    experts' rows: expert parallelism)."""
+    "ep" pins MoE expert weights split by expert and the grouped matmuls' and the expert activation's
+    outputs to their experts' rows (EXPERT_ROWS: expert parallelism, the expert MLP without communication)."""
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)
@@ -41,8 +41,8 @@ def layout_options(layout: str, model_name: str, cluster, model, batch, recomput
     if layout == "ep":  # expert parallel: every MoE expert weight split by experts on the widest axis
         axis = max(range(len(cluster.mesh_shape)), key=lambda a: cluster.mesh_shape[a])
         spec = "".join("S(0)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
-        partial = "".join("P" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
-        return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": partial}}
+        rows = "".join("P(rows)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
+        return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": rows, "silu*": rows}}
     floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute))
     return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1}
 
