@@ -35,6 +35,7 @@ from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
+from autopar.passes.interleave import choose_virtual, dp_schedule, manual_chunks, recorded_schedule
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.pins import apply_pins
@@ -42,7 +43,7 @@ from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_
 from autopar.passes.stage_owners import subsets_on
 from autopar.passes.strategies import generate_strategies
 from autopar.plan import Plan
-from autopar.plan_builder import assemble_plan, make_stage, place_stages, transfers_between
+from autopar.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
 
 MEMORY_BINDS = 0.8  # a single-stage solution above this share of the budget also tries recompute="auto" layers
 
@@ -250,7 +251,8 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
         raise error
     _, stage, solution, recompute = min(tried, key=lambda t: t[0])
     return assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
-                         schedule=options.schedule if microbatches > 1 else "none", sharded_graph=scaled,
+                         schedule=recorded_schedule(options.schedule, 1) if microbatches > 1 else "none",
+                         sharded_graph=scaled,
                          layers=layers if recompute else None,
                          planner={"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status})
 
@@ -266,8 +268,10 @@ def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], optio
                 raise InfeasibleError("the manual stages do not fit when solved exactly")
             choice = _manual_stages(costs, options, candidates)
         else:
-            choice = choose_stages(costs, graph.input_signature[0][0][0], candidates, options.schedule,
-                                   options.stages, excluded=excluded)
+            batch = graph.input_signature[0][0][0]
+            choice = choose_stages(costs, batch, candidates, dp_schedule(options.schedule), options.stages,
+                                   excluded=excluded)
+            choice = choose_virtual(choice, costs, batch, options.schedule, options.virtual_stages)
     except InfeasibleError as e:
         raise InfeasibleError(f"{e}.{_floor_hint(graph, cluster, options)}"
                               + budget_unit_hint(cluster.memory_per_device)) from None
@@ -300,20 +304,21 @@ def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int
         logical = tuple(entry.get("mesh", physical))
         f = n - s if options.schedule != "gpipe" else candidates[-1]
         out.append(ChosenStage(first, last, MeshOption(physical, logical), f))
-    _check_manual(out, costs)
+    v = options.virtual_stages or 1
+    _check_manual(out, costs, v)
     B = candidates[-1] if options.microbatches is None else options.microbatches
     gpipe = options.schedule == "gpipe"
     forced = lambda s: tuple(n for n in range(s.first, s.last + 1) if costs.modes[n] == "full")  # noqa: E731
-    return StageChoice(B, [s._replace(inflight=B if gpipe else min(s.inflight, B), recompute=forced(s)) for s in out],
-                       0.0)
+    out = [s._replace(inflight=B if gpipe else min(s.inflight, B), recompute=forced(s)) for s in out]
+    return StageChoice(B, manual_chunks(out, v, B) if v > 1 else out, 0.0, virtual=v)
 
 
-def _check_manual(stages: list[ChosenStage], costs: StageCosts) -> None:
+def _check_manual(stages: list[ChosenStage], costs: StageCosts, virtual: int = 1) -> None:
     L, D = costs.layers.count, costs.cluster.num_devices
     covered = [layer for s in stages for layer in range(s.first, s.last + 1)]
     if covered != list(range(L)):
         raise PlanError(f"manual stages must cover layers 0..{L - 1} in order, each once; got layers {covered}")
-    used = sum(s.option.size for s in stages)
+    used = sum(s.option.size for s in stages[:len(stages) // virtual])
     if used != D:
         raise PlanError(f"manual stages use {used} devices but the cluster has {D}; the submeshes must tile it")
 
@@ -326,7 +331,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     pipeline (same objective, more memory) can reuse a solution that still fits (``ilp_reuse``)."""
     B = choice.microbatches
     scaled = at_microbatch(B)
-    ranks = place_stages(cluster, [stage.option.physical for stage in choice.stages])
+    ranks = place_chunks(cluster, [stage.option.physical for stage in choice.stages], choice.virtual)
     memo, solved = SolutionMemo(), {}
     subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
     subsets[-1].add("output")
@@ -352,11 +357,11 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     stages = [solved[s][0] for s in range(len(solved))]
     variables = sum(n for _, n in solved.values())
     transfers = transfers_between(graph, stages, scaled, cluster)
-    schedule = options.schedule if len(stages) > 1 or B > 1 else "none"
+    schedule = recorded_schedule(options.schedule, choice.virtual) if len(stages) > 1 or B > 1 else "none"
     return assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
-                         layers=layers, transfers=transfers, sharded_graph=scaled,
+                         layers=layers, transfers=transfers, sharded_graph=scaled, virtual_stages=choice.virtual,
                          planner={"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
-                                  "dp_cost": choice.cost, "stage_solves_reused": memo.hits})
+                                  "dp_cost": choice.cost, "stage_solves_reused": memo.hits, **choice.notes})
 
 
 def _uniform(recompute: dict[int, str], layers, k: int, i: int) -> bool:

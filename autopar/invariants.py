@@ -39,6 +39,8 @@ def check_layers(graph: ModelGraph, layers) -> None:
 def check_stage_choice(choice, layer_count: int, devices: int) -> None:
     covered = [layer for s in choice.stages for layer in range(s.first, s.last + 1)]
     assert covered == list(range(layer_count)), f"stages cover layers {covered}, not 0..{layer_count - 1} in order"
-    used = sum(s.option.size for s in choice.stages)
+    pp = len(choice.stages) // getattr(choice, "virtual", 1)  # interleaved: chunk j shares chunk j mod pp's devices
+    used = sum(s.option.size for s in choice.stages[:pp])
+    assert all(s.option == choice.stages[j % pp].option for j, s in enumerate(choice.stages)), "chunks not round robin"
     assert used == devices, f"stage submeshes use {used} devices of {devices}"
     assert all(1 <= s.inflight <= choice.microbatches for s in choice.stages), "in-flight microbatches out of range"

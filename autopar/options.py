@@ -8,9 +8,10 @@ from autopar.cost_models.memory import TrainingSpec, zero_levels
 from autopar.errors import PlanError
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import resolve as resolve_precision
+from autopar.passes.interleave import check_schedule
 from autopar.passes.recompute import check_policy
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "auto")
 MAX_MICROBATCHES = 512
 
 
@@ -26,7 +27,12 @@ class PlanOptions:
       ``mesh_shape``, no DP); a list of {"layers": [first, last], "submesh": [nodes, devices per node],
       "mesh": [a, b] (optional logical mesh)} fixes the stages and the planner fills in the rest.
     microbatches: B; None lets the planner choose among powers of two that divide the batch.
-    schedule: "1f1b" (default) or "gpipe".
+    schedule: "1f1b" (default), "gpipe", "interleaved" (Megatron's interleaved 1F1B: each device holds
+      ``virtual_stages`` model chunks, round robin) or "auto" (1F1B or interleaved, whichever the schedule
+      simulator predicts faster within memory; see ``passes.interleave``). The plan records "1f1b",
+      "gpipe" or "interleaved" and ``virtual_stages``.
+    virtual_stages: model chunks per device for "interleaved"/"auto"; None lets the planner choose. A manual
+      stage list for "interleaved" lists all pp·v chunks (chunk j on the submesh of chunk j mod pp).
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
     debug: check each pass's output invariants after it runs (slower; see ``autopar.invariants``).
     recompute: "auto" (the stage DP chooses, per stage, which layers recompute their activations in
@@ -45,6 +51,7 @@ class PlanOptions:
     stages: int | list | None = None
     microbatches: int | None = None
     schedule: str = "1f1b"
+    virtual_stages: int | None = None
     layers: int | None = None
     debug: bool = False
     recompute: str | dict = "auto"
@@ -56,6 +63,7 @@ class PlanOptions:
         resolve_precision(self.precision)
         check_zero(self.zero)
         check_policy(self.recompute)
+        check_schedule(self.schedule, self.virtual_stages, self.stages)
 
 
 ZERO_LEVELS = (0, 1, 2, 3)

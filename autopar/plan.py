@@ -99,6 +99,8 @@ class Plan:
     transfers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     precision: str = "fp32"
     bucket_bytes: int = 25 * 2 ** 20
+    # interleaved 1F1B: stages are v·pp model chunks, chunk s on the ranks of chunk s mod pp (1: one per device)
+    virtual_stages: int = 1
     version: int = PLAN_VERSION
     # How long planning took, by phase: not part of the plan (not saved, not compared), so the same
     # inputs give byte-identical JSON.
@@ -107,13 +109,22 @@ class Plan:
     # ---- lookups -------------------------------------------------------------------------------
     @property
     def num_devices(self) -> int:
-        return sum(len(s.ranks) for s in self.stages)
+        return sum(len(s.ranks) for s in self.device_stages)
+
+    @property
+    def device_stages(self) -> list[Stage]:
+        """The stages that tile the devices: all of them, or the first pp of an interleaved plan."""
+        return self.stages[:len(self.stages) // max(1, self.virtual_stages)]
 
     def stage_of_rank(self, rank: int) -> Stage:
-        for stage in self.stages:
-            if rank in stage.ranks:
-                return stage
-        raise PlanError(f"rank {rank} is in no stage of this plan ({self.num_devices} devices)")
+        return self.stages_of_rank(rank)[0]
+
+    def stages_of_rank(self, rank: int) -> list[Stage]:
+        """The stages (model chunks) ``rank`` runs: one, or v of an interleaved plan."""
+        held = [stage for stage in self.stages if rank in stage.ranks]
+        if not held:
+            raise PlanError(f"rank {rank} is in no stage of this plan ({self.num_devices} devices)")
+        return held
 
     def sharding(self, node: str) -> NodeSharding:
         for stage in self.stages:
@@ -158,9 +169,10 @@ class Plan:
         """Check the invariants in the module docstring; raise PlanError naming the first violation."""
         if self.version != PLAN_VERSION:
             raise PlanError(f"plan version {self.version} is not supported (expected {PLAN_VERSION}); re-plan")
-        ranks = sorted(r for s in self.stages for r in s.ranks)
+        ranks = sorted(r for s in self.device_stages for r in s.ranks)
         if ranks != list(range(len(ranks))):
             raise PlanError(f"plan stages must tile ranks 0..{len(ranks) - 1}, got {ranks}")
+        self._validate_chunks()
         for s in self.stages:
             if math.prod(s.mesh_shape) != len(s.ranks):
                 raise PlanError(f"stage {s.index}: mesh {s.mesh_shape} does not hold its {len(s.ranks)} ranks")
@@ -181,6 +193,18 @@ class Plan:
             self._validate_mesh(cluster)
         if graph is not None:
             self._validate_against(graph)
+
+    def _validate_chunks(self) -> None:
+        """Interleaved plans: v·pp stages, chunk s on the ranks and mesh of chunk s mod pp."""
+        v, n = self.virtual_stages, len(self.stages)
+        if v < 1 or n % v:
+            raise PlanError(f"virtual_stages={v} does not divide the plan's {n} stages; re-plan")
+        pp = n // v
+        for s in self.stages[pp:]:
+            twin = self.stages[s.index % pp]
+            if s.ranks != twin.ranks or tuple(s.mesh_shape) != tuple(twin.mesh_shape):
+                raise PlanError(f"stage {s.index} of an interleaved plan must run on the ranks and mesh of stage "
+                                f"{twin.index} ({twin.ranks}, {twin.mesh_shape}); re-plan")
 
     def _validate_mesh(self, cluster) -> None:
         if cluster.num_devices != self.num_devices:
@@ -321,6 +345,7 @@ def _plan_from_dict(d: dict[str, Any]) -> Plan:
         planner=dict(d.get("planner", {})), repeated_blocks=d.get("repeated_blocks", {}),
         node_ops=d.get("node_ops", {}), node_layers={k: int(v) for k, v in d.get("node_layers", {}).items()},
         transfers=list(d.get("transfers", [])), version=int(d.get("version", PLAN_VERSION)),
-        precision=str(d.get("precision", "fp32")), bucket_bytes=int(d.get("bucket_bytes", 25 * 2 ** 20)))
+        precision=str(d.get("precision", "fp32")), bucket_bytes=int(d.get("bucket_bytes", 25 * 2 ** 20)),
+        virtual_stages=int(d.get("virtual_stages", 1)))
     plan.validate()
     return plan

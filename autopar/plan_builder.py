@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
+
 from autopar.cluster import Cluster
-from autopar.cost_models.communication import redistribute_messages
+from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import held_state_bytes
 from autopar.ir.buckets import deferrable_syncs, padded_numel, peak_gathered, sync_buckets, unit_spans
@@ -25,6 +27,7 @@ from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.ir.schedule import simulate_schedule
+from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, send_spec, wire_spec
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
@@ -196,6 +199,14 @@ def place_stages(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[lis
     return [placed[s] for s in range(len(submeshes))]
 
 
+def place_chunks(cluster: Cluster, submeshes: list[tuple[int, int]], virtual: int = 1) -> list[list[int]]:
+    """``place_stages`` for the first pp = len / ``virtual`` stages; stage j then runs on the ranks of
+    stage j mod pp (interleaved 1F1B's round robin of model chunks)."""
+    pp = len(submeshes) // virtual
+    placed = place_stages(cluster, submeshes[:pp])
+    return [placed[j % pp] for j in range(len(submeshes))]
+
+
 def _take(free: list[list[bool]], nodes: int, width: int, M: int) -> list[int]:
     if nodes > 1 or width == M:
         chosen = [n for n in range(len(free)) if all(free[n])][:nodes]
@@ -212,25 +223,32 @@ def _take(free: list[list[bool]], nodes: int, width: int, M: int) -> list[int]:
     raise ValueError(f"submeshes do not tile the cluster: no room for a 1×{width} submesh")
 
 
-def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: list[dict]) -> dict[str, float]:
-    """Step time by replaying the schedule (see module docstring), with its parts."""
+def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: list[dict],
+            virtual: int = 1) -> dict[str, float]:
+    """Step time by replaying the schedule (see module docstring), with its parts. Interleaved plans
+    (``virtual`` chunks per device) replay per device; a device's busy time and peak memory sum its
+    chunks' (each chunk's peak with its own most microbatches in flight: an upper bound)."""
     forward = [s.predicted["forward"] for s in stages]
     backward = [s.predicted["backward"] for s in stages]
     hop = max((t["seconds"] for t in transfers), default=0.0) / 2
-    ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop)
+    ops = simulate_schedule(forward, backward, microbatches, schedule if len(stages) > 1 else "gpipe", hop, virtual)
     makespan = max(op.end for op in ops)
+    pp = len(stages) // virtual
+    device_f = [sum(forward[j::pp]) for j in range(pp)]
+    device_b = [sum(backward[j::pp]) for j in range(pp)]
     sync = max(s.predicted["grad_sync"] for s in stages)
     exposed = max(exposed_sync(s.predicted["grad_sync"], s.predicted["backward"], s.predicted.get("sync_buckets", 1),
                                s.predicted.get("zero_gather_share", 0.0), s.predicted.get("zero3_share", 0.0))
                   for s in stages)
     optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
-    busiest = max(microbatches * (f + b) for f, b in zip(forward, backward))
+    busiest = max(microbatches * (f + b) for f, b in zip(device_f, device_b))
     compute = sum(s.predicted["compute"] for s in stages)
     comm = sum(s.predicted["comm"] for s in stages)
     return {"step_time": makespan + exposed + optimizer, "compute": compute, "comm": comm, "grad_sync": sync,
             "grad_sync_exposed": exposed,
             "optimizer": optimizer, "transfer": hop,  # hop: what trace.simulate_plan replays the schedule with
-            "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
+            "bubble": max(0.0, makespan - busiest),
+            "peak_memory": max(sum(s.predicted["peak_memory"] for s in stages[j::pp]) for j in range(pp))}
 
 
 def _unshard_tied(graph, stages: list[Stage]) -> None:
@@ -244,23 +262,53 @@ def _unshard_tied(graph, stages: list[Stage]) -> None:
 
 
 def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Cluster) -> list[dict]:
-    """Every value a stage sends to a later one: its size per microbatch and the estimated seconds."""
-    owner = {name: s.index for s in stages for name in s.nodes if name not in s.inputs}
+    """Every value a stage sends to a later one, shard to shard (``autopar.ir.shard_boxes``): its whole size
+    per microbatch (``nbytes``), the most bytes one rank sends or receives (``rank_bytes``, forward and
+    gradient back), and the estimated seconds, per direction (the gradient only for a floating value):
+
+        α_intra + max_rank_bytes / β_intra(2)        every piece inside a node
+        α_inter + max_node_bytes / β_inter           some piece crosses nodes (the node's NIC is shared)
+
+    A piece a rank hands to itself (a later model chunk on the same devices) costs nothing. Receivers that
+    replicate the value get slices (``wire``, see ``shard_boxes.wire_spec``) and all-gather them inside
+    their stage: ``gather_seconds``, forward and backward, is part of ``seconds``."""
+    owner = {name: s for s in stages for name in s.nodes if name not in s.inputs}
     vals = {n.name: n.meta.get("val") for n in microbatch_graph.gm.graph.nodes}
-    link = cluster.inter_node if cluster.nodes > 1 else cluster.intra_node
     out = []
     for s in stages:
         for name in s.inputs:
-            val = vals[name]
-            nbytes = float(val.numel() * val.element_size())
-            out.append({"value": name, "src": owner[name], "dst": s.index, "nbytes": nbytes,
-                        "seconds": 2 * (link.latency + nbytes / link.bandwidth_for(2))})
+            val, src = vals[name], owner[name]
+            itemsize = val.element_size()
+            shape, floating = tuple(val.shape), val.dtype.is_floating_point
+            src_spec = send_spec(shape, parse_spec(src.shardings[name].out), src.mesh_shape, floating)
+            dst_spec = parse_spec(s.inputs[name])
+            wire = wire_spec(shape, dst_spec, s.mesh_shape) if floating else dst_spec
+            meshes = (np.asarray(src.ranks).reshape(src.mesh_shape), np.asarray(s.ranks).reshape(s.mesh_shape))
+            args = (shape, src_spec, meshes[0], wire, meshes[1])
+            fwd = forward_pieces(*args)
+            bwd = backward_pieces(*args) if floating else []
+            widen = sum(redistribute_cost(shape, itemsize, wire, dst_spec, tuple(s.mesh_shape),
+                                          axis_links(cluster, tuple(s.mesh_shape), s.submesh[1]), (), floating))
+            out.append({"value": name, "src": src.index, "dst": s.index, "nbytes": float(val.numel() * itemsize),
+                        "rank_bytes": max_rank_bytes(fwd, itemsize) + max_rank_bytes(bwd, itemsize),
+                        "wire": spec_str(wire), "gather_seconds": float(widen),
+                        "seconds": widen + sum(_send_seconds(cluster, p, itemsize) for p in (fwd, bwd) if p)})
     return out
+
+
+def _send_seconds(cluster: Cluster, pieces, itemsize: int) -> float:
+    """One direction of a transfer (see ``transfers_between``)."""
+    M = cluster.devices_per_node
+    if any(p.sender // M != p.receiver // M for p in pieces):
+        link = cluster.inter_node
+        return float(link.latency + max_node_bytes(pieces, itemsize, M) / link.bandwidth)
+    link = cluster.intra_node
+    return float(link.latency + max_rank_bytes(pieces, itemsize) / link.bandwidth_for(2))
 
 
 def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_name: str, blocks, *,
                   microbatches: int = 1, schedule: str = "none", layers=None, transfers=None,
-                  sharded_graph=None, planner: dict | None = None) -> Plan:
+                  sharded_graph=None, planner: dict | None = None, virtual_stages: int = 1) -> Plan:
     """``graph``: the model at the full batch (its input signature is what users pass); ``sharded_graph``:
     the graph at one microbatch that the stages' shardings name (default ``graph``). The fingerprint and
     op names come from the latter, since ``compile`` validates the plan against the model captured at one
@@ -279,4 +327,5 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
                 repeated_blocks=blocks.instances,
                 node_ops={n.name: str(n.target) for n in sharded.gm.graph.nodes if n.op == "call_function"},
                 node_layers=dict(layers.of_node) if layers is not None else {}, transfers=transfers or [],
-                predicted=predict(stages, microbatches, schedule, transfers or []), planner=dict(planner or {}))
+                predicted=predict(stages, microbatches, schedule, transfers or [], virtual_stages),
+                planner=dict(planner or {}), virtual_stages=virtual_stages)

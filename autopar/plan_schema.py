@@ -40,7 +40,7 @@ STAGE = {"index": INT, "ranks": list_of(INT), "mesh_shape": pair(INT), "submesh"
 PLAN = {"model": STR, "graph_fingerprint": STR, "input_signature": list_of(("list", ANY)), "cluster": dict_of(ANY),
         "stages": list_of(STAGE), "microbatches": INT, "schedule": STR, "optimizer": STR, "predicted": dict_of(NUM),
         "planner": dict_of(ANY), "repeated_blocks": dict_of(list_of(list_of(STR))), "node_ops": dict_of(STR),
-        "node_layers": dict_of(INT), "transfers": list_of(dict_of(ANY)), "version": INT}
+        "node_layers": dict_of(INT), "transfers": list_of(dict_of(ANY)), "virtual_stages": INT, "version": INT}
 REQUIRED = ("model", "graph_fingerprint", "input_signature", "cluster", "stages")
 
 

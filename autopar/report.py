@@ -18,7 +18,7 @@ def _header(plan) -> list[str]:
     meshes = ", ".join(f"{s.mesh_shape[0]}×{s.mesh_shape[1]}" for s in plan.stages)
     lines = [f"autopar plan: {plan.model} on {c['name']} ({plan.num_devices} devices in {c['nodes']} node(s) "
              f"of {c['devices_per_node']}), mesh {meshes}, {len(plan.stages)} stage(s), "
-             f"{plan.microbatches} microbatch(es), schedule {plan.schedule}"]
+             f"{plan.microbatches} microbatch(es), schedule {plan.schedule}{_chunks(plan)}"]
     if p:
         summed = " summed over stages" if len(plan.stages) > 1 else ""
         lines.append(f"predicted step time {fmt_seconds(p.get('step_time', 0))} (compute "
@@ -32,6 +32,12 @@ def _header(plan) -> list[str]:
         lines.append(f"planner: {q.get('ilp_variables', '?')} ILP variables, {q.get('ilp_status', '?')} "
                      f"({q.get('solver', '?')})")
     return lines
+
+
+def _chunks(plan) -> str:
+    """Interleaved 1F1B: how many model chunks each device holds."""
+    v = getattr(plan, "virtual_stages", 1)
+    return f" ({v} model chunks per device, interleaved round robin)" if v > 1 else ""
 
 
 def _precision_line(plan) -> str:

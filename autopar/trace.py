@@ -40,7 +40,8 @@ def simulate_plan(plan) -> list[ScheduledOp]:
     """The schedule of ``plan`` (stages, microbatches, schedule name) as ``simulate_schedule`` replays it."""
     times = [stage_times(s) for s in plan.stages]
     return simulate_schedule([f for f, _ in times], [b for _, b in times], max(1, int(plan.microbatches or 1)),
-                             str(plan.schedule or "1f1b").lower(), plan_transfer_seconds(plan))
+                             str(plan.schedule or "1f1b").lower(), plan_transfer_seconds(plan),
+                             int(getattr(plan, "virtual_stages", 1) or 1))
 
 
 def grad_sync_events(plan, ops: list[ScheduledOp]) -> list[ScheduledOp]:

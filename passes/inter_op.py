@@ -326,6 +326,8 @@ class StageChoice:
     microbatches: int
     stages: list[ChosenStage]
     cost: float
+    virtual: int = 1  # interleaved 1F1B: model chunks per device (``passes.interleave``)
+    notes: dict = dataclasses.field(default_factory=dict)  # what the interleave pass priced
 
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost_models.compute import local_bytes
-from autopar.placement import R
+from autopar.ir.shard_boxes import send_spec
 from autopar.redistribute import grad_partial_axes
 
 PRICE_FIELDS = ("cost", "comm", "sync", "mem_param", "mem_act", "peak")
@@ -91,9 +91,10 @@ def _price_member(b, group, i: int, pick: dict, name: str) -> None:
 
 
 def _send_preparation(b, name: str, strat) -> float:
-    """A value read by a later stage is gathered whole before it is sent (forward and backward)."""
+    """A value read by a later stage has its Partial axes reduced and its Replicate axes split before it is
+    sent shard to shard; the split's backward all-gathers the gradient (``autopar.ir.shard_boxes.send_spec``)."""
     val = b.nodes[name].meta["val"]
-    whole = (R,) * len(b.env.mesh_shape)
+    whole = send_spec(tuple(val.shape), strat.out_spec, b.env.mesh_shape, val.dtype.is_floating_point)
     needs_grad = name in b.requires_grad
     fwd, bwd = b.env.reshard(val, strat.out_spec, whole, (), needs_grad)
     return b.env.microbatches * (fwd + bwd)

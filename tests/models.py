@@ -57,4 +57,5 @@ def make_hf_gpt2(batch_size: int = 8, seed: int = 0, n_layer: int = 2, n_embd: i
     return model, (ids, ids.clone())
 
 
-FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "hf_gpt2": make_hf_gpt2, **{f"zoo_{k}": v for k, v in ZOO.items()}}
+FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "gpt4": lambda: make_small_gpt(n_layer=4), "hf_gpt2": make_hf_gpt2,
+             **{f"zoo_{k}": v for k, v in ZOO.items()}}

@@ -56,6 +56,28 @@ PIPELINES = {
 }
 
 
+# Pipelines whose cross-stage values change sharding on the way (shard-to-shard transfers), pinned on the
+# GPT example: (stages, pins). DP stages split the batch and replicate weights; the TP stage splits its MLP
+# Megatron-style (fc by output rows, proj by input columns), so its output arrives Partial and is reduced
+# before the send; "dp2>tp2" sends to a stage that replicates its input (each receiver gets half and the
+# two all-gather it: ``shard_boxes.wire_spec``); "dp2>1+1" sends the batch halves of two ranks to one rank.
+SHARD_TO_SHARD = {
+    "dp2>dp2": (PIPELINES["pp2x2"], {"idx": "RS(0)", "targets": "RS(0)", "p_*": "RR"}),
+    "tp2>dp2": (PIPELINES["pp2x2"], {"idx": "RR", "targets": "RS(0)", "p_blocks_0_mlp_fc_*": "RS(0)",
+                                     "p_blocks_0_mlp_proj_weight": "RS(1)", "p_blocks_1_*": "RR", "p_lm_head*": "RR"}),
+    "dp2>tp2": (PIPELINES["pp2x2"], {"idx": "RS(0)", "targets": "RR", "p_blocks_0_*": "RR", "p_wte*": "RR",
+                                     "p_wpe*": "RR", "p_blocks_1_mlp_fc_*": "RS(0)",
+                                     "p_blocks_1_mlp_proj_weight": "RS(1)"}),
+    "dp2>1+1": ([{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 1]},
+                 {"layers": [2, 2], "submesh": [1, 1]}], {"p_*": "RR"}),
+}
+# Interleaved 1F1B: pp devices groups × v model chunks, chunk j on the submesh of chunk j mod pp.
+INTERLEAVED = {
+    "pp2x2v2": ([{"layers": [k, k], "submesh": [1, 2]} for k in range(4)], 2),
+    "pp4x1v2": ([{"layers": [k, k], "submesh": [1, 1]} for k in range(8)], 2),
+}
+
+
 def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tuple:
     """("pp2x2-1f1b" ...) -> (cluster, options): manual stages, 4 microbatches, and for two-device stages a
     memory budget under which they must shard: 0.85 × the largest stage's memory in the plan made without a
@@ -63,6 +85,13 @@ def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tu
     of the whole model's memory would depend on the schedule (GPipe keeps 4 microbatches' activations,
     1F1B 2 or 1) and on the memory model, and leave no window that both forces and admits sharding."""
     shape, schedule = layout.split("-")
+    if shape in INTERLEAVED:
+        stages, v = INTERLEAVED[shape]
+        return cluster, {"stages": stages, "schedule": schedule, "virtual_stages": v, "microbatches": 4,
+                         "layers": len(stages)}
+    if shape in SHARD_TO_SHARD:
+        stages, pin = SHARD_TO_SHARD[shape]
+        return cluster, {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages), "pin": pin}
     stages = PIPELINES[shape]
     options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages), "zero": 0}
     if shape == "pp2x2":  # ZeRO held out as in layout_options
@@ -104,7 +133,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
     layout, _, rc = layout.partition(":rc-")
     recompute = recompute_option(rc) if rc else "none"
-    if layout.startswith("pp"):
+    if layout.startswith("pp") or layout.split("-")[0] in SHARD_TO_SHARD:  # pipelines (interleaved: "pp...v2")
         cluster, options = pipeline_options(layout, cluster, model, batch, recompute)
     else:
         cluster, options = layout_options(layout, model_name, cluster, model, batch, recompute)
@@ -124,6 +153,10 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         ref_opt.zero_grad()
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
     comm_calls = counted()
+    forward_err = None
+    if pm.plan.virtual_stages > 1:  # inference through the chunks, after training: the trained model's loss
+        with torch.no_grad():
+            forward_err = abs(pm(*batch).item() - reference(*batch).item()) / abs(reference(*batch).item())
     full = pm.full_state_dict()
     errors = {k: rel(full[k], v) for k, v in reference.state_dict().items() if k in moved}
     worst = max(errors, key=errors.get)
@@ -135,11 +168,20 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
                                   if n.startswith("p_") and "S" in sh.out),
             "stages": [(s.submesh, s.mesh_shape, len(s.ranks)) for s in stages],
             "kernels": sorted({t for s in stages for sh in s.shardings.values() for _, t in sh.kernels}),
-            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule, "comm_calls": comm_calls[0],
+            "transfer_specs": [(_resolved_text(stages[t["src"]].shardings[t["value"]].out),
+                                stages[t["dst"]].inputs[t["value"]]) for t in pm.plan.transfers],
+            "microbatches": pm.plan.microbatches, "schedule": pm.plan.schedule,
+            "virtual_stages": pm.plan.virtual_stages, "forward_err": forward_err,
+            "wires": [t.get("wire") for t in pm.plan.transfers], "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
             "keys_match": list(full) == list(reference.state_dict()),
             "shapes_match": all(full[k].shape == v.shape for k, v in reference.state_dict().items())}
+
+
+def _resolved_text(spec: str) -> str:
+    """A sender's spec as it sends (Partial axes reduced first)."""
+    return spec.replace("P", "R")
 
 
 def _with_gradient(model) -> set[str]:
@@ -163,7 +205,9 @@ def launch_cases(cases: list[tuple], world: int, timeout: float = 120) -> list[d
 def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     """Every case in one process group. A case's last field names a sabotage (its negative control):
     "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients
-    between pipeline stages; "replay" skips the collectives when a recomputed region re-runs in backward."""
+    between pipeline stages; "offsets" misplaces each shard-to-shard piece;
+    "accumulate" keeps only the last microbatch's gradients; "replay" skips the collectives
+    when a recomputed region re-runs in backward."""
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
@@ -224,6 +268,22 @@ def _sabotage(kind) -> callable:
         original = collectives._all_reduce
         collectives._all_reduce = lambda x, key: x.contiguous().clone()
         return lambda: setattr(collectives, "_all_reduce", original)
+    if kind == "offsets":  # each piece read and written at the start of the local shards, not where it lies
+        from autopar.runtime import transfer
+
+        original = transfer.relative
+        transfer.relative = lambda region, within: tuple(slice(0, r.stop - r.start) for r in region)
+        return lambda: setattr(transfer, "relative", original)
+    if kind == "accumulate":  # each microbatch's backward overwrites the gradients instead of adding to them
+        original = pipeline.PipelineRunner._backward
+
+        def overwrite(self, *args):
+            for p in self.gm.parameters():
+                if p.grad is not None:
+                    p.grad.zero_()
+            return original(self, *args)
+        pipeline.PipelineRunner._backward = overwrite
+        return lambda: setattr(pipeline.PipelineRunner, "_backward", original)
     if kind == "transfer":
         original = pipeline.send_backward
         pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)

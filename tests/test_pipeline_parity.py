@@ -1,8 +1,12 @@
 """Pipelined training equals one device: 2 stages × 2 devices, 4 × 1, and stages on 1 and 3 devices, each
-with GPipe and 1F1B, on the GPT example and HF GPT-2 (tied embeddings across stages), 4 gloo ranks.
+with GPipe and 1F1B, on the GPT example and HF GPT-2 (tied embeddings across stages), 4 gloo ranks; and
+shard-to-shard transfers between differently sharded stages (DP2 -> DP2, TP2 -> DP2, DP2 -> TP2, DP2 -> 1 rank); and
+interleaved 1F1B (2 model chunks per device) on a 4-block GPT.
 
 Tolerances as in test_parity: loss relative error ≤ 1e-5 at each of 3 AdamW steps, parameters ≤ 1e-4.
-The negative control returns zero gradients between stages and must fail the same check.
+The negative controls return zero gradients between stages, place each transferred piece at the start of
+the sender's shard instead of where it lies, or keep only the last microbatch's gradients (interleaved),
+and must fail the same check.
 """
 import pytest
 
@@ -10,12 +14,16 @@ from tests.parity import launch_cases
 
 LAYOUTS = [f"{shape}-{schedule}" for shape in ("pp2x2", "pp4x1", "pp1+3") for schedule in ("1f1b", "gpipe")]
 CASES = [(m, (1, 4), layout, None) for m in ("gpt", "hf_gpt2") for layout in LAYOUTS]
-NEGATIVE = [("gpt", (1, 4), "pp2x2-1f1b", "transfer")]
+SHARD_TO_SHARD = [("gpt", (1, 4), f"{shape}-1f1b", None) for shape in ("dp2>dp2", "tp2>dp2", "dp2>tp2",
+                                                                                   "dp2>1+1")]
+INTERLEAVED = [("gpt4", (1, 4), f"{shape}-interleaved", None) for shape in ("pp2x2v2", "pp4x1v2")]
+NEGATIVE = [("gpt", (1, 4), "pp2x2-1f1b", "transfer"), ("gpt", (1, 4), "tp2>dp2-1f1b", "offsets"),
+            ("gpt4", (1, 4), "pp2x2v2-interleaved", "accumulate")]
 
 
 @pytest.fixture(scope="module")
 def results():
-    return launch_cases(CASES + NEGATIVE, 4)[0]
+    return launch_cases(CASES + SHARD_TO_SHARD + INTERLEAVED + NEGATIVE, 4)[0]
 
 
 def _id(case):
@@ -35,7 +43,37 @@ def test_pipelined_training_matches_single_device(results, case):
         assert r["sharded_params"] > 0, "each stage must itself be intra-op sharded"
 
 
+@pytest.mark.parametrize("case", SHARD_TO_SHARD, ids=_id)
+def test_shard_to_shard_transfers_match_single_device(results, case):
+    """Each receiver gets only its slice (``transfer_shapes``: the local shapes the stages received, per
+    value), from the ranks that hold it."""
+    r = results[case]
+    assert r["loss_err"] <= 1e-5, r
+    assert r["param_err"] <= 1e-4, r
+    assert r["keys_match"] and r["shapes_match"] and r["ranks_agree"]
+    assert r["transfer_specs"] == {"dp2>dp2-1f1b": [("RS(0)", "RS(0)")], "tp2>dp2-1f1b": [("RR", "RS(0)")],
+                                   "dp2>tp2-1f1b": [("RS(0)", "RR")],
+                                   "dp2>1+1-1f1b": [("RS(0)", "RR"), ("RR", "RR")]}[case[2]], r["transfer_specs"]
+    if case[2].startswith("dp2>tp2"):
+        assert r["wires"] == ["RS(2)"], "receivers that replicate get halves (of the widest dim) and all-gather them"
+    if "tp2" in case[2]:
+        assert r["sharded_params"] >= 3, "a stage must be tensor parallel"
+
+
+@pytest.mark.parametrize("case", INTERLEAVED, ids=_id)
+def test_interleaved_1f1b_matches_single_device(results, case):
+    """pp = 2 (2 ranks each) and pp = 4 (1 rank each), v = 2 model chunks per device, on a 4-block GPT: the
+    interleaved order accumulates every chunk's gradients over the 4 microbatches as one batch would."""
+    r = results[case]
+    assert r["schedule"] == "interleaved" and r["virtual_stages"] == 2
+    assert len(r["stages"]) == {"pp2x2v2": 4, "pp4x1v2": 8}[case[2].split("-")[0]], r["stages"]
+    assert r["loss_err"] <= 1e-5, r
+    assert r["param_err"] <= 1e-4, r
+    assert r["forward_err"] <= 1e-5, r
+    assert r["keys_match"] and r["shapes_match"] and r["ranks_agree"]
+
+
 @pytest.mark.parametrize("case", NEGATIVE, ids=_id)
 def test_negative_control_breaks_pipeline_parity(results, case):
     r = results[case]
-    assert r["param_err"] > 1e-4, f"zero gradients between stages went unnoticed: {r}"
+    assert r["param_err"] > 1e-4, f"a broken transfer went unnoticed: {r}"

@@ -4,7 +4,8 @@ Steps, in order, on every rank (all are collective):
   1. ``broadcast_state``: rank 0's parameters and buffers go to every rank (as DDP does), so shards
      come from one set of weights even if ranks initialized differently;
   2. ``build_groups``: a process group per mesh axis of every stage;
-  3. codegen for this rank's stage and mesh coordinate; the runner that executes it.
+  3. codegen for this rank's stage (or, interleaved, each of its model chunks) and mesh coordinate; the
+     runner that executes it.
 """
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from autopar.errors import PlanError
 from autopar.ir.ops import requires_grad_nodes
 from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.runtime import gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
+from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
@@ -55,7 +58,11 @@ def shared_parameters(plan, graph) -> tuple[dict[str, str], dict[str, list[int]]
         holders = [s for s in plan.stages if info.name in s.shardings]
         if info.kind == "parameter" and len(holders) > 1:
             key = keys[info.name] = "shared." + ".".join(str(s.index) for s in holders)
-            members[key] = sorted(r for s in holders for r in s.ranks)
+            members[key] = sorted({r for s in holders for r in s.ranks})
+            if len(members[key]) < sum(len(s.ranks) for s in holders):
+                raise PlanError(f"parameter {info.fqn} is tied between model chunks on the same devices (stages "
+                                f"{[s.index for s in holders]}); interleaving cannot sync it: plan with "
+                                f"schedule='1f1b', or place its readers in chunks on different devices")
     return keys, members
 
 
@@ -80,18 +87,23 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     meshes = stage_meshes(plan)
     shared, shared_groups = shared_parameters(plan, graph)
     base = groups.build_groups(meshes, timeout, shared_groups)
-    stage = plan.stage_of_rank(rank)
-    coord = groups.coordinate(meshes[stage.index], rank)
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
     needs_grad = requires_grad_nodes(graph.gm, trainable)
-    regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
-    gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions)
-    if len(plan.stages) == 1 and plan.microbatches == 1:
-        runner = SpmdRunner(gm, stage, base + stage.index)
-    else:
-        mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
-        runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
-    _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+    runners = []
+    for stage in plan.stages_of_rank(rank):
+        coord = groups.coordinate(meshes[stage.index], rank)
+        regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
+        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions)
+        if len(plan.stages) == 1 and plan.microbatches == 1:
+            runner = SpmdRunner(gm, stage, base + stage.index)
+        else:
+            mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
+            runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
+        _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+        runners.append(runner)
+    if len(runners) > 1:
+        runner = InterleavedRunner(runners, plan)
+        runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
     state_keys = list(model.state_dict().keys())
     read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
     unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}

@@ -114,11 +114,11 @@ class ParallelModule(torch.nn.Module):
             return None  # never read (a tied weight's unused copy): taken from its alias or ``unused``
         owner = next(s for s in self.plan.stages if info.name in s.shardings)
         local, spec, mesh_index = self.runner.local_state(info.name)
-        if local is not None and self.runner.stage.index == owner.index:
+        if local is not None and self.runner.holds(owner.index):
             whole = gather_full(local, parse_spec(spec), mesh_index).detach().clone()
         else:
             whole = torch.empty(info.shape, dtype=info.dtype)
-        if len(self.plan.stages) > 1:
+        if len(self.plan.device_stages) > 1:
             import torch.distributed as dist
 
             dist.broadcast(whole, src=owner.ranks[0])
@@ -145,6 +145,9 @@ class ParallelModule(torch.nn.Module):
         and local shape here and there, or PlanError names it."""
         from autopar.errors import PlanError
 
+        if hasattr(self.runner, "chunks") or hasattr(other.runner, "chunks"):
+            raise PlanError("share_with does not support interleaved 1F1B plans (several model chunks per rank); "
+                            "compile both modules with schedule='1f1b'")
         sync = getattr(self.runner, "gradsync", None)
         if any(b.level >= 1 for b in getattr(sync, "buckets", ())) or any(
                 b.level >= 1 for b in getattr(getattr(other.runner, "gradsync", None), "buckets", ())):

@@ -3,8 +3,9 @@
 One ``train_step``:
   1. split every input along dim 0 into B microbatches (the planner checked they divide);
   2. run this stage's ops in the order ``autopar.ir.schedule.stage_order`` gives (the order the plan's
-     picture shows): a forward receives the stage's inputs from earlier stages, runs the module, gathers
-     each value a later stage reads and sends the shards; a backward receives the gradients of what was
+     picture shows): a forward receives the stage's inputs from earlier stages, runs the module, reduces
+     the Partial axes of each value a later stage reads and sends each receiver the pieces of its shard
+     this rank holds (shard to shard, ``transfer``); a backward receives the gradient pieces of what was
      sent (or starts from loss / B on the last stage), runs backward, and returns the gradients of what
      was received;
   3. the bucketed gradient sync starts during the last microbatch's backward (``gradsync.GradSync``), is
@@ -12,7 +13,8 @@ One ``train_step``:
   4. the loss, the mean of the microbatch losses, goes from the last stage to every rank.
 
 Gradients therefore accumulate over microbatches exactly as one big batch's would (for a loss that is a
-mean over equal-size microbatches). Why not torch.distributed.pipelining: its PipelineStage runs one stage
+mean over equal-size microbatches). Interleaved plans run several of these, one per model chunk, under
+``interleaved.InterleavedRunner``. Why not torch.distributed.pipelining: its PipelineStage runs one stage
 per rank group of equal size and sends whole tensors; autopar's stages live on submeshes of different
 sizes and shapes, each intra-op sharded, with shard-to-shard transfers between them (``transfer``).
 """
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.schedule import BACKWARD, FORWARD, stage_order
-from autopar.placement import R, parse_spec
+from autopar.placement import parse_spec
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import faults, gradsync
 from autopar.runtime.collectives import step_call
@@ -42,6 +44,7 @@ class PipelineRunner(StageModule):
         self.routes_in = [r for r in routes if r.dst.index == stage.index]
         self.routes_out = {v: [r for r in routes if r.src.index == stage.index and r.value == v] for v in stage.outputs}
         self.grads_needed = {r.value for r in self.routes_in if r.dtype.is_floating_point}
+        self.mailbox: dict = {}  # pieces this rank sends to itself (``transfer``)
 
     # ---- steps ---------------------------------------------------------------------------------
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
@@ -78,20 +81,21 @@ class PipelineRunner(StageModule):
 
     # ---- one microbatch --------------------------------------------------------------------------
     def _forward(self, inputs, mb: int, pending: list, loss_index):
-        received = []
+        received, values = [], []
         for route in sorted(self.routes_in, key=lambda r: r.value):
-            t = recv_forward(route, mb, self.me)
+            t = recv_forward(route, mb, self.me, self.mailbox)
             if route.value in self.grads_needed and torch.is_grad_enabled():
                 t.requires_grad_(True)
             received.append((route, t))
-        outs = self.run_module(*inputs, *[t for _, t in received])
+            values.append(self._redistribute(t, route.wire, route.dst_spec))
+        outs = self.run_module(*inputs, *values)
         n_sent = len(self.stage.outputs)
         wholes = []
         for name, local in zip(self.stage.outputs, outs[:n_sent]):
-            whole = self._gather(local, name)
+            value = self._resolve(local, name)
             for route in self.routes_out[name]:
-                send_forward(whole.detach(), route, mb, self.me, pending)
-            wholes.append(whole)
+                send_forward(value.detach(), route, mb, self.me, pending, self.mailbox)
+            wholes.append(value)
         results = list(outs[n_sent:])
         loss = results[loss_index] if self.last and loss_index is not None else None
         return received, wholes, loss, results
@@ -101,32 +105,36 @@ class PipelineRunner(StageModule):
         if self.last:
             self.scaled(loss / self.plan.microbatches).backward()
         else:
-            grads = [self._whole_grad(name, whole, mb) for name, whole in zip(self.stage.outputs, wholes)]
+            grads = [self._sent_grad(name, whole, mb) for name, whole in zip(self.stage.outputs, wholes)]
             pairs = [(w, g) for w, g in zip(wholes, grads) if w.requires_grad]
             if pairs:
                 torch.autograd.backward([w for w, _ in pairs], [g for _, g in pairs])
         for route, t in received:
             if route.value in self.grads_needed:
-                send_backward(t.grad, route, mb, self.me, pending)
+                send_backward(t.grad, route, mb, self.me, pending, self.mailbox)
 
-    def _gather(self, local: torch.Tensor, name: str) -> torch.Tensor:
-        """The value whole on every rank of this stage, differentiably (the collectives codegen emits)."""
+    def _resolve(self, local: torch.Tensor, name: str) -> torch.Tensor:
+        """The value with its Partial axes reduced and its Replicate axes split (``shard_boxes.send_spec``),
+        shards kept, differentiably: what the shard-to-shard transfer sends from (every route of a value
+        sends from the same spec)."""
         src = parse_spec(self.stage.shardings[name].out)
-        value = local
-        for step in redistribute_steps(src, (R,) * len(src)):
+        return self._redistribute(local, src, self.routes_out[name][0].src_spec)
+
+    def _redistribute(self, value: torch.Tensor, src, dst) -> torch.Tensor:
+        """``value`` from ``src`` to ``dst`` on this stage's mesh, differentiably (the collectives codegen
+        emits): reduces a sent value's Partial axes, all-gathers a received one's wire slices."""
+        for step in redistribute_steps(src, dst):
             fn, args = step_call(step, group_key(self.mesh_index, step.axis), value)
             value = fn(*args)
         return value
 
-    def _whole_grad(self, name: str, whole: torch.Tensor, mb: int) -> torch.Tensor:
-        grad = torch.zeros_like(whole) if whole.dtype.is_floating_point else None
-        if grad is None:
+    def _sent_grad(self, name: str, value: torch.Tensor, mb: int) -> torch.Tensor | None:
+        """The gradient of this rank's box of a sent value: every route's receivers return their pieces."""
+        if not value.dtype.is_floating_point:
             return None
+        grad = torch.zeros_like(value)
         for route in self.routes_out[name]:
-            recv_backward(route, mb, self.me, grad)
-        if len(self.stage.ranks) > 1:
-            key = f"m{self.mesh_index}.all"
-            faults.guard("all_reduce", key, dist.all_reduce, grad, group=_stage_group(self.mesh_index))
+            recv_backward(route, mb, self.me, grad, self.mailbox)
         return grad
 
     def _broadcast_loss(self, losses: list) -> torch.Tensor:
@@ -134,12 +142,6 @@ class PipelineRunner(StageModule):
         value = value.to(torch.float32).clone()
         faults.guard("broadcast", None, dist.broadcast, value, src=self.plan.stages[-1].ranks[0])
         return value
-
-
-def _stage_group(index: int):
-    from autopar.runtime import groups
-
-    return groups.get(f"m{index}.all")
 
 
 def _routes(plan, graph) -> list[Route]:

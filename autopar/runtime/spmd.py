@@ -38,6 +38,10 @@ class StageModule(torch.nn.Module):
     def code(self) -> str:
         return self.gm.code
 
+    def holds(self, stage_index: int) -> bool:
+        """Whether this rank runs stage ``stage_index`` (an interleaved runner holds several)."""
+        return self.stage.index == stage_index
+
     def local_state(self, name: str):
         """(this rank's shard, its spec text, mesh index) of a parameter/buffer placeholder. A ZeRO-3
         parameter is gathered first (a collective of its data-parallel group; writes to it are kept)."""

@@ -1,19 +1,27 @@
-"""Moving a value from one pipeline stage to a later one, on another submesh, and its gradient back.
+"""Moving a value from one pipeline stage to a later one, shard to shard, and its gradient back.
 
-Forward: the sender stage gathers the value whole on each of its ranks (inside its mesh, differentiably;
-see ``PipelineRunner``), then each receiver rank gets exactly its shard (in the spec the receiving stage
-planned for) from one sender rank: receiver i of the receiving stage is served by sender i mod n_send.
-The slow link between stages carries each receiver's shard once.
+Forward: the sending stage reduces the value's Partial axes inside its mesh (differentiably; see
+``PipelineRunner``) but keeps its shards; then each receiver rank gets exactly its box, in the spec the
+receiving stage planned for, as the pieces ``autopar.ir.shard_boxes.forward_pieces`` lists: from every
+distinct sender box that meets its own, one replica sends the intersection. No rank ever gathers the
+whole value, and the link between stages carries each receiver's box once.
 
-Backward: a receiver's gradient is the gradient of its shard (Replicate axes carry full gradients,
-see ``autopar.redistribute``), so only one receiver per distinct shard — coordinate 0 on every
-Replicate axis — sends it back to its sender. Each sender rank adds the shards it receives into a zero
-tensor of the value's full shape; the sender stage then sums those over its ranks (different ranks got
-different shards) and gets the whole gradient, which flows back through the gather.
+Backward: one designated receiver per distinct box returns the gradient of each intersection to every
+sender rank whose box meets it (``backward_pieces``), so each sender rank assembles the whole gradient
+of its own box (Replicate axes carry full gradients, see ``autopar.redistribute``) without a collective.
 
-Every message has a tag that names the route, the microbatch and the direction, so messages between the
-same two ranks never mix; sends are asynchronous (``isend``) so two stages sending to each other at once
-cannot deadlock, and receives wait, each bounded by the process group's timeout.
+Senders that replicate the value over an axis each send only a slice of it (``shard_boxes.send_spec``),
+so in backward each gets its slice's gradient and the stage all-gathers it (the split's backward);
+receivers that replicate the value over an axis each get a slice of it (``shard_boxes.wire_spec``) and
+all-gather it inside their stage (``PipelineRunner``), so the link between stages carries each box once.
+
+A piece whose sender and receiver are the same rank (a stage sending to a later model chunk on the same
+devices, as interleaved pipelines do) is handed over through ``mailbox`` instead of the network.
+
+Every message has a tag that names the route, the microbatch and the direction; two boxes meet in one
+box, so at most one message per tag travels between two ranks. Sends are asynchronous (``isend``) so two
+stages sending to each other at once cannot deadlock; receives wait, each bounded by the process group's
+timeout (``faults.guard``).
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, relative, send_spec, wire_spec
 from autopar.placement import local_shape, parse_spec
 from autopar.runtime import faults
 from autopar.runtime.groups import coordinate
@@ -42,36 +51,32 @@ class Route:
     dtype: torch.dtype
 
     def __post_init__(self):
+        floating = self.dtype.is_floating_point
+        self.src_spec = send_spec(self.shape, parse_spec(self.src.shardings[self.value].out), self.src.mesh_shape,
+                                  floating)
         self.dst_spec = parse_spec(self.dst.inputs[self.value])
+        self.wire = wire_spec(self.shape, self.dst_spec, self.dst.mesh_shape) if floating else self.dst_spec
+        self.src_mesh = np.asarray(self.src.ranks).reshape(self.src.mesh_shape)
         self.dst_mesh = np.asarray(self.dst.ranks).reshape(self.dst.mesh_shape)
+        self.forward = forward_pieces(self.shape, self.src_spec, self.src_mesh, self.wire, self.dst_mesh)
+        self.backward = (backward_pieces(self.shape, self.src_spec, self.src_mesh, self.wire, self.dst_mesh)
+                         if floating else [])
 
     def tag(self, microbatch: int, direction: int) -> int:
         return ((self.index * 4096) + microbatch) * 2 + direction
 
-    def sender_of(self, receiver: int) -> int:
-        return self.src.ranks[self.dst.ranks.index(receiver) % len(self.src.ranks)]
+    def src_box(self, rank: int):
+        return box(self.shape, self.src_spec, self.src.mesh_shape, coordinate(self.src_mesh, rank))
 
-    def receivers_of(self, sender: int) -> list[int]:
-        return [r for r in self.dst.ranks if self.sender_of(r) == sender]
-
-    def designated(self, receiver: int) -> bool:
-        """The one receiver per distinct shard that returns its gradient."""
-        coord = coordinate(self.dst_mesh, receiver)
-        return all(c == 0 for c, p in zip(coord, self.dst_spec) if not p.is_shard())
-
-    def region(self, receiver: int) -> tuple[slice, ...]:
-        """The receiver's shard as slices of the full value (nested shards: axis 0 outermost)."""
-        coord = coordinate(self.dst_mesh, receiver)
-        start = [0] * len(self.shape)
-        length = list(self.shape)
-        for axis, p in enumerate(self.dst_spec):
-            if p.is_shard():
-                length[p.dim] //= self.dst.mesh_shape[axis]
-                start[p.dim] += coord[axis] * length[p.dim]
-        return tuple(slice(a, a + n) for a, n in zip(start, length))
+    def dst_box(self, rank: int):
+        return box(self.shape, self.wire, self.dst.mesh_shape, coordinate(self.dst_mesh, rank))
 
     def local_shape(self) -> tuple[int, ...]:
-        return local_shape(self.shape, self.dst_spec, self.dst.mesh_shape)
+        """The receiver's piece as it arrives (``wire``; the receiving stage all-gathers it to ``dst_spec``)."""
+        return local_shape(self.shape, self.wire, self.dst.mesh_shape)
+
+    def src_local_shape(self) -> tuple[int, ...]:
+        return local_shape(self.shape, self.src_spec, self.src.mesh_shape)
 
 
 def _wait(work, what: str, route: Route) -> None:
@@ -79,38 +84,64 @@ def _wait(work, what: str, route: Route) -> None:
     faults.guard(f"{what} of {route.value} from stage {route.src.index}", None, work.wait)
 
 
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.uint8) if t.dtype == torch.bool else t.contiguous()
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype
 
 
-def send_forward(full: torch.Tensor, route: Route, microbatch: int, me: int, pending: list) -> None:
-    """Send each receiver served by this rank its shard of ``full`` (non-blocking; kept in ``pending``)."""
-    for receiver in route.receivers_of(me):
-        piece = _wire(full[route.region(receiver)])
-        pending.append((dist.isend(piece, receiver, tag=route.tag(microbatch, FORWARD)), piece))
-
-
-def recv_forward(route: Route, microbatch: int, me: int) -> torch.Tensor:
-    """This rank's shard of the value, in the receiving stage's spec."""
-    wire_dtype = torch.uint8 if route.dtype == torch.bool else route.dtype
-    buf = torch.empty(route.local_shape(), dtype=wire_dtype)
-    _wait(dist.irecv(buf, route.sender_of(me), tag=route.tag(microbatch, FORWARD)), "recv (forward)", route)
-    return buf.to(torch.bool) if route.dtype == torch.bool else buf
-
-
-def send_backward(grad: torch.Tensor | None, route: Route, microbatch: int, me: int, pending: list) -> None:
-    """Return the gradient of this receiver's shard to its sender, if this receiver is designated."""
-    if not route.designated(me):
-        return
-    g = (grad if grad is not None else torch.zeros(route.local_shape(), dtype=route.dtype)).contiguous()
-    pending.append((dist.isend(g, route.sender_of(me), tag=route.tag(microbatch, BACKWARD)), g))
-
-
-def recv_backward(route: Route, microbatch: int, me: int, into: torch.Tensor) -> None:
-    """Add the gradient shards of the designated receivers this rank serves into ``into`` (full shape)."""
-    for receiver in route.receivers_of(me):
-        if not route.designated(receiver):
+def _send(pieces, local, mine, route, tag, me, pending, mailbox) -> None:
+    for p in pieces:
+        if p.sender != me:
             continue
-        buf = torch.empty(route.local_shape(), dtype=route.dtype)
-        _wait(dist.irecv(buf, receiver, tag=route.tag(microbatch, BACKWARD)), "recv (backward)", route)
-        into[route.region(receiver)] += buf
+        part = local[relative(p.region, mine)]
+        part = (part.to(torch.uint8) if part.dtype == torch.bool else part).contiguous()
+        if p.receiver == me:
+            mailbox[(tag, me)] = part.clone()
+        else:
+            pending.append((dist.isend(part, p.receiver, tag=tag), part))
+
+
+def _receive(pieces, route, tag, me, mailbox, what: str) -> list:
+    """[(piece, tensor)] of every piece addressed to ``me``: receives posted together, then waited on."""
+    posted = []
+    for p in pieces:
+        if p.receiver != me:
+            continue
+        if p.sender == me:
+            posted.append((p, mailbox.pop((tag, me)), None))
+            continue
+        buf = torch.empty([s.stop - s.start for s in p.region], dtype=_wire_dtype(route.dtype))
+        posted.append((p, buf, dist.irecv(buf, p.sender, tag=tag)))
+    for _, _, work in posted:
+        if work is not None:
+            _wait(work, what, route)
+    return [(p, buf) for p, buf, _ in posted]
+
+
+def send_forward(local: torch.Tensor, route: Route, microbatch: int, me: int, pending: list, mailbox: dict) -> None:
+    """Send every receiver the pieces of its box this rank serves (non-blocking; kept in ``pending``)."""
+    _send(route.forward, local, route.src_box(me), route, route.tag(microbatch, FORWARD), me, pending, mailbox)
+
+
+def recv_forward(route: Route, microbatch: int, me: int, mailbox: dict) -> torch.Tensor:
+    """This rank's box of the value, in the receiving stage's spec (zeros on a Partial axis' coordinate ≠ 0)."""
+    out = torch.zeros(route.local_shape(), dtype=_wire_dtype(route.dtype))
+    mine = route.dst_box(me)
+    tag = route.tag(microbatch, FORWARD)
+    for p, buf in _receive(route.forward, route, tag, me, mailbox, "recv (forward)"):
+        out[relative(p.region, mine)] = buf
+    return out.to(torch.bool) if route.dtype == torch.bool else out
+
+
+def send_backward(grad: torch.Tensor | None, route: Route, microbatch: int, me: int, pending: list,
+                  mailbox: dict) -> None:
+    """Return the gradient of this receiver's box to the senders, if this receiver is designated."""
+    g = grad if grad is not None else torch.zeros(route.local_shape(), dtype=route.dtype)
+    _send(route.backward, g, route.dst_box(me), route, route.tag(microbatch, BACKWARD), me, pending, mailbox)
+
+
+def recv_backward(route: Route, microbatch: int, me: int, into: torch.Tensor, mailbox: dict) -> None:
+    """Add the gradient pieces of this sender's box into ``into`` (this rank's local shape)."""
+    mine = route.src_box(me)
+    tag = route.tag(microbatch, BACKWARD)
+    for p, buf in _receive(route.backward, route, tag, me, mailbox, "recv (backward)"):
+        into[relative(p.region, mine)] += buf
