@@ -13,7 +13,8 @@ from other jobs hits every plan alike):
   * step time: median over ``--steps`` timed rounds, after ``--warmup`` untimed ones, of
     [barrier; train_step + optimizer.step + zero_grad; barrier] on rank 0 (the barriers make it the
     slowest rank's time);
-  * peak memory per rank: parameters + optimizer state allocated before the step (exact tensor sizes),
+  * peak memory per rank: parameters, optimizer state and gradient-sync buffers allocated before the step
+    (exact storage sizes; the flat gradient buffers persist across steps, so a step's allocations miss them),
     plus the peak of the running sum of every CPU allocation and free that ``torch.profiler``
     (profile_memory=True) records over one step; the largest over ranks. RSS is not used: it is
     dominated by the interpreter and the allocator's cached pages.
@@ -57,10 +58,14 @@ GOALS = {"time_err": 0.10, "spearman": 0.9, "mem_err": 0.10}
 
 # ---- on every rank --------------------------------------------------------------------------------
 def _state_bytes(pm, opt) -> int:
-    """Bytes of this rank's parameters and optimizer state (all allocated before a step starts)."""
-    params = sum(p.numel() * p.element_size() for p in pm.parameters())
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
-    return params + state
+    """Bytes of what this rank holds before a step starts: parameters, optimizer state and the gradient sync's
+    flat buffers (``runtime.gradsync.Bucket``: allocated once, the gradients are views of them), each storage
+    once (parameters and gradients may be views of one flat buffer)."""
+    held = list(pm.parameters()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    for bucket in getattr(getattr(pm.runner, "gradsync", None), "buckets", ()):
+        held += [t for t in (getattr(bucket, "grad_flat", None), getattr(bucket, "grad_shard", None)) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    return sum(storages.values())
 
 
 def _step(pm, opt, batch) -> None:
