@@ -251,12 +251,21 @@ def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], optio
             choice = choose_stages(costs, graph.input_signature[0][0][0], candidates, options.schedule,
                                    options.stages, excluded=excluded)
     except InfeasibleError as e:
-        floor = memory_bounds(graph, cluster, options)[0]
-        raise InfeasibleError(f"{e}. For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
-                              f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
+        raise InfeasibleError(f"{e}.{_floor_hint(graph, cluster, options)}"
                               + budget_unit_hint(cluster.memory_per_device)) from None
     _check(options, lambda: invariants.check_stage_choice(choice, costs.layers.count, cluster.num_devices))
     return choice
+
+
+def _floor_hint(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> str:
+    """' For scale: the most sharded single-stage plan needs ...', or '' when the user's pins are written
+    for their own stage meshes and are no sharding of the whole-cluster mesh (that plan does not exist)."""
+    try:
+        floor = memory_bounds(graph, cluster, options)[0]
+    except PlanError:
+        return ""
+    return (f" For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} per device "
+            f"({floor:.0f} bytes); a memory_per_device that large fits it.")
 
 
 def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]) -> StageChoice:

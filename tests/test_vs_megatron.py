@@ -25,6 +25,7 @@ from autopar.baselines.megatron_configs import (
     megatron_options,
     megatron_pins,
 )
+from autopar.errors import InfeasibleError
 from autopar.ir.ops import OpView
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies
@@ -71,6 +72,48 @@ def test_megatron_config_plans_with_megatrons_layout_on_the_requested_stages():
     assert last["p_lm_head_weight"] == "RS(0)" and last["p_ln_f_weight"] == "RR" and last["targets"] == "S(0)R"
 
 
+def test_distributed_optimizer_config_shards_optimizer_state_over_dp():
+    with torch.device("meta"):
+        model = GPT(TINY_GPT)
+    batch, cluster = make_batch(TINY_GPT, 16, device="meta"), autopar.Cluster.preset("dgx-a100")
+    plans = {dist: autopar.plan(model, cluster, batch, **megatron_options(
+        MegatronConfig(dp=4, tp=2, pp=1, microbatches=1, distributed_optimizer=dist), n_blocks=4, devices_per_node=8))
+        for dist in (False, True)}
+    assert set(plans[True].stages[0].zero.values()) == {1} and not plans[False].stages[0].zero
+    assert plans[True].predicted["peak_memory"] < plans[False].predicted["peak_memory"]
+
+
+def test_the_hand_grid_is_priced_under_the_precision_policy_it_is_given():
+    """A grid point's plan sees the policy's dtypes (as autopar.plan does): fp16 compute is faster on a V100."""
+    from autopar.baselines.megatron_configs import capture_once, score_config
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=1024, seq_len=256, n_layer=4, n_head=8, n_embd=512))
+    batch, cluster = make_batch(model.cfg, 32, device="meta"), autopar.Cluster.preset("p3.16xlarge")
+    step = {}
+    for precision in ("fp32", "fp16"):
+        graph, recapture = capture_once(model, batch, precision)
+        config = MegatronConfig(dp=4, tp=2, pp=1, microbatches=1, precision=precision)
+        step[precision] = score_config(graph, cluster, config, 4, recapture).step_time
+    assert step["fp16"] < 0.5 * step["fp32"], step
+
+
+def test_a_megatron_config_that_does_not_fit_scores_out_of_memory():
+    """Its pins are written for its (dp, tp) stage mesh, not the whole cluster's: the infeasible manual
+    stages must still end as InfeasibleError ("OOM"), not as a pin error from the error message's hint."""
+    from autopar.baselines.megatron_configs import capture_once, score_config
+
+    with torch.device("meta"):
+        model = GPT(TINY_GPT)
+    batch = make_batch(TINY_GPT, 16, device="meta")
+    tiny = autopar.Cluster.preset("dgx-a100").with_memory(2e5)
+    graph, recapture = capture_once(model, batch)
+    scored = score_config(graph, tiny, MegatronConfig(dp=4, tp=1, pp=2, microbatches=2), 4, recapture)
+    assert scored.status == "OOM" and scored.step_time is None
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, tiny, batch, **megatron_options(MegatronConfig(dp=4, tp=1, pp=2, microbatches=2), 4, 8))
+
+
 def test_stages_span_whole_nodes_beyond_one_node():
     stages = megatron_options(MegatronConfig(dp=4, tp=4, pp=2, microbatches=2), 8, 8)["stages"]
     assert [s["submesh"] for s in stages] == [[2, 8], [2, 8]] and stages[1]["mesh"] == [4, 4]
@@ -97,6 +140,17 @@ def test_megatron_grid_constraints():
     assert not any(c.pp == 3 for c in grid), "pp must divide the devices too"
     assert {c.tp for c in megatron_grid(8, 4, 8, 64, n_heads=4)} == {1, 2, 4}, "tp divides the heads"
     assert {c.tp for c in megatron_grid(4, 4, 2, 64)} == {1, 2}, "tp stays inside a node"
+    assert {c.distributed_optimizer for c in grid if c.dp > 1} == {False, True}, "the distributed optimizer lever"
+    assert not any(c.distributed_optimizer for c in grid if c.dp == 1), "no distributed optimizer without dp"
+
+
+def test_distributed_optimizer_and_precision_become_autopar_options():
+    config = MegatronConfig(dp=2, tp=2, pp=1, microbatches=1, distributed_optimizer=True, precision="bf16")
+    options = megatron_options(config, 4, 8)
+    assert options["zero"] == 1 and options["precision"] == "bf16"
+    assert str(config).endswith("·distopt")
+    plain = megatron_options(MegatronConfig(dp=2, tp=2, pp=1, microbatches=1), 4, 8)
+    assert plain["zero"] == 0 and plain["precision"] == "fp32"
 
 
 def test_hand_grids_and_pins():

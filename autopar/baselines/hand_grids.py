@@ -160,12 +160,13 @@ def hand_options(layout: HandLayout, ranges: list[tuple[int, int]], devices_per_
 
 
 def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int = 2,
-              log=None) -> tuple[Scored | None, list[Scored]]:
-    """Grid search over ``hand_grid`` (pins from ``pins_for(layout)``) scored by autopar's cost model.
+              log=None, precision: str = "fp32") -> tuple[Scored | None, list[Scored]]:
+    """Grid search over ``hand_grid`` (pins from ``pins_for(layout)``) scored by autopar's cost model,
+    every layout under the same ``precision`` policy as the autopar plan it is compared with.
 
     Stages: with n_experts > 1 (MoE) the default layers are cut evenly and pp must divide their count;
     otherwise they are cut by ``balanced_ranges`` of their FLOPs or of their parameter bytes."""
-    graph, recapture = capture_once(model, batch)
+    graph, recapture = capture_once(model, batch, precision)
     weights = layer_weights(graph)
     n_layers = len(weights["flops"])
     moe = n_experts > 1
@@ -180,6 +181,7 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
 
     def score(layout: HandLayout) -> Scored:
         options = hand_options(layout, ranges(layout), cluster.devices_per_node, pins_for(layout))
+        options["precision"] = precision
         return score_options(graph, cluster, layout, options, recapture, model_name=type(model).__name__)
 
     return grid_search(grid, score, lambda c: (c.dp, c.ep, c.pp, c.split), patience, log)

@@ -16,9 +16,15 @@ with ``autopar.plan``'s own choice is apples to apples (same cost model, same ru
   (Shoeybi et al. 2019): q, k, v and mlp.fc column-parallel (nn.Linear weight [out, in] Shard(0) on tp,
   bias Shard(0)), attn.o and mlp.proj row-parallel (weight Shard(1), bias replicated), LayerNorms
   replicated, wte vocab-parallel (weight Shard(0)), lm_head column-parallel (Shard(0)), wpe replicated;
-  inputs idx / targets Shard(0) over dp. Every weight is replicated over dp (no ZeRO).
+  inputs idx / targets Shard(0) over dp. Every weight is replicated over dp (the optimizer state too,
+  unless the distributed optimizer shards it).
 * recompute (``RECOMPUTE_LEVERS``): Megatron's --recompute-granularity, none, selective (the attention
   core of every block) or full (every block keeps only its input), as autopar's recompute option.
+* distributed optimizer (Megatron's --use-distributed-optimizer): optimizer state and fp32 master weights
+  sharded over the dp replicas, gradients reduce-scattered, parameters all-gathered after the step: autopar's
+  ``zero=1``. It only matters when dp > 1, so the grid offers it only there.
+* precision: every config of one grid runs under the same ``precision`` policy as the autopar plan it is
+  compared with (Megatron trains in bf16 or fp16 with fp32 master weights; the benchmark picks one for both).
 
 This is Megatron's weight layout, activations placed by the same ILP that plans autopar: the ILP may
 only lower the cost of a given weight layout, so it can only help Megatron in the comparison.
@@ -69,6 +75,8 @@ class MegatronConfig:
     pp: int
     microbatches: int
     recompute: str = "none"  # Megatron's activation recompute: "none", "selective" or "full" (RECOMPUTE_LEVERS)
+    distributed_optimizer: bool = False  # Megatron's --use-distributed-optimizer: autopar's zero=1 over dp
+    precision: str = "fp32"  # the precision policy shared with the autopar plan it is compared with
 
     @property
     def devices(self) -> int:
@@ -76,7 +84,8 @@ class MegatronConfig:
 
     def __str__(self) -> str:
         rc = f"·rc-{self.recompute}" if self.recompute != "none" else ""
-        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}·B{self.microbatches}{rc}"
+        dist = "·distopt" if self.distributed_optimizer else ""
+        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}·B{self.microbatches}{rc}{dist}"
 
 
 def spec_text(config: MegatronConfig, dp_axis: str, tp_axis: str) -> str:
@@ -122,7 +131,8 @@ def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: in
                          f"tensor parallelism inside a node")
     return {"layers": n_blocks, "stages": megatron_stages(config, n_blocks, devices_per_node),
             "microbatches": config.microbatches, "schedule": "1f1b", "pin": megatron_pins(config),
-            "recompute": RECOMPUTE_LEVERS[config.recompute]}
+            "recompute": RECOMPUTE_LEVERS[config.recompute], "precision": config.precision,
+            "zero": 1 if config.distributed_optimizer and config.dp > 1 else 0}
 
 
 def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
@@ -137,11 +147,15 @@ def gpt_flops(cfg, batch: int) -> float:
 
 def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_batch: int, n_heads: int | None = None,
                   max_microbatches: int = MAX_MICROBATCHES,
-                  recompute: tuple[str, ...] = tuple(RECOMPUTE_LEVERS)) -> Iterator[MegatronConfig]:
+                  recompute: tuple[str, ...] = tuple(RECOMPUTE_LEVERS),
+                  distributed_optimizer: tuple[bool, ...] = (False, True),
+                  precision: str = "fp32") -> Iterator[MegatronConfig]:
     """Every config with dp·tp·pp = n_devices, tp ∈ {1, 2, 4, 8} ≤ devices_per_node (dividing n_heads),
     pp dividing n_blocks, stages that tile nodes, and microbatches = pp·2^k ≤ max_microbatches splitting the
     global batch so that every dp replica gets whole sequences (global_batch % (microbatches·dp) == 0),
-    each with every recompute lever of ``recompute``. Ordered by (pp, tp, recompute, microbatches)."""
+    each with every recompute lever of ``recompute`` and, when dp > 1, every distributed-optimizer setting of
+    ``distributed_optimizer``; all under ``precision``. Ordered by (pp, tp, recompute, distributed optimizer,
+    microbatches)."""
     for pp in [p for p in range(1, n_blocks + 1) if n_blocks % p == 0 and n_devices % p == 0]:
         for tp in [t for t in TP_DEGREES if t <= devices_per_node and (n_devices // pp) % t == 0]:
             if n_heads is not None and n_heads % tp:
@@ -151,10 +165,18 @@ def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_b
             if width > devices_per_node and width % devices_per_node:
                 continue
             for rc in recompute:
-                microbatches = pp
-                while microbatches <= max_microbatches and global_batch % (microbatches * dp) == 0:
-                    yield MegatronConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, recompute=rc)
-                    microbatches *= 2
+                for dist in sorted(set(distributed_optimizer) if dp > 1 else {False}):
+                    yield from _microbatch_configs(dp, tp, pp, global_batch, max_microbatches,
+                                                   recompute=rc, distributed_optimizer=dist, precision=precision)
+
+
+def _microbatch_configs(dp: int, tp: int, pp: int, global_batch: int, max_microbatches: int,
+                        **levers) -> Iterator[MegatronConfig]:
+    """microbatches = pp·2^k ≤ max_microbatches while every dp replica gets whole sequences."""
+    microbatches = pp
+    while microbatches <= max_microbatches and global_batch % (microbatches * dp) == 0:
+        yield MegatronConfig(dp=dp, tp=tp, pp=pp, microbatches=microbatches, **levers)
+        microbatches *= 2
 
 
 @dataclasses.dataclass
@@ -231,17 +253,22 @@ def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) ->
     return best, scored
 
 
-def capture_once(model, batch) -> tuple:
-    """(graph at the global batch, recapture(B) at one of B microbatches): what every grid point shares."""
+def capture_once(model, batch, precision: str = "fp32") -> tuple:
+    """(graph at the global batch, recapture(B) at one of B microbatches): what every grid point shares,
+    with ``precision``'s dtypes propagated as ``autopar.plan`` does (so both sides are priced alike)."""
+    from autopar.ir.precision import apply_to_graph, resolve
     from autopar.passes.capture import capture
 
-    return capture(model, batch), lambda b: capture(model, first_microbatch(batch, b))
+    policy = resolve(precision)
+    return (apply_to_graph(capture(model, batch), policy),
+            lambda b: apply_to_graph(capture(model, first_microbatch(batch, b)), policy))
 
 
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
-                  log=None) -> tuple[Scored | None, list[Scored]]:
+                  log=None, precision: str = "fp32") -> tuple[Scored | None, list[Scored]]:
     """Grid search of ``megatron_grid`` scored by ``score_config`` (see ``grid_search``)."""
-    graph, recapture = capture_once(model, batch)
-    grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads))
+    graph, recapture = capture_once(model, batch, precision)
+    grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
+                              precision=precision))
     return grid_search(grid, lambda c: score_config(graph, cluster, c, n_blocks, recapture),
-                       lambda c: (c.dp, c.tp, c.pp, c.recompute), patience, log)
+                       lambda c: (c.dp, c.tp, c.pp, c.recompute, c.distributed_optimizer), patience, log)

@@ -2,6 +2,7 @@
 
     python benchmarks/vs_megatron.py --simulate                      # Alpa's suites, cost model (~1 h on 2 cores)
     python benchmarks/vs_megatron.py --simulate --points gpt:1.3B:4:p3.16xlarge moe:2.4B:8:p3.16xlarge
+    python benchmarks/vs_megatron.py --simulate --precision fp16     # fp32 master weights, fp16 compute, both sides
     python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
 
@@ -17,6 +18,10 @@ Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ...
 vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
 "dgx-a100"; Wide-ResNet (examples/wide_resnet.py, fp32, batch 1536) and GShard MoE (examples/moe.py,
 fp16, batch 1024) at Alpa's 8- and 16-GPU weak-scaling points on p3.16xlarge.
+
+--precision fp16|bf16: the models stay float32 (master weights and optimizer state in fp32, as Megatron and
+Alpa train) and both sides plan under that mixed-precision policy; without it GPT and MoE are cast to fp16
+whole (weights, gradients and optimizer state in fp16: the memory of neither real system).
 
 --local: see ``benchmarks/vs_megatron_local.py``. Both modes print a markdown table, write it with a PNG
 chart under benchmarks/results/, and end with the line "min speedup vs hand: X".
@@ -58,14 +63,16 @@ class Workload:
     flops: float
 
 
-def build_workload(family: str, name: str) -> Workload:
+def build_workload(family: str, name: str, precision: str | None = None) -> Workload:
+    """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring)."""
     batch_size = GLOBAL_BATCH[family]
+    cast = (lambda m: m.half()) if precision is None else (lambda m: m)
     if family == "gpt":
         from examples.gpt import GPT, make_batch, suite_config
 
         cfg = suite_config(name)
         with torch.device("meta"):
-            model = GPT(cfg).half()
+            model = cast(GPT(cfg))
         return Workload(family, name, model, make_batch(cfg, batch_size, device="meta"),
                         megatron_configs.gpt_flops(cfg, batch_size))
     if family == "wrn":
@@ -79,7 +86,7 @@ def build_workload(family: str, name: str) -> Workload:
 
         cfg = suite_config(name)
         with torch.device("meta"):
-            model = MoETransformer(cfg).half()
+            model = cast(MoETransformer(cfg))
     else:
         raise ValueError(f"unknown model family {family!r}; use gpt, wrn or moe")
     batch = make_batch(cfg, batch_size, device="meta")
@@ -94,15 +101,17 @@ def graph_flops(model, batch) -> float:
     return sum(sum(node_flops(n)) for n in capture(model, batch).gm.graph.nodes)
 
 
-def best_hand(work: Workload, cluster, log) -> tuple:
+def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> tuple:
     """(best Scored or None, every Scored) of the family's hand grid."""
     if work.family == "gpt":
         cfg = work.model.cfg
-        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log)
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log,
+                                              precision=precision)
     if work.family == "wrn":
-        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, log=log)
+        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, log=log,
+                                    precision=precision)
     return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.moe_pins,
-                                n_experts=work.model.cfg.n_expert, log=log)
+                                n_experts=work.model.cfg.n_expert, log=log, precision=precision)
 
 
 def describe_plan(plan) -> str:
@@ -118,17 +127,19 @@ def describe_plan(plan) -> str:
     return " + ".join(parts) + f", B={plan.microbatches}"
 
 
-def run_point(point: str, progress) -> dict:
+def run_point(point: str, progress, precision: str | None = None) -> dict:
     family, name, gpus, preset = point.split(":")
     cluster = preset_gpus(preset, int(gpus))
-    work = build_workload(family, name)
+    work = build_workload(family, name, precision)
+    policy = precision or "fp32"
     start = time.perf_counter()
     best, scored = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
-                                                                   f"{r.status} {r.step_time or ''}"))
+                                                                   f"{r.status} {r.step_time or ''}"),
+                             precision=policy)
     grid_s = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        plan = autopar.plan(work.model, cluster, work.batch)
+        plan = autopar.plan(work.model, cluster, work.batch, precision=policy)
         auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
@@ -162,13 +173,14 @@ def table_row(row: dict) -> list:
             f"{len(row['scored'])} ({oom})", f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
 
 
-def simulate(points: list[str]) -> int:
-    header = report.machine_line("autopar vs hand-written layouts, simulated (autopar's cost model)")
+def simulate(points: list[str], precision: str | None = None) -> int:
+    policy = f", {precision} mixed precision" if precision else ""
+    header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy})")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
     rows = []
     for point in points:
-        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision)
         rows.append(row)
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
     return render_simulation(header, rows)
@@ -183,8 +195,14 @@ def render_simulation(header: str, rows: list[dict]) -> int:
                                     [pflops(r, "auto_step") for r in rows], "PFLOP/s (predicted)",
                                     "autopar vs best hand layout (autopar's cost model)")
     print(f"\nwrote {path} and {chart}")
-    print(report.summary_line([(r["point"], ratio(r)) for r in rows if ratio(r) is not None]))
+    print(report.summary_line([(r["point"], ratio(r)) for r in rows if ratio(r) is not None],
+                              {r["point"] for r in rows if memory_binds(r)}))
     return 0
+
+
+def memory_binds(row: dict) -> bool:
+    """Memory shapes the layout at this point: some configuration of the hand grid does not fit."""
+    return any(status == "OOM" for _, status, _ in row["scored"])
 
 
 def _notes() -> str:
@@ -202,6 +220,8 @@ def main(argv=None) -> int:
     mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
+    parser.add_argument("--precision", choices=("fp16", "bf16"), help="--simulate: keep the models float32 and "
+                        "plan both sides under this mixed-precision policy (default: models cast to fp16 whole)")
     parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
                                           "benchmarks/results/local4_cluster.json)")
     parser.add_argument("--header", help="--from-json: the header line of the original run")
@@ -216,7 +236,7 @@ def main(argv=None) -> int:
         return render_simulation(args.header or report.machine_line("autopar vs hand-written layouts, simulated "
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
-        return simulate(args.points)
+        return simulate(args.points, args.precision)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)

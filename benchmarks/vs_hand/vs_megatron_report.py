@@ -8,6 +8,7 @@ line naming the date, the machine, torch and the load average, ready to paste in
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import time
@@ -42,12 +43,18 @@ def write_results(mode: str, text: str, data=None) -> str:
     return path
 
 
-def summary_line(ratios: list[tuple[str, float]]) -> str:
-    """'min speedup vs hand: 1.03 (at <point>)' over (label, autopar/best-hand throughput ratio) pairs."""
+def summary_line(ratios: list[tuple[str, float]], memory_bound: set[str] = frozenset()) -> str:
+    """'min speedup vs hand: 1.03 (at <point>)' over (label, autopar/best-hand throughput ratio) pairs,
+    then the geometric mean over the labels in ``memory_bound`` (points where memory shapes the layout)."""
     if not ratios:
         return "min speedup vs hand: n/a (no point had both a fitting hand layout and an autopar plan)"
     label, worst = min(ratios, key=lambda r: r[1])
-    return f"min speedup vs hand: {worst:.3f} (at {label})"
+    line = f"min speedup vs hand: {worst:.3f} (at {label})"
+    bound = [r for lbl, r in ratios if lbl in memory_bound]
+    if bound:
+        geomean = math.exp(sum(math.log(r) for r in bound) / len(bound))
+        line += f"; geometric mean where memory binds: {geomean:.3f} over {len(bound)} points"
+    return line
 
 
 def _pyplot():
