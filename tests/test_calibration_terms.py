@@ -72,6 +72,9 @@ def test_end_to_end_factor_is_measured_less_overhead_over_roofline():
     # the scale already on the cluster does not enter the prediction it is measured against
     scaled = dataclasses.replace(cluster, compute_time_scale=5.0)
     assert end_to_end_factor(scaled, overhead + 1.3 * roofline) == pytest.approx(1.3)
+    # a machine running at half the curve's speed during the probe (reference mm twice as slow) halves it
+    flops = 2.0 * 256**3
+    assert end_to_end_factor(cluster, overhead + 1.3 * roofline, 2 * flops / 1e9) == pytest.approx(0.65)
 
 
 def _row(plan, pred_t, meas_t, mem_err):
