@@ -15,6 +15,7 @@ invariants each pass promises are checked after it runs (``autopar.invariants``)
 """
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -30,6 +31,7 @@ from autopar.options import PlanOptions, first_microbatch, microbatch_candidates
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
+from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
@@ -63,7 +65,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     clock = _Clock()
     candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
-    at_microbatch = lambda b: _at_microbatch(graph, b, recapture)  # noqa: E731
+    at_microbatch = functools.cache(lambda b: _at_microbatch(graph, b, recapture))  # a retry reuses its capture
     if options.stages == 1:
         plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
     else:
@@ -74,12 +76,20 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers))
         clock.lap("layers")
-        plan = _plan_stages(graph, layers, blocks, cluster, options, model_name, costs, candidates, at_microbatch,
-                            clock)
+        single = None
+        if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
+            single = Beside(lambda: _feasible(lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
+                                                                    at_microbatch)))
+        try:
+            plan = _plan_stages(graph, layers, blocks, cluster, options, model_name, costs, candidates,
+                                at_microbatch, clock)
+        except BaseException:
+            if single is not None:
+                single.cancel()
+            raise
         plan.planner["mesh_solves"] = costs.solves
-        if options.stages is None and candidates[0] == 1:
-            plan = _or_single_stage(plan, lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
-                                                                at_microbatch))
+        if single is not None:
+            plan = _or_single_stage(plan, single.result)
             clock.lap("single_stage_check")
     plan.planner["solver"] = backend()
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
@@ -142,17 +152,25 @@ def _infeasible(e: InfeasibleError, graph, cluster: Cluster, options: PlanOption
                            + budget_unit_hint(cluster.memory_per_device))
 
 
+def _feasible(solve) -> Plan | None:
+    """``solve()``, or None when it finds nothing within memory (an InfeasibleError)."""
+    try:
+        return solve()
+    except InfeasibleError:
+        return None
+
+
 def _or_single_stage(pipelined: Plan, single) -> Plan:
-    """The faster (predicted) of the DP's plan and ``single()``: one stage on the whole cluster, B = 1.
+    """The faster (predicted) of the DP's plan and ``single()`` (None: infeasible): one stage on the whole
+    cluster, B = 1. It does not depend on the DP, so ``plan_graph`` solves it in a forked worker meanwhile.
 
     The DP prices each B by scaling solutions made at two small reference microbatches (``inter_op``),
     which cannot represent layouts that split a large microbatch widely, and charges costs that do not
     grow with the microbatch (op overhead, collective start-ups) once per sample. The no-pipeline plan is
     the one those estimates are furthest from, so it is solved exactly and kept when it is predicted
     faster; both predictions are exact re-solves, so they compare."""
-    try:
-        candidate = single()
-    except InfeasibleError:
+    candidate = single()
+    if candidate is None:
         return pipelined
     if candidate.predicted["step_time"] < pipelined.predicted["step_time"]:
         candidate.planner["dp_choice_step_time"] = float(pipelined.predicted["step_time"])

@@ -33,8 +33,9 @@ class PlanOptions:
       backward), "none", "full", or {layer glob: "none" | "full" | "selective" | "auto"}; see
       ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).
     precision: "fp32" (default), "bf16" or "fp16", or an ``autopar.ir.precision.PrecisionPolicy``.
-    zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the planner
-      keeps 0 unless forced), 0, 1, 2, or {parameter-fqn glob: level} (see ``cost_models.memory``).
+    zero: weight-update sharding over each parameter's data-parallel axes: "auto" (default: the ILP
+      chooses level 0 or 2 per parameter, see ``passes.intra_op_zero``), 0, 1, 2, 3 for every parameter, or
+      {parameter-fqn glob: level} (forced where a glob matches, chosen elsewhere; see ``cost_models.memory``).
     bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
     """
 
@@ -57,17 +58,17 @@ class PlanOptions:
         check_policy(self.recompute)
 
 
-ZERO_LEVELS = (0, 1, 2)
+ZERO_LEVELS = (0, 1, 2, 3)
 
 
 def check_zero(zero) -> None:
-    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise (level 3 is not run by the runtime)."""
+    """``zero``: "auto", a level, or {glob: level}; PlanError otherwise."""
     levels = list(zero.values()) if isinstance(zero, dict) else [zero]
     if zero == "auto" or (levels and all(isinstance(v, int) and v in ZERO_LEVELS for v in levels)):
         return
     raise PlanError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
-                    f"{{parameter-fqn glob: level}} (level 3, parameters sharded between uses, is not run by "
-                    f"autopar's runtime)")
+                    f"{{parameter-fqn glob: level}} (1: optimizer state sharded, 2: and gradients, 3: and "
+                    f"parameters between uses)")
 
 
 def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
@@ -76,7 +77,7 @@ def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
     names = {p.name: p.fqn for p in graph.placeholders if p.kind == "parameter"}
     copy = policy.compute_dtype.itemsize if policy.compute_dtype is not None else 0
     return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
-                        compute_itemsize=copy)
+                        zero_search=not isinstance(options.zero, int), compute_itemsize=copy)
 
 
 def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:

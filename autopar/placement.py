@@ -3,6 +3,10 @@
 A *spec* is a tuple of placements, one per mesh axis (``axis`` always means a mesh axis, ``dim`` a
 tensor dim): ``Shard(d)`` splits tensor dim d evenly over the axis, ``Replicate()`` keeps a full copy
 on every device of the axis, ``Partial()`` holds one summand per device (the value is their sum).
+``EXPERT_ROWS`` (text ``P(rows)``) is a Partial whose summands have disjoint row support: each device holds
+the rows of its own experts and zeros elsewhere (what an expert-parallel grouped matmul makes; see
+``passes/strategies/expert_rows.py``), stored compacted: only its own rows, about 1/W of them. It is a
+Partial, so it becomes one (rows padded back with zeros); nothing else becomes it.
 
 Nested sharding follows DTensor: when several axes shard the same dim, axis 0 splits it first and
 each later axis splits the piece it receives, so device (c0, c1) of an (M0, M1) mesh holding
@@ -25,8 +29,13 @@ Spec = tuple[Placement, ...]
 
 R = Replicate()
 P = Partial()
+EXPERT_ROWS = Partial("rows")  # DTensor keeps the reduce_op name; autopar reduces it as a sum
 
-_TOKEN = re.compile(r"S\((\d+)\)|R|P(?:\(sum\))?")
+_TOKEN = re.compile(r"S\((\d+)\)|R|P\(rows\)|P(?:\(sum\))?")
+
+
+_TEXT = {EXPERT_ROWS: "P(rows)"}
+_PARSED = {"R": R, "P(rows)": EXPERT_ROWS}
 
 
 def S(dim: int) -> Shard:
@@ -40,8 +49,9 @@ def replicated(ndim_mesh: int) -> Spec:
 
 
 def spec_str(spec: Spec) -> str:
-    """Compact text form, e.g. ``(Shard(0), Replicate())`` -> ``"S(0)R"``; ``Partial`` -> ``"P"``."""
-    return "".join("P" if p.is_partial() else str(p) for p in spec)
+    """Compact text form, e.g. ``(Shard(0), Replicate())`` -> ``"S(0)R"``; ``Partial`` -> ``"P"``,
+    ``EXPERT_ROWS`` -> ``"P(rows)"``."""
+    return "".join(_TEXT.get(p, "P") if p.is_partial() else str(p) for p in spec)
 
 
 def parse_spec(text: str) -> Spec:
@@ -51,7 +61,8 @@ def parse_spec(text: str) -> Spec:
         m = _TOKEN.match(text, pos)
         if m is None:
             raise ValueError(f"bad sharding spec {text!r}: expected tokens like 'S(0)', 'R', 'P'")
-        out.append(Shard(int(m.group(1))) if m.group(1) is not None else (R if m.group(0) == "R" else P))
+        token = m.group(0)
+        out.append(Shard(int(m.group(1))) if m.group(1) is not None else _PARSED.get(token, P))
         pos = m.end()
     return tuple(out)
 
@@ -75,7 +86,8 @@ def divides(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool
 
 
 def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    """Shape of one device's shard: each sharded dim divided by its shard factor (exact by invariant)."""
+    """Shape of one device's shard: each sharded dim divided by its shard factor (exact by invariant); an
+    EXPERT_ROWS axis divides dim 0 too (an expectation: the real count is the routed rows, see above)."""
     return _local_shape(tuple(shape), tuple(spec), tuple(mesh_shape))
 
 
@@ -85,6 +97,8 @@ def _local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...]
     for axis, p in enumerate(spec):
         if p.is_shard():
             out[p.dim] //= mesh_shape[axis]
+        elif p == EXPERT_ROWS and out:  # expected rows of this device's experts (balanced routing), rounded up
+            out[0] = -(-out[0] // mesh_shape[axis])
     return tuple(out)
 
 
@@ -92,7 +106,7 @@ def shard_fraction(spec: Spec, mesh_shape: Sequence[int]) -> float:
     """Fraction of the global tensor held by one device (1 for Replicate/Partial axes)."""
     f = 1
     for axis, p in enumerate(spec):
-        if p.is_shard():
+        if p.is_shard() or p == EXPERT_ROWS:
             f *= mesh_shape[axis]
     return 1.0 / f
 

@@ -20,9 +20,10 @@ from autopar.cluster import Cluster
 from autopar.cost_models.communication import redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import held_state_bytes
-from autopar.ir.buckets import deferrable_syncs, sync_buckets
+from autopar.ir.buckets import deferrable_syncs, padded_numel, peak_gathered, sync_buckets, unit_spans
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
+from autopar.ir.recompute import region_keys
 from autopar.ir.schedule import simulate_schedule
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
@@ -43,17 +44,18 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
                   nodes=names, shardings=shardings, layers=layers)
     stage.inputs = {name: spec_str(spec) for name, spec in solution.inputs.items()}
     stage.outputs = sorted(solution.sends)
-    stage.zero = {n: lvl for n, lvl in env.training.zero if n in shardings and lvl}
+    stage.zero = {n: lvl for n, lvl in (*env.training.zero, *solution.zero.items()) if n in shardings and lvl}
     stage.collectives = _collectives(graph, solution, env, set(names))
     per_mb = (solution.step_time - solution.sync_time) / env.microbatches
     stage.predicted = {"latency": per_mb, "forward": per_mb / 3, "backward": 2 * per_mb / 3,
                        "compute": solution.compute_time, "comm": solution.comm_time,
-                       "grad_sync": solution.sync_time, "memory": solution.memory, "peak_memory": solution.memory,
-                       "optimizer": _optimizer_seconds(graph, solution, env)}
+                       "grad_sync": solution.sync_time - solution.zero_gather,  # exposed_sync adds the gathers
+                       "memory": solution.memory, "peak_memory": solution.memory,
+                       "optimizer": _optimizer_seconds(graph, solution, env, stage.zero)}
     return stage
 
 
-def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
+def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dict[str, int]) -> float:
     """One optimizer step over the local shards of the parameters this stage holds (1/n of those whose
     optimizer state ZeRO shards n ways)."""
     numel, tensors, itemsize = 0.0, 0, 4
@@ -61,7 +63,7 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv) -> float:
         if p.kind == "parameter" and p.name in solution.strategies:
             spec = solution.strategies[p.name].out_spec
             ways = math.prod(n for n, q in zip(env.mesh_shape, spec) if not q.is_shard())
-            shard = ways if env.training.zero_level(p.name) >= 1 else 1  # ZeRO steps 1/n of it
+            shard = ways if zero.get(p.name, 0) >= 1 else 1  # ZeRO steps 1/n of it
             numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
             tensors, itemsize = tensors + 1, p.dtype.itemsize
     return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)
@@ -103,38 +105,82 @@ def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
     return sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
 
 
-def predict_state(graph, stage, bucket_bytes: float, optimizer: str) -> dict[str, float]:
+def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers=None) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state one rank of ``stage`` holds (``held_state_bytes``),
-    and its number of gradient-sync buckets."""
+    its number of gradient-sync buckets, the shares of their elements at ZeRO levels 1-2 and 3, and the
+    most bytes of ZeRO-3 units gathered at once (``zero3_transient``: ``ir.buckets.unit_spans``;
+    ``node_layers`` {op: layer} places the stage's recomputed regions)."""
     buckets = stage_sync_buckets(graph, stage, bucket_bytes)
     in_bucket = {n for b in buckets for n in b["names"]}
     loose = [math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
              for p in graph.placeholders if p.kind == "parameter" and p.name in stage.shardings
              and p.name not in in_bucket and _is_read(graph, p.name)]
     held = held_state_bytes(buckets, loose, optimizer)
+    total = max(1, sum(b["numel"] for b in buckets))
     return {"state_params": held["params"], "state_grads": held["grads"], "state_optimizer": held["optimizer"],
             "sync_buckets": float(len(buckets)),
-            "zero_gather_share": sum(b["numel"] for b in buckets if b["level"] >= 1)
-            / max(1, sum(b["numel"] for b in buckets))}
+            "zero_gather_share": sum(b["numel"] for b in buckets if b["level"] in (1, 2)) / total,
+            "zero3_share": sum(b["numel"] for b in buckets if b["level"] == 3) / total,
+            "zero3_transient": _zero3_transient(graph, stage, buckets, node_layers or {})}
+
+
+def _zero3_transient(graph, stage, buckets: list[dict], node_layers: dict, itemsize: int = 4) -> float:
+    """Peak bytes of level-3 units gathered at once in forward (each unit: its padded flat buffer). A run of
+    consecutive ops of one recomputed region is one call in the generated module: it reads all their units
+    at once, so the run shares one position."""
+    units = [b for b in buckets if b["level"] == 3]
+    if not units:
+        return 0.0
+    unit_of = {name: k for k, b in enumerate(units) for name in b["names"]}
+    regions = region_keys(graph, node_layers, stage.recompute) if stage.recompute else {}
+    order, position, previous = {}, -1, None
+    for node in graph.gm.graph.nodes:
+        key = regions.get(node.name)
+        position += 0 if key is not None and key == previous else 1
+        order[node], previous = position, key
+    spans = {k: (order[a], order[b]) for k, (a, b) in unit_spans(graph.gm.graph, unit_of, "placeholder").items()}
+    return peak_gathered(spans, {k: padded_numel(b["numel"], b["ways"], 3) * itemsize for k, b in enumerate(units)})
+
+
+def charge_zero3(stage) -> None:
+    """Add ZeRO-3's all-gathers and gathered units to ``stage.predicted`` (after ``predict_state``).
+
+    Per microbatch, the level-3 share f3 of the stage's gradient-sync elements is all-gathered before its
+    forward use and again for backward; each all-gather moves what half a ring all-reduce does, so with
+    s = the stage's gradient all-reduce seconds (``grad_sync``), forward and backward each take
+    g3 = f3 · s / 2 more per microbatch, on the critical path (no prefetch). Per step the level-3
+    gradients are reduce-scattered (f3 · s / 2, in ``exposed_sync``) and nothing is gathered after the
+    optimizer step. Traffic per step: (2B + 1) · f3 · s / 2, i.e. 1.5 × ZeRO-2's (f3 · s) at B = 1.
+    Memory: the units gathered at once (``zero3_transient``) add to the stage's memory and peak."""
+    p = stage.predicted
+    g3 = p.get("zero3_share", 0.0) * p.get("grad_sync", 0.0) / 2
+    p["zero3_gather"] = g3
+    for key in ("forward", "backward"):
+        p[key] = p.get(key, 0.0) + g3
+    p["latency"] = p.get("latency", 0.0) + 2 * g3
+    for key in ("memory", "peak_memory"):
+        p[key] = p.get(key, 0.0) + p.get("zero3_transient", 0.0)
 
 
 def _is_read(graph, name: str) -> bool:
     return bool(graph.gm.graph.find_nodes(op="placeholder", target=name)[0].users)
 
 
-def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float) -> float:
+def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float, zero3_share: float = 0.0) -> float:
     """Seconds of gradient sync the backward does not hide. Buckets of equal size become ready at
     b/K, 2b/K, ..., b (b: the last microbatch's backward, K buckets) and go out one after another, so the
     last finishes at max(b/K + s, b + s/K) (s: the sync's reduce part); what lies past b is exposed:
 
         exposed = max(s / K, s − b·(K − 1)/K) + g
 
-    With ZeRO ≥ 1 a share f of the gradients is reduce-scattered (half a ring all-reduce) and the updated
-    shards all-gathered after the step (the other half, g = f·sync/2), which nothing hides."""
+    With ZeRO 1 or 2 a share f of the gradients is reduce-scattered (half a ring all-reduce) and the updated
+    shards all-gathered after the step (the other half, g = f·sync/2), which nothing hides. At ZeRO 3 a
+    share f3 is only reduce-scattered here (s loses f3·sync/2); its all-gathers are in forward and backward
+    (``charge_zero3``)."""
     if sync <= 0:
         return 0.0
     gather = gather_share * sync / 2
-    s, k = sync - gather, max(int(buckets), 1)
+    s, k = sync - gather - zero3_share * sync / 2, max(int(buckets), 1)
     return max(s / k, s - backward * (k - 1) / k) + gather
 
 
@@ -175,7 +221,8 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
     makespan = max(op.end for op in ops)
     sync = max(s.predicted["grad_sync"] for s in stages)
     exposed = max(exposed_sync(s.predicted["grad_sync"], s.predicted["backward"], s.predicted.get("sync_buckets", 1),
-                               s.predicted.get("zero_gather_share", 0.0)) for s in stages)
+                               s.predicted.get("zero_gather_share", 0.0), s.predicted.get("zero3_share", 0.0))
+                  for s in stages)
     optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
     busiest = max(microbatches * (f + b) for f, b in zip(forward, backward))
     compute = sum(s.predicted["compute"] for s in stages)
@@ -184,6 +231,16 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
             "grad_sync_exposed": exposed,
             "optimizer": optimizer, "transfer": hop,  # hop: what trace.simulate_plan replays the schedule with
             "bubble": max(0.0, makespan - busiest), "peak_memory": max(s.predicted["peak_memory"] for s in stages)}
+
+
+def _unshard_tied(graph, stages: list[Stage]) -> None:
+    """A parameter several stages read (tied embeddings) stays at ZeRO level 0: ``gradsync.sync_shared`` sums
+    its whole gradient over the holding stages after the step's sync, which a reduce-scattered (ZeRO ≥ 1)
+    gradient no longer is."""
+    params = [p.name for p in graph.placeholders if p.kind == "parameter"]
+    tied = {n for n in params if sum(n in s.shardings for s in stages) > 1}
+    for stage in stages:
+        stage.zero = {n: level for n, level in stage.zero.items() if n not in tied}
 
 
 def transfers_between(graph, stages: list[Stage], microbatch_graph, cluster: Cluster) -> list[dict]:
@@ -210,8 +267,11 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     microbatch, and a re-captured model (e.g. one that branches on batch size) can differ in structure.
     ``predicted`` is the schedule replay of the stages (``predict``); ``planner`` records how it was found."""
     sharded = sharded_graph if sharded_graph is not None else graph
+    _unshard_tied(sharded, stages)
     for stage in stages:
-        stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer))
+        stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer,
+                                             dict(layers.of_node) if layers is not None else None))
+        charge_zero3(stage)
     return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
                 model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,

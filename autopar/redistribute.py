@@ -13,6 +13,12 @@ Forward steps (``kind``) and what their backward does to the gradient:
     to_partial      Replicate -> Partial, scale by 1/W  identity (the gradient of a Partial is replicated,
                                                         so the W paths of weight 1/W sum to it locally)
     sync_grad       Replicate -> Replicate (identity)   all_reduce (Megatron's f)
+    unreachable     anything else -> EXPERT_ROWS        (never run: priced out, see below)
+
+``EXPERT_ROWS`` (a Partial with disjoint row support) is a Partial, so it becomes ``Partial`` with no step
+and leaves by the Partial steps. Nothing becomes it: only an expert-parallel grouped matmul makes one, so
+a move into it from anything else is an ``unreachable`` step, which the cost model prices at
+``UNREACHABLE_SECONDS`` so the planner never picks it and codegen refuses it.
 
 Gradient convention (the invariant that makes the backward column right): the gradient arriving at a
 Replicate tensor is the full gradient on every device; at a Shard, the gradient's shard; at a Partial,
@@ -31,7 +37,7 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from autopar.placement import P, R, Spec
+from autopar.placement import EXPERT_ROWS, P, R, Spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +71,9 @@ def _steps(src: Spec, dst: Spec, grad_partial_axes: tuple[int, ...]) -> tuple[St
             b < a and (_shards(cur[b], cur[a].dim) or _shards(dst[b], cur[a].dim)) for b in changing)
         if cur[a] == dst[a] and not needs_unnest:
             continue
+        if cur[a] == EXPERT_ROWS and dst[a] == P:
+            cur[a] = P  # a relabel: disjoint summands are summands
+            continue
         others = [cur[b] for b in range(n) if b != a] + [dst[b] for b in range(n) if b != a]
         if cur[a].is_shard():
             d = cur[a].dim
@@ -86,6 +95,10 @@ def _steps(src: Spec, dst: Spec, grad_partial_axes: tuple[int, ...]) -> tuple[St
                 cur[a] = R
     for a in range(n):
         if cur[a] == dst[a]:
+            continue
+        if dst[a] == EXPERT_ROWS:
+            steps.append(Step("unreachable", a))
+            cur[a] = dst[a]
             continue
         assert cur[a].is_replicate(), f"redistribute {src}->{dst}: axis {a} left at {cur[a]}"
         steps.append(Step("split", a, dst[a].dim) if dst[a].is_shard() else Step("to_partial", a))

@@ -57,7 +57,8 @@ def grad_sync_events(plan, ops: list[ScheduledOp]) -> list[ScheduledOp]:
         last = max((op for op in ops if op.stage == s), key=lambda op: op.end)
         k = max(int(p.get("sync_buckets", 1) or 1), 1)
         gather = float(p.get("zero_gather_share", 0.0)) * seconds / 2
-        each, free = (seconds - gather) / k, last.start if k > 1 else last.end
+        scatter3 = float(p.get("zero3_share", 0.0)) * seconds / 2  # ZeRO-3: reduce-scatter only, gathers in F/B
+        each, free = (seconds - gather - scatter3) / k, last.start if k > 1 else last.end
         for i in range(k):
             ready = last.start + (i + 1) / k * (last.end - last.start) if k > 1 else last.end
             start = max(ready, free)

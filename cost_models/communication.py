@@ -122,7 +122,10 @@ def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],
 
 
 _BACKWARD = {"all_gather": None, "split": "all_gather", "all_reduce": None, "reduce_scatter": "all_gather",
-             "all_to_all": "all_to_all", "to_partial": None, "sync_grad": "all_reduce"}
+             "all_to_all": "all_to_all", "to_partial": None, "sync_grad": "all_reduce", "unreachable": None}
+# The price of a move nothing can make (into EXPERT_ROWS, see autopar.redistribute): far above any step time,
+# so the intra-op ILP never picks it (finite, to keep the ILP's coefficients in a range solvers like).
+UNREACHABLE_SECONDS = 1e4
 
 
 def _step_message(step: Step, shape: tuple[int, ...], spec: list, mesh_shape) -> tuple[str, float]:
@@ -174,6 +177,8 @@ def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spe
     (``AxisLink.bandwidth_time``); the bucket's one α per axis per step is the caller's to add once.
     """
     fwd = bwd = 0.0
+    if any(step.kind == "unreachable" for step in redistribute_steps(src, dst)):
+        return UNREACHABLE_SECONDS, 0.0
     for kind, axis, nbytes, phase, step_kind in _messages(shape, itemsize, src, dst, mesh_shape, grad_axes,
                                                           needs_grad):
         if bucketed_sync and step_kind == "sync_grad":

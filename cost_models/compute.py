@@ -78,13 +78,16 @@ def _flops_cached(signature: str, node: fx.Node) -> tuple[float, float]:
 
 def _grouped_mm_flops(node: fx.Node) -> tuple[float, float]:
     """x [S, K] @ grouped w [E, K, N]: every row meets exactly one expert, so 2·S·K·N forward, twice that
-    backward (input and weight gradients). flop_counter does not see inside this custom op's loop of mm."""
+    backward (input and weight gradients). flop_counter does not see inside the custom op's loop of mm, and
+    counts ``aten._grouped_mm`` as zero."""
     (s, k), n = node.args[0].meta["val"].shape, node.args[1].meta["val"].shape[2]
     return 2.0 * s * k * n, 4.0 * s * k * n
 
 
-# Custom ops by qualified name (their library registers them only when imported): FLOPs by formula.
-NAMED_FLOPS = {"transformers.grouped_mm_fallback.default": _grouped_mm_flops}
+# Ops by qualified name whose FLOPs flop_counter misses (a custom op registered only once its library is
+# imported; aten._grouped_mm, which it counts as zero): FLOPs by formula.
+NAMED_FLOPS = {"transformers.grouped_mm_fallback.default": _grouped_mm_flops,
+               "aten._grouped_mm.default": _grouped_mm_flops}
 
 
 def _measure_flops(node: fx.Node) -> tuple[float, float]:

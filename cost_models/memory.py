@@ -23,10 +23,13 @@ per parameter element, with n = the product of those axes' sizes:
     level 0: weight + gradient + optimizer state          level 1: weight + gradient + state / n
     (state includes the fp32 master copy of a weight stored in fp16/bf16; with a precision policy the
     weights stay fp32 and autocast's compute-dtype copy of each, saved for backward, adds its itemsize)
-    level 2: weight + (gradient + state) / n              (level 3, weights sharded between uses: not run)
+    level 2: weight + (gradient + state) / n              level 3: (weight + gradient + state) / n
 
 The runtime keeps the synced gradients of each bucket (``autopar.ir.buckets``) in one flat buffer, padded for
-levels ≥ 1 to n equal shards; ``held_state_bytes`` counts exactly what a rank then holds.
+levels ≥ 1 to n equal shards; ``held_state_bytes`` counts exactly what a rank then holds between steps. At
+level 3 a bucket is a unit gathered whole around its uses (``runtime.zero3``); the units gathered at once add
+transiently (``plan_builder.charge_zero3``: the peak over the forward of the units whose first-to-last
+reads overlap, each its padded flat buffer, ``ir.buckets.peak_gathered``).
 
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
 All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
@@ -54,7 +57,8 @@ class TrainingSpec:
     """
 
     optimizer: str = "adamw"
-    zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, level); absent: 0
+    zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, forced level)
+    zero_search: bool = False                # parameters absent from ``zero``: the ILP chooses (else level 0)
     compute_itemsize: int = 0                # autocast's weight copies (saved for backward); 0 for fp32
 
     def __post_init__(self):
@@ -65,15 +69,21 @@ class TrainingSpec:
     def zero_level(self, name: str) -> int:
         return dict(self.zero).get(name, 0)
 
-    def param_bytes(self, name: str, numel: float, dtype: torch.dtype, dp_ways: int) -> float:
+    def zero_searched(self, name: str) -> bool:
+        """Whether the ILP chooses ``name``'s level (no level was forced for it)."""
+        return self.zero_search and name not in dict(self.zero)
+
+    def param_bytes(self, name: str, numel: float, dtype: torch.dtype, dp_ways: int, level: int | None = None) -> float:
         """Bytes one device keeps for ``numel`` local elements of parameter ``name`` replicated ``dp_ways``
-        times (see the module docstring), plus the compute-dtype copy autocast saves for backward."""
+        times (see the module docstring), plus the compute-dtype copy autocast saves for backward.
+        ``level``: the ZeRO level to price (default: the forced one, else 0)."""
         item = torch.empty((), dtype=dtype).element_size()
-        level, n = self.zero_level(name), max(dp_ways, 1)
+        level, n = self.zero_level(name) if level is None else level, max(dp_ways, 1)
+        weight = item / n if level >= 3 else item
         grad = item / n if level >= 2 else item
         master = 4 if dtype in (torch.float16, torch.bfloat16) else 0  # fp32 copy of a low-precision weight
         state = (OPTIMIZER_STATE_BYTES[self.optimizer] + master) / (n if level >= 1 else 1)
-        return numel * (item + grad + state + self.compute_itemsize)
+        return numel * (weight + grad + state + self.compute_itemsize)
 
     def param_state_bytes_per_element(self, dtype: torch.dtype) -> float:
         item = torch.empty((), dtype=dtype).element_size()
@@ -149,7 +159,8 @@ def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:
 
 def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
     """{parameter placeholder: forced ZeRO level} from the ``zero`` option: an int for all parameters, or
-    {fqn glob: level} (first matching glob wins). "auto" forces nothing (the planner keeps level 0)."""
+    {fqn glob: level} (first matching glob wins). "auto" forces nothing: the ILP chooses every parameter's
+    level (``passes.intra_op_zero``), as it does for the parameters no glob matches."""
     import fnmatch
 
     if zero == "auto":
@@ -179,7 +190,7 @@ def held_state_bytes(buckets: list[dict], loose: list[int], optimizer: str, item
     for b in buckets:
         padded = padded_numel(b["numel"], b["ways"], b["level"])
         shard = padded // b["ways"] if b["level"] >= 1 else None
-        params += padded * itemsize
+        params += (shard if b["level"] >= 3 else padded) * itemsize
         grads += (shard if b["level"] >= 2 else padded) * itemsize
         state += (shard * per_elem + step) if shard is not None else b["numel"] * per_elem + step * b["count"]
     return {"params": params, "grads": grads, "optimizer": state}

@@ -29,6 +29,7 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError
 from autopar.ir.units import fmt_bytes
+from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
 from autopar.passes.recompute import LayerRecompute, forward_share
@@ -187,6 +188,7 @@ class StageCosts:
         self.modes = recompute_modes or ["none"] * layers.count
         self.share = forward_share(next(iter(graphs.values())), layers) if set(self.modes) - {"none"} else None
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
+        self._recompute: dict[int, LayerRecompute] = {}  # id of a LayerCosts in ``variants`` -> its prices
 
     def _env(self, option: MeshOption) -> CostEnv:
         return CostEnv(self.cluster, option.logical, self.training, devices_per_node=option.physical[1])
@@ -194,6 +196,7 @@ class StageCosts:
     def prepare(self) -> None:
         """Solve every option up front, on all cores when that is safe (see ``parallel_map``)."""
         todo = [m for m in range(len(self.options)) if m not in self.variants]
+        todo.sort(key=lambda m: -self.options[m].size)  # the largest meshes have the most strategies: first
         for m, variants in zip(todo, parallel_map(self._solve_all, todo, "autopar: pricing submeshes")):
             self.variants[m] = variants
         self.solves += sum(len(self.variants[m]) for m in todo)
@@ -262,8 +265,10 @@ class StageCosts:
         """Recompute prices of one solution, or None when the policy recomputes nothing (``recompute``)."""
         if self.share is None:
             return None
-        keep = self.cut_bytes[costs.reference_batch] * costs.reference_batch / costs.batch_split
-        return LayerRecompute(costs, self.share, keep, self.modes)
+        if id(costs) not in self._recompute:  # kept per solution: its prefix tables serve every B
+            keep = self.cut_bytes[costs.reference_batch] * costs.reference_batch / costs.batch_split
+            self._recompute[id(costs)] = LayerRecompute(costs, self.share, keep, self.modes)
+        return self._recompute[id(costs)]
 
     def recompute_of(self, B: int, k: int, i: int, m: int, f: int) -> tuple[int, ...]:
         """The layers recomputed in table entry [k, i, m, f-1] of the last ``table(.., B, ..)``."""
@@ -284,38 +289,6 @@ class StageCosts:
         per_sample = next(iter(self.cut_bytes.values()))[k]
         link = self.cluster.inter_node if self.cluster.nodes > 1 else self.cluster.intra_node
         return 2 * (link.latency + microbatch * per_sample / link.bandwidth_for(2))
-
-
-_TASK = None  # the callable a forked worker runs (inherited through fork, never pickled)
-
-
-def _run_task(item):
-    return _TASK(item)
-
-
-def parallel_map(fn, items: list, progress: str = "") -> list:
-    """``[fn(x) for x in items]``, on every core through forked workers when that is safe: Linux, more
-    than one core, and no torch.distributed process group (forking a process whose communication
-    threads are live is not). Workers inherit the graphs and caches; only results travel back. A
-    progress bar on stderr (tqdm; hidden when stderr is not a terminal) counts finished items."""
-    import multiprocessing
-    import os
-    import sys
-
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    bar = dict(total=len(items), desc=progress, disable=None if progress else True, leave=False)
-    workers = min(len(items), os.cpu_count() or 1)
-    if workers < 2 or not sys.platform.startswith("linux") or (dist.is_available() and dist.is_initialized()):
-        return [fn(x) for x in tqdm(items, **bar)]
-    global _TASK
-    _TASK = fn
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            return list(tqdm(pool.imap(_run_task, items, chunksize=1), **bar))
-    finally:
-        _TASK = None
 
 
 def _cut_bytes(graph, layers) -> np.ndarray:

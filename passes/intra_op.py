@@ -31,6 +31,7 @@ from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.intra_op_groups import Group, GroupBuilder
 from autopar.passes.intra_op_prices import edge_matrices, price_groups, shared_sync_rebates
+from autopar.passes.intra_op_zero import add_zero_columns, chosen_levels, keep_needed_zero
 from autopar.passes.strategies.base import Strategy
 
 
@@ -92,6 +93,8 @@ class IntraOpSolution:
     inputs: dict[str, tuple] = dataclasses.field(default_factory=dict)  # boundary value -> spec it arrives in
     sends: set[str] = dataclasses.field(default_factory=set)            # values later stages read
     weights: list[float] = dataclasses.field(default_factory=list)      # per group: instances it stands for
+    zero: dict[str, int] = dataclasses.field(default_factory=dict)      # parameter -> ZeRO level the ILP chose
+    zero_gather: float = 0.0                                            # seconds of those levels' all-gathers
 
 
 class BuiltProblem(NamedTuple):
@@ -114,6 +117,7 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None,
     b = GroupBuilder(graph, strategies, env, subset, blocks if truncate else None)
     b.build_groups()
     price_groups(b)
+    add_zero_columns(b)
     edges = edge_matrices(b)
     for key, m in shared_sync_rebates(b).items():
         edges[key] = edges.get(key, 0) + m
@@ -194,10 +198,14 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
         result = solve_ilp(problem, time_limit)
         if memo is not None:
             memo.store(problem, result)
+    kept = keep_needed_zero(problem, result.choice, b.groups, class_of)
+    if kept != list(result.choice):
+        result = dataclasses.replace(result, choice=kept, objective=evaluate(problem, kept))
     choice = [result.choice[class_of[g]] for g in range(len(b.groups))]
     chosen: dict[str, Strategy] = {}
     inputs: dict[str, tuple] = {}
-    compute = comm = sync = 0.0
+    compute = comm = sync = gather = 0.0
+    zero: dict[str, int] = {}
     for g, (group, i) in enumerate(zip(b.groups, choice)):
         for name in group.members:
             strategy = b.strategies[name][group.pick[i][name]]
@@ -209,8 +217,12 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
         compute += w * (group.cost[i] - group.comm[i])
         comm += w * group.comm[i]
         sync += w * group.sync[i]
-    for dropped, twin in b.alias.items():  # truncated instances take their instance-1 twin's layout
+        zero.update(chosen_levels(b, group, i))
+        gather += w * group.zero_gather[i] if group.zero_gather is not None else 0.0
+    for dropped, twin in b.alias.items():  # truncated instances take their instance-1 twin's layout and level
         chosen[dropped] = b.strategies[dropped][b.strategies[twin].index(chosen[twin])]
+        if twin in zero:
+            zero[dropped] = zero[twin]
     edge_costs = {key: b.weight(key[1]) * float(m[choice[key[0]], choice[key[1]]]) for key, m in edges.items()}
     comm += sum(edge_costs.values())
     assert abs(compute + comm - evaluate(problem, result.choice)) <= 1e-6 * max(1.0, compute + comm)
@@ -218,4 +230,4 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
     comm, sync = comm + bucket, sync + bucket
     return IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
                            memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
-                           set(b.sends_real), [b.weight(g) for g in range(len(b.groups))])
+                           set(b.sends_real), [b.weight(g) for g in range(len(b.groups))], zero, gather)

@@ -31,8 +31,8 @@ import torch.fx as fx
 
 from autopar.cost_models.compute import compute_time, local_bytes
 from autopar.cost_models.memory import saved_nodes
-from autopar.ir.ops import OpView, is_free_view, node_signature, requires_grad_nodes
-from autopar.passes.strategies import placeholder_strategies
+from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
+from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
 from autopar.placement import R, local_shape
 from autopar.redistribute import grad_partial_axes
@@ -70,6 +70,8 @@ class Group:
     mem_param: np.ndarray = None        # bytes of parameter state, per leader strategy
     mem_act: np.ndarray = None          # bytes of saved activations (× in-flight microbatches)
     peak: np.ndarray = None             # largest transient, per leader strategy
+    zero_base: np.ndarray = None        # ZeRO twins (``intra_op_zero``): the column each column copies
+    zero_gather: np.ndarray = None      # seconds of the twins' after-step all-gather (0 for base columns)
 
     @property
     def mem(self) -> np.ndarray:
@@ -146,7 +148,7 @@ class GroupBuilder:
         self.groups: list[Group] = []
         self.absorbed: dict[str, str] = {}
         # Caches keyed by structural signatures, so identical layers are priced once.
-        self.sig = {n.name: node_signature(n) if n.op != "output" else "output" for n in self.order}
+        self.sig = {n.name: strategy_signature(n) if n.op != "output" else "output" for n in self.order}
         self._node_time: dict[tuple, tuple[float, float]] = {}
         self._edge_time: dict[tuple, tuple[float, float]] = {}
         self._follow: dict[tuple, int] = {}

@@ -118,6 +118,9 @@ class LayerRecompute:
         auto = [layer for layer, m in enumerate(modes) if m == "auto" and self.save[layer] > 0]
         self.order = sorted(auto, key=lambda n: (-self.save[n] / max(self.fwd[n], 1e-12), n))
         self._prefixes: dict[tuple[int, int], list] = {}
+        self._arrays: tuple[np.ndarray, ...] | None = None
+        self._peak_max = np.array([np.maximum.accumulate(np.concatenate([np.zeros(k0), self.peak[k0:]]))
+                                   for k0 in range(len(self.peak))])  # [k, i] = max peak[k..i] (0 for i < k)
 
     def _forced(self, k: int, i: int) -> tuple[float, float, float]:
         rng = slice(k, i + 1)
@@ -144,27 +147,49 @@ class LayerRecompute:
         return out
 
     def tables(self, latency: np.ndarray, memory: np.ndarray, scale: float, budget: float):
-        """(latency [k, i, f], fits [k, i, f], prefix index [k, i, f]) with the first fitting prefix."""
+        """(latency [k, i, f], fits [k, i, f], prefix index [k, i, f]) with the first fitting prefix.
+
+        Vectorized over (i, prefix, f) for each first layer k; the arithmetic is the same, operation for
+        operation, as evaluating ``prefixes(k, i)`` one by one, so the chosen entries are bit-identical."""
         L, _, F = memory.shape
-        f = np.arange(1, F + 1)
+        f_scaled = np.arange(1, F + 1) * scale
+        save, fwd, top, index = self._prefix_arrays()
         best_lat = np.full(memory.shape, np.inf)
         best_p = np.full(memory.shape, -1, dtype=int)
-        if not self.forced.any():  # prefix 0 recomputes nothing: entries that fit as they are need no loop
-            fits = memory <= budget
-            best_lat[fits] = np.broadcast_to(latency[:, :, None], memory.shape)[fits]
-            best_p[fits] = 0
-        can_help = bool(self.order) or bool(self.forced.any())
-        open_pairs = ~(best_p >= 0).all(axis=2) & np.isfinite(memory).any(axis=2) & can_help
-        for k, i in zip(*np.nonzero(open_pairs)):
-            for p, (_, save, fwd, top) in enumerate(self.prefixes(k, i)):
-                peak = max(0.0, top - self.peak[k:i + 1].max())
-                mem = memory[k, i] - f * scale * save + scale * peak
-                take = (best_p[k, i] < 0) & (mem <= budget)
-                best_lat[k, i][take] = latency[k, i] + scale * fwd
-                best_p[k, i][take] = p
-                if (best_p[k, i] >= 0).all():
-                    break
+        for k in range(L):
+            peak = np.maximum(0.0, top[k] - self._peak_max[k][:, None])                 # [i, q]
+            mem = memory[k][:, None, :] - f_scaled * save[k][:, :, None] + scale * peak[:, :, None]
+            fits = mem <= budget                                                        # [i, q, f]
+            first = fits.argmax(axis=1)                                                 # [i, f]
+            any_fit = fits.any(axis=1)
+            rows = np.arange(L)[:, None]
+            best_lat[k] = np.where(any_fit, latency[k][:, None] + scale * fwd[k][rows, first], np.inf)
+            best_p[k] = np.where(any_fit, index[k][rows, first], -1)
         return best_lat, best_p >= 0, best_p
+
+    def _prefix_arrays(self) -> tuple[np.ndarray, ...]:
+        """[k, i, q] for q = 0..P over the auto order: Σ save, Σ fwd, max act of the forced layers of k..i
+        plus the order's first q layers that lie in k..i, and that prefix's index in ``prefixes(k, i)``.
+        A q whose layer lies outside k..i repeats q - 1, so the first fitting q is always a distinct prefix.
+        Sums run in the order ``_build_prefixes`` adds them (cumsum is sequential)."""
+        if self._arrays is not None:
+            return self._arrays
+        L = len(self.act)
+        forced = np.zeros((3, L, L))
+        if self.forced.any():
+            for k in range(L):
+                for i in range(k, L):
+                    forced[:, k, i] = self._forced(k, i)
+        order = np.array(self.order, dtype=int)
+        k, i = np.arange(L)[:, None, None], np.arange(L)[None, :, None]
+        inside = (k <= order) & (order <= i)                                            # [k, i, P]
+        save = np.cumsum(np.concatenate([forced[0][..., None], np.where(inside, self.save[order], 0.0)], 2), 2)
+        fwd = np.cumsum(np.concatenate([forced[1][..., None], np.where(inside, self.fwd[order], 0.0)], 2), 2)
+        top = np.maximum.accumulate(
+            np.concatenate([forced[2][..., None], np.where(inside, self.act[order], -np.inf)], 2), 2)
+        index = np.concatenate([np.zeros((L, L, 1), dtype=int), np.cumsum(inside, 2)], 2)
+        self._arrays = (save, fwd, top, index)
+        return self._arrays
 
     def choice(self, k: int, i: int, p: int) -> tuple[int, ...]:
         return self.prefixes(k, i)[p][0]

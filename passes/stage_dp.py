@@ -106,7 +106,7 @@ def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) 
     capped = np.where(by_size <= t_max, by_size, INF)
     F = np.full((S + 1, L + 1, D + 1), INF)
     F[0, L, 0] = 0.0
-    arg = {}
+    arg = np.full((2, S + 1, L + 1, D + 1), -1)  # (last layer i, size index j) of F's argmin
     for sigma in range(1, S + 1):
         f = min(inflight(sigma, B, schedule), by_size.shape[3]) - 1
         for i in range(L):
@@ -122,8 +122,8 @@ def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) 
                 better = cand < cur
                 if better.any():
                     F[sigma, : i + 1, n:] = np.where(better, cand, cur)
-                    for k, d in zip(*np.nonzero(better)):
-                        arg[(sigma, k, d + n)] = (i, j)
+                    arg[0, sigma, : i + 1, n:][better] = i
+                    arg[1, sigma, : i + 1, n:][better] = j
     candidates = [exact_stages] if exact_stages else range(1, S + 1)
     sigma = min(candidates, key=lambda s: F[s, 0, D] if s <= S else INF)
     if sigma > S or not np.isfinite(F[sigma, 0, D]):
@@ -135,7 +135,7 @@ def _unwind(arg, sigma, D, distinct, sizes, by_size) -> tuple[DPStage, ...]:
     """Rebuild the stages from the DP's argmin table."""
     out, k, d = [], 0, D
     while sigma > 0:
-        i, j = arg[(sigma, k, d)]
+        i, j = (int(x) for x in arg[:, sigma, k, d])
         out.append(DPStage(k, i, j))
         k, d, sigma = i + 1, d - distinct[j], sigma - 1
     return tuple(out)

@@ -30,9 +30,11 @@ LR, EPS, STEPS = 1e-3, 1e-6, 3
 
 def layout_options(layout: str, model_name: str, cluster, model, batch, recompute="none") -> tuple:
     """(cluster, plan options) for a layout: "auto" squeezes memory (with ``recompute``'s forced layers
-    recomputing) so the plan must shard; "dp" pins the batch split on every axis and replicated parameters;
-    "ep" pins MoE expert weights split by expert and the grouped matmuls' outputs Partial (each device's
-    experts' rows: expert parallelism)."""
+    recomputing) so the plan must shard (ZeRO held out: it would buy the memory without sharding a tensor,
+    and these suites step a torch optimizer over ``pm.parameters()``; tests/test_precision.py covers ZeRO);
+    "dp" pins the batch split on every axis and replicated parameters;
+    "ep" pins MoE expert weights split by expert and the grouped matmuls' and the expert activation's
+    outputs to their experts' rows (EXPERT_ROWS: expert parallelism, the expert MLP without communication)."""
     if layout == "dp":
         replicated = "R" * len(cluster.mesh_shape)
         split = "".join("S(0)" if size > 1 else "R" for size in cluster.mesh_shape)
@@ -41,10 +43,10 @@ def layout_options(layout: str, model_name: str, cluster, model, batch, recomput
     if layout == "ep":  # expert parallel: every MoE expert weight split by experts on the widest axis
         axis = max(range(len(cluster.mesh_shape)), key=lambda a: cluster.mesh_shape[a])
         spec = "".join("S(0)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
-        partial = "".join("P" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
-        return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": partial}}
-    floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute))
-    return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1}
+        rows = "".join("P(rows)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
+        return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": rows, "silu*": rows}}
+    floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute, zero=0))
+    return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1, "zero": 0}
 
 
 PIPELINES = {
@@ -62,8 +64,8 @@ def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tu
     1F1B 2 or 1) and on the memory model, and leave no window that both forces and admits sharding."""
     shape, schedule = layout.split("-")
     stages = PIPELINES[shape]
-    options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages)}
-    if shape == "pp2x2":
+    options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages), "zero": 0}
+    if shape == "pp2x2":  # ZeRO held out as in layout_options
         free = autopar.plan(model, cluster, batch, **options, recompute=recompute)
         cluster = cluster.with_memory(0.85 * max(s.predicted["memory"] for s in free.stages))
     return cluster, options

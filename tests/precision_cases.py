@@ -1,8 +1,10 @@
 """Cases for tests/test_precision.py: every one runs in each rank of one 4-rank ``autopar.launch``.
 
 A case is (model, layout, precision, zero, sabotage). Layouts: "dp" (one 2×2 stage, parameters pinned
-replicated, the batch split over both axes: every parameter's gradient goes through the bucketed sync) and
-"pp" (2 stages × 2 devices, 4 microbatches, 1F1B). Each case trains 3 AdamW steps with ``pm.optimizer`` on
+replicated, the batch split over both axes: every parameter's gradient goes through the bucketed sync; "dp-rc"
+the same with every layer recomputed in backward), "tp" (one 2×2 stage: Megatron's tensor parallelism on axis
+1, the batch and ZeRO on axis 0) and "pp" (2 stages × 2 devices, 4 microbatches, 1F1B). Each case trains 3
+AdamW steps with ``pm.optimizer`` on
 the sharded module, and the same on single-device copies: one under the same precision policy (autocast,
 and ``torch.amp.GradScaler`` for fp16), one in fp32. It reports the loss and parameter errors against both,
 the bytes of parameters, gradients and optimizer state this rank holds (counted from the tensors: distinct
@@ -10,26 +12,38 @@ storages), the plan's prediction of them, and the gradient sync's events.
 
 Sabotage "sync": every bucket's all-reduce runs on a copy of its buffer, and every reduce-scatter on
 zeros, so no rank gets the reduced gradients (the negative control of the bucketed, overlapped sync).
+Sabotage "gather": every ZeRO-3 unit all-gather fills only this rank's shard, the rest stays zero (the
+negative control of parameters sharded between uses).
 """
 import copy
+import os
+import shutil
+import tempfile
 
 import torch
 
 import autopar
-from autopar.runtime import gradsync
+from autopar.runtime import gradsync, zero3
 from tests.models import FACTORIES
 from tests.parity import rel
 
 LR, EPS, STEPS = 1e-3, 1e-6, 3
 BUCKET_BYTES = 20000  # several buckets even for the small test models, so overlap is visible
 PIPE = [{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 2]}]
-DP_PINS = {"gpt": ("idx", "targets"), "llama": ("input_ids", "labels")}
+DP_PINS = {"gpt": ("idx", "targets"), "llama": ("input_ids", "labels"), "zoo_llama": ("input_ids", "labels")}
+# Megatron's layout on mesh axis 1 (column-parallel q/k/v/gate/up, row-parallel o/down), batch over axis 0
+TP_PINS = {"zoo_llama": {**{f"p_*_{w}_proj_weight": "RS(0)" for w in ("q", "k", "v", "gate", "up")},
+                         "p_*_o_proj_weight": "RS(1)", "p_*_down_proj_weight": "RS(1)",
+                         "input_ids": "S(0)R", "labels": "S(0)R"}}
 
 
 def options(model_name: str, layout: str) -> dict:
-    if layout == "dp":
+    if layout in ("dp", "dp-rc"):  # dp-rc: every layer recomputes its activations in backward
         a, b = DP_PINS[model_name]
-        return {"stages": 1, "pin": {"p_*": "RR", a: "S(0)S(0)", b: "S(0)S(0)"}}
+        rc = {"recompute": "full"} if layout == "dp-rc" else {}
+        return {"stages": 1, "pin": {"p_*": "RR", a: "S(0)S(0)", b: "S(0)S(0)"}, **rc}
+    if layout == "tp":
+        return {"stages": 1, "pin": TP_PINS[model_name]}
     return {"stages": PIPE, "microbatches": 4, "layers": 2, "schedule": "1f1b"}
 
 
@@ -66,7 +80,7 @@ def held_bytes(pm, opt) -> dict:
         return float(sum(seen.values()))
 
     params = list(pm.runner.gm.parameters())
-    return {"params": total(params), "grads": total([p.grad for p in params + opt.targets]),
+    return {"params": total(params + opt.targets), "grads": total([p.grad for p in params + opt.targets]),
             "optimizer": total([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])}
 
 
@@ -88,6 +102,9 @@ def run_case(case) -> dict:
             loss_err[key] = max(loss_err[key], abs(loss - ref_loss) / abs(ref_loss))
     mine = pm.plan.stage_of_rank(torch.distributed.get_rank())
     held = held_bytes(pm, opt)  # before full_state_dict, which allocates nothing it keeps
+    units = pm.runner.gradsync.units.units
+    gathers = sum(u.gathers for u in units)  # ZeRO-3: all-gathers of units in 3 steps
+    peaks = {"step": pm.runner.gradsync.units.peak_bytes, "forward": _forward_peak(pm, batch)}
     full = pm.full_state_dict()
     ref_state = {k: r.model.state_dict() for k, r in refs.items()}
     param_err = {k: max(rel(full[n], v) for n, v in sd.items()) for k, sd in ref_state.items()}
@@ -95,7 +112,18 @@ def run_case(case) -> dict:
     return {"loss": loss, "loss_err": loss_err, "param_err": param_err, "mixed_vs_fp32": mixed_vs_fp32,
             "held": held, "predicted": {k: mine.predicted[f"state_{k}"] for k in held},
             "events": list(pm.runner.gradsync.events), "zero": sorted(set(mine.zero.values())),
-            "buckets": len(pm.runner.gradsync.buckets)}
+            "buckets": len(pm.runner.gradsync.buckets), "units": len(units), "gathers": gathers,
+            "gathered_peak": peaks, "predicted_transient": mine.predicted.get("zero3_transient", 0.0),
+            "regions": sum(1 for name, _ in pm.runner.gm.named_children() if name.startswith("recompute_"))}
+
+
+def _forward_peak(pm, batch) -> float:
+    """Most bytes of ZeRO-3 units gathered at once in one forward without gradients (every microbatch's)."""
+    units = pm.runner.gradsync.units
+    units.peak_bytes = units.gathered_bytes
+    with torch.no_grad():
+        pm(*batch)
+    return float(units.peak_bytes)
 
 
 def overflow_case(model_name: str = "gpt") -> dict:
@@ -129,10 +157,67 @@ def run_all(rank: int, cases: list) -> dict:
         finally:
             undo()
     out["overflow"] = overflow_case()
+    out["zero3_checkpoint"] = zero3_checkpoint_case(tempfile.gettempdir())
     return out
 
 
+def zero3_checkpoint_case(scratch: str) -> dict:
+    """ZeRO-3 and pm.save/load (model state): GPT dp at level 3 trains 2 steps and saves; a module compiled
+    from other weights at level 3 (and one at level 0) loads it, and one more step with a fresh AdamW must
+    give what the saving module gives. Negative control: at level 3 with the loaded values never folded into
+    the shards (``Unit.absorb`` off) the step starts from the other weights' shards."""
+    rank = torch.distributed.get_rank()
+    box = [os.path.join(scratch, f"autopar-zero3-{os.getpid()}") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    model, batch = FACTORIES["gpt"]()
+    pm = _zero3_module(model, batch, 3)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    for _ in range(2):
+        pm.train_step(*batch)
+        opt.step()
+        opt.zero_grad()
+    pm.save(box[0])
+    saved = pm.full_state_dict()
+    local = pm.state_dict()  # copies: the units it gathered are freed by the next forward
+    with torch.no_grad():
+        pm(*batch)
+    keys = {info.name: info.fqn for info in pm._graph.placeholders if info.fqn in saved}
+    out = {"state_dict_err": max(rel(v, saved[keys[k.rsplit(".", 1)[-1]]]) for k, v in local.items()
+                                 if k.rsplit(".", 1)[-1] in keys)}
+    expected = _one_fresh_step(pm, batch)
+    other, _ = FACTORIES["gpt"](seed=1)
+    for name, level, absorb in (("z3", 3, zero3.Unit.absorb), ("z0", 0, zero3.Unit.absorb),
+                                ("z3_no_absorb", 3, lambda unit: setattr(unit, "dirty", False))):
+        original, zero3.Unit.absorb = zero3.Unit.absorb, absorb
+        try:
+            loaded = _zero3_module(other, batch, level)
+            loaded.load(box[0])
+            out[f"load_err_{name}"] = max(rel(v, saved[k]) for k, v in loaded.full_state_dict().items())
+            after = _one_fresh_step(loaded, batch)
+        finally:
+            zero3.Unit.absorb = original
+        out[f"step_err_{name}"] = max(rel(v, expected[k]) for k, v in after.items())
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    return out
+
+
+def _zero3_module(model, batch, level: int):
+    return autopar.compile(model, autopar.Cluster.local(4, mesh_shape=(2, 2)), batch, zero=level,
+                           bucket_bytes=BUCKET_BYTES, **options("gpt", "dp"))
+
+
+def _one_fresh_step(pm, batch) -> dict:
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    pm.train_step(*batch)
+    opt.step()
+    return pm.full_state_dict()
+
+
 def _sabotage(kind):
+    if kind == "gather":
+        return _sabotage_gather()
     if kind != "sync":
         return lambda: None
     original = gradsync._start
@@ -143,3 +228,16 @@ def _sabotage(kind):
 
     gradsync._start = broken
     return lambda: setattr(gradsync, "_start", original)
+
+
+def _sabotage_gather():
+    """ZeRO-3's negative control: every unit all-gather leaves the other ranks' shards zero."""
+    original = zero3._ALL_GATHER
+
+    def own_shard_only(out, shard, group=None):
+        out.zero_()
+        lo = torch.distributed.get_rank(group) * shard.numel()
+        out[lo:lo + shard.numel()].copy_(shard)
+
+    zero3._ALL_GATHER = own_shard_only
+    return lambda: setattr(zero3, "_ALL_GATHER", original)

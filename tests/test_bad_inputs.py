@@ -44,13 +44,13 @@ def odd_mlp():
 
 def squeezed(cluster, model, batch):
     """The cluster with a memory budget that forces sharding (between the least and the replicated need)."""
-    floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions())
+    floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(zero=0))
     return cluster.with_memory(floor + 0.3 * (replicated - floor))
 
 
 def test_dimensions_no_axis_divides_are_never_sharded():
     model, batch = odd_mlp()
-    plan = autopar.plan(model, squeezed(autopar.Cluster.local(4), model, batch), batch, stages=1)
+    plan = autopar.plan(model, squeezed(autopar.Cluster.local(4), model, batch), batch, stages=1, zero=0)
     for name, sharding in plan.stages[0].shardings.items():
         assert "S(" not in sharding.out or name.startswith("p_fc2"), (name, sharding.out)
 
@@ -87,7 +87,7 @@ def runtime_mistakes(rank: int) -> dict:
     out["input dtype"] = _outcome(lambda: pm(batch[0].float(), batch[1]))
     odd, odd_batch = odd_mlp()
     reference = copy.deepcopy(odd)
-    pm_odd = autopar.compile(odd, squeezed(autopar.Cluster.local(2), odd, odd_batch), odd_batch)
+    pm_odd = autopar.compile(odd, squeezed(autopar.Cluster.local(2), odd, odd_batch), odd_batch, zero=0)
     out["odd sizes loss"] = (pm_odd.train_step(*odd_batch).item(), reference(*odd_batch).item())
     return out
 

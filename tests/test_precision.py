@@ -1,6 +1,8 @@
 """Precision policy, ZeRO and the overlapped gradient sync: parity, memory, loss scaling, bad input.
 
-One 4-rank launch runs every case of ``tests/precision_cases.py`` (2×2 mesh; GPT example).
+One 4-rank launch runs every case of ``tests/precision_cases.py`` (2×2 mesh; the GPT example; the zoo's HF
+``LlamaForCausalLM`` at ZeRO 1, 2 and 3: data parallel, pipelined, and at 1 and 2 Megatron tensor parallel
+with ZeRO on the data-parallel axis).
 
 Tolerances. fp32: as tests/test_parity.py (loss ≤ 1e-5 relative per step, parameters ≤ 1e-4 per tensor
 after 3 AdamW steps), at every ZeRO level, SPMD and pipelined. bf16/fp16: the parallel run is compared with
@@ -17,13 +19,24 @@ from autopar.driver import PlanOptions
 from autopar.errors import InfeasibleError, PlanError, PrecisionError
 from autopar.ir.precision import POLICIES, check_device
 from tests.models import FACTORIES
-from tests.precision_cases import options, run_all
+from tests.precision_cases import STEPS, options, run_all
 
 CASES = [
     ("gpt", "dp", "fp32", 0, None), ("gpt", "dp", "fp32", 1, None), ("gpt", "dp", "fp32", 2, None),
     ("gpt", "pp", "fp32", 0, None), ("gpt", "pp", "fp32", 2, None),
     ("gpt", "dp", "bf16", 0, None), ("gpt", "dp", "fp16", 2, None),
     ("gpt", "dp", "fp32", 2, "sync"), ("gpt", "pp", "fp32", 0, "sync"),
+    ("zoo_llama", "dp", "fp32", 1, None), ("zoo_llama", "dp", "fp32", 2, None),
+    ("zoo_llama", "pp", "fp32", 1, None), ("zoo_llama", "pp", "fp32", 2, None),
+    ("zoo_llama", "tp", "fp32", 1, None), ("zoo_llama", "tp", "fp32", 2, None),
+    ("zoo_llama", "dp", "fp32", 2, "sync"), ("zoo_llama", "pp", "fp32", 1, "sync"),
+    ("zoo_llama", "tp", "fp32", 2, "sync"),
+    ("gpt", "dp", "fp32", 3, None), ("gpt", "pp", "fp32", 3, None), ("gpt", "dp", "bf16", 3, None),
+    ("gpt", "dp-rc", "fp32", 3, None),
+    ("zoo_llama", "dp", "fp32", 3, None), ("zoo_llama", "pp", "fp32", 3, None),
+    ("hf_gpt2", "pp", "fp32", 3, None),  # tied embedding on both stages: kept at level 0, the rest at 3
+    ("gpt", "dp", "fp32", 3, "gather"), ("gpt", "pp", "fp32", 3, "gather"),
+    ("zoo_llama", "dp", "fp32", 3, "gather"), ("zoo_llama", "pp", "fp32", 3, "gather"),
 ]
 PARITY = [c for c in CASES if c[2] == "fp32" and not c[4]]
 MIXED = [c for c in CASES if c[2] != "fp32"]
@@ -77,9 +90,34 @@ def test_held_state_bytes_equal_plan_prediction(results, case):
 
 @pytest.mark.distributed
 def test_zero_levels_shrink_what_ranks_hold(results):
-    z0, z1, z2 = (results[0][("gpt", "dp", "fp32", z, None)]["held"] for z in (0, 1, 2))
+    z0, z1, z2, z3 = (results[0][("gpt", "dp", "fp32", z, None)]["held"] for z in (0, 1, 2, 3))
     assert z1["optimizer"] < z0["optimizer"] / 3 and z1["grads"] == z0["grads"]
     assert z2["grads"] < z0["grads"] / 3 and z2["optimizer"] == z1["optimizer"]
+    assert z3["params"] < z0["params"] / 3 and z3["grads"] == z2["grads"] and z3["optimizer"] == z2["optimizer"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3 and c[2] == "fp32"], ids=_id)
+def test_zero3_gathers_every_unit_in_each_microbatch_forward_and_backward(results, case):
+    """fp32 saves the parameters themselves for backward, so each unit is freed after its forward use and
+    gathered again in backward: 2 × units × microbatches × steps all-gathers."""
+    microbatches = 1 if case[1].startswith("dp") else options(case[0], case[1])["microbatches"]
+    for per_rank in results:
+        r = per_rank[case]
+        assert r["buckets"] >= r["units"] > 1
+        assert r["gathers"] == 2 * r["units"] * microbatches * STEPS, r
+        assert (r["regions"] > 0) == (case[1] == "dp-rc"), "dp-rc must run recomputed regions (their replay gathers)"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3 and not c[4]], ids=_id)
+def test_zero3_units_gathered_at_once_equal_plan_prediction(results, case):
+    """The most bytes of units gathered at once, in a forward and over whole training steps (backward's
+    re-gathers included), equal the plan's ``zero3_transient``."""
+    for per_rank in results:
+        r = per_rank[case]
+        assert r["predicted_transient"] > 0
+        assert r["gathered_peak"] == {"forward": r["predicted_transient"], "step": r["predicted_transient"]}, r
 
 
 @pytest.mark.distributed
@@ -102,13 +140,24 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(results):
         assert steps[1]["scale_after"] == steps[1]["scale_before"] / 2 == steps[2]["scale_after"]
 
 
+@pytest.mark.distributed
+def test_zero3_checkpoint_loads_into_level_3_and_level_0(results):
+    for per_rank in results:
+        r = per_rank["zero3_checkpoint"]
+        assert r["state_dict_err"] == 0.0, "pm.state_dict() at level 3 holds the replicated parameters whole"
+        assert r["load_err_z3"] == r["load_err_z0"] == 0.0, r
+        assert r["step_err_z3"] <= 1e-6 and r["step_err_z0"] <= 1e-4, r
+        assert r["load_err_z3_no_absorb"] == 0.0 and r["step_err_z3_no_absorb"] > 1e-2, \
+            f"loaded values never reaching the shards went unnoticed: {r}"
+
+
 # ---- bad input (no processes) ------------------------------------------------------------------------------
 def test_unknown_precision_is_one_clear_error():
     with pytest.raises(PrecisionError, match="precision='fp8'.*bf16"):
         PlanOptions(precision="fp8")
 
 
-@pytest.mark.parametrize("zero", [3, "yes", {"blocks.*": 5}])
+@pytest.mark.parametrize("zero", [4, "yes", {"blocks.*": 5}])
 def test_unknown_zero_level_is_one_clear_error(zero):
     with pytest.raises(PlanError, match="ZeRO setting"):
         PlanOptions(zero=zero)

@@ -56,7 +56,7 @@ def test_slow_link_recomputes_rather_than_shard():
 def test_fast_link_shards_rather_than_recompute():
     loose = _plan(1e12, 16, recompute="none")
     budget = 0.8 * loose.stages[0].predicted["memory"] / GiB
-    plan = _plan(1e12, budget)
+    plan = _plan(1e12, budget, zero=0)  # TP against recompute; ZeRO, the third lever: tests/test_zero_planner.py
     (stage,) = plan.stages
     assert not stage.recompute, "tensor parallelism was cheaper than recompute over a fast link"
     assert _sharded(stage) > _sharded(loose.stages[0])

@@ -233,7 +233,7 @@ def two_rank_cases(rank: int) -> dict:
     model, batch = make_flip_model()
     reference = copy.deepcopy(model)
     cluster, _ = layout_options("auto", "mlp", autopar.Cluster.local(2), model, batch)
-    pm = autopar.compile(model, cluster, batch, **one_stage())
+    pm = autopar.compile(model, cluster, batch, zero=0, **one_stage())
     out["flip"] = (pm.train_step(*batch).item(), reference(*batch).item(),
                    sum("S" in s.out for s in pm.plan.stages[0].shardings.values()))
     first = autopar.compile(copy.deepcopy(reference), autopar.Cluster.local(2, mesh_shape=(1, 2)), batch,

@@ -85,3 +85,42 @@ def sync_buckets(gm: fx.GraphModule, deferred: dict[str, tuple], levels: dict[st
 def padded_numel(numel: int, ways: int, level: int) -> int:
     """Elements of a bucket's flat buffer: ``numel``, padded for ZeRO (level ≥ 1) to ``ways`` equal shards."""
     return numel if level == 0 else -(-numel // ways) * ways
+
+
+def parameter_sources(graph: fx.Graph, unit_of: dict[str, int], param_op: str) -> dict[fx.Node, set[int]]:
+    """ZeRO-3: {node holding unit parameters: their units}: the parameter nodes (``unit_of``: {node name of
+    op ``param_op``, "get_attr" in a generated module or "placeholder" in the captured graph: its unit})
+    and the nodes computed from them only (a view or a cast of a weight, which may alias its storage)."""
+    sources: dict[fx.Node, set[int]] = {}
+    for node in graph.nodes:
+        if node.op == param_op and node.name in unit_of:
+            sources[node] = {unit_of[node.name]}
+        elif node.op in ("call_function", "call_method") and node.all_input_nodes and all(
+                a in sources for a in node.all_input_nodes):
+            sources[node] = set().union(*(sources[a] for a in node.all_input_nodes))
+    return sources
+
+
+def unit_spans(graph: fx.Graph, unit_of: dict[str, int], param_op: str) -> dict[int, tuple[fx.Node, fx.Node]]:
+    """ZeRO-3: {unit: (first, last) node reading its parameters}, in graph order: the users of its
+    ``parameter_sources`` (the output node among them). The runtime gathers a unit before ``first`` and
+    frees it after ``last``; the planner sums the units gathered at once over the same spans."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    spans: dict[int, tuple[fx.Node, fx.Node]] = {}
+    for node, units in parameter_sources(graph, unit_of, param_op).items():
+        for user in node.users:
+            for unit in units:
+                first, last = spans.get(unit, (user, user))
+                spans[unit] = (min(first, user, key=order.get), max(last, user, key=order.get))
+    return spans
+
+
+def peak_gathered(spans: dict[int, tuple[int, int]], nbytes: dict[int, float]) -> float:
+    """The most bytes of ZeRO-3 units gathered at once: ``spans`` {unit: (first, last) reader position}."""
+    events = sorted([(a, 0, nbytes[u]) for u, (a, _) in spans.items()]
+                    + [(b, 1, -nbytes[u]) for u, (_, b) in spans.items()])
+    peak = held = 0.0
+    for _, _, delta in events:
+        held += delta
+        peak = max(peak, held)
+    return peak

@@ -21,7 +21,8 @@ Invariants:
     placements, so DCP records the global shape and this shard's offsets: no rank gathers a parameter,
     and DCP writes each replicated chunk once;
   * optimizer state shaped like its parameter takes the parameter's placements; other state (the step
-    count) is replicated;
+    count) is replicated; the flat shard state of a ZeRO ≥ 1 bucket is written under its parameters' own
+    keys as rectangles at their global offsets (``checkpoint_zero``), so any plan reads it back;
   * a parameter held by several pipeline stages is saved by the lowest-index stage only; on load every
     holder reads it;
   * load writes into the live parameters, buffers and optimizer state in place.
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import CheckpointError
 from autopar.placement import parse_spec
 from autopar.runtime import checkpoint_files as files
+from autopar.runtime.checkpoint_zero import bucket_entries
 
 FORMAT = 2  # 2: manifest.json, staging directory switched in by rename
 
@@ -180,8 +182,12 @@ def _optimizer_entries(pm, optimizer, fqns: set[str]) -> dict[str, dict]:
         if local is not None and info.fqn in fqns:
             held[id(local)] = (info, spec)
     out = {}
+    shards = _zero_shards(pm)
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if id(p) in shards:
+                out.update(_zero_bucket_entries(pm, stage, shards[id(p)], optimizer.state.get(p, {}), fqns))
+                continue
             if id(p) not in held:
                 _raise_foreign_parameter(pm, p)
                 continue  # a parameter of pm whose entry another pipeline stage writes
@@ -190,6 +196,24 @@ def _optimizer_entries(pm, optimizer, fqns: set[str]) -> dict[str, dict]:
                              if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0 else v
                              for name, v in optimizer.state.get(p, {}).items()}
     return out
+
+
+def _zero_shards(pm) -> dict:
+    """{id(shard parameter): its bucket} for this rank's ZeRO ≥ 1 gradient-sync buckets."""
+    sync = getattr(pm.runner, "gradsync", None)
+    return {id(b.shard): b for b in (sync.buckets if sync is not None else []) if b.level >= 1}
+
+
+def _zero_bucket_entries(pm, stage, bucket, state: dict, fqns: set[str]) -> dict[str, dict]:
+    """A ZeRO bucket's flat optimizer state under its parameters' own keys (``checkpoint_zero``)."""
+    infos = {info.name: (info.fqn, info.shape) for info in pm._graph.placeholders
+             if info.name in bucket.names and info.fqn in fqns}
+
+    def dtensor_of(name: str) -> DTensor:
+        local, spec, _ = pm.runner.local_state(name)
+        return _as_dtensor(local.detach(), spec, stage, infos[name][1])
+
+    return bucket_entries(bucket, state, infos, dtensor_of)
 
 
 def _raise_foreign_parameter(pm, p: torch.Tensor) -> None:

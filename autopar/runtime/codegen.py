@@ -25,8 +25,9 @@ import torch.utils._pytree as pytree
 
 from autopar.errors import PlanError
 from autopar.ir.buckets import deferrable_syncs
+from autopar.ir.expert_rows import rows_source
 from autopar.ir.ops import OpView
-from autopar.placement import R, Spec, local_shape, local_slice, parse_spec
+from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, local_slice, parse_spec
 from autopar.redistribute import grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
 from autopar.runtime import kernels as K
@@ -133,8 +134,27 @@ class _Emitter:
             value = self.env[arg.name]
             if item is not None:
                 value = self.new.call_function(operator.getitem, (value, item))
-            self.moved[key] = self.redistribute(value, self.spec_of(arg.name), dst, grad_axes)
+            value, src = self._pad_expert_rows(arg, value, self.spec_of(arg.name), dst)
+            self.moved[key] = self.redistribute(value, src, dst, grad_axes)
         return self.moved[key]
+
+    def _pad_expert_rows(self, arg: fx.Node, value: fx.Node, src: Spec, dst: Spec) -> tuple[fx.Node, Spec]:
+        """An EXPERT_ROWS value read as anything else is first padded back to all rows (a plain Partial):
+        its rows start at the offset of the first expert its grouped matmul holds here."""
+        leaving = [a for a, p in enumerate(src) if p == EXPERT_ROWS and dst[a] != EXPERT_ROWS]
+        if not leaving:
+            return value, src
+        source = rows_source(arg)
+        if source is None:
+            raise PlanError(f"{arg.name} is laid out by experts' rows but comes from no grouped expert matmul")
+        w_spec = parse_spec(self.stage.shardings[source.name].ins[1])
+        first = _chunk_offset(w_spec, 0, source.args[1].meta["val"].shape[0], self.mesh_shape, self.coord)
+        offs = source.args[2]
+        offs_value = self.redistribute(self.env[offs.name], self.spec_of(offs.name), (R,) * len(src))
+        val = arg.meta["val"]
+        total = (val[0] if isinstance(val, (tuple, list)) else val).shape[0]  # a split's pieces keep all rows
+        padded = self.new.call_function(K.pad_expert_rows, (value, offs_value, first, total))
+        return padded, tuple(P if a in leaving else p for a, p in enumerate(src))
 
     def _localize_shapes(self, node: fx.Node, out_spec: Spec, args: list) -> list:
         packet = getattr(node.target, "overloadpacket", None)
@@ -165,7 +185,10 @@ class _Emitter:
             return self._loss_kernel(node, view, ins, axes, args)
         if "local_experts" in tags:
             first = _chunk_offset(ins[1], 0, view.in_shapes[1][0], self.mesh_shape, self.coord)
-            return K.local_experts_grouped_mm, [args[0], args[1], args[2], first], {}
+            native = node.target is aten._grouped_mm.default
+            x_rows, pad = EXPERT_ROWS in ins[0], EXPERT_ROWS not in self.spec_of(node.name)
+            return K.local_experts_grouped_mm, [args[0], args[1], args[2], first, native, x_rows, pad,
+                                                view.in_shapes[0][0]], {}
         return target, args, kwargs
 
     def _loss_kernel(self, node, view, ins, axes, args):

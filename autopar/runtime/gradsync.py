@@ -13,8 +13,11 @@ its ZeRO level over its n-way group (the mesh axes it is synced over):
   * 1: the parameters are views of one flat buffer padded to n equal shards; the rank's shard of it is the
     ``shard`` parameter the optimizer steps; gradients are reduce-scattered into the rank's slice of the flat
     gradient buffer (kept whole, as Megatron's distributed optimizer keeps its grad buffer);
-  * 2: as 1, but the full gradients are freed after the reduce-scatter: only the shard's gradient is kept.
-After the optimizer steps the shards, ``gather_params`` all-gathers them into the flat parameter buffers.
+  * 2: as 1, but the full gradients are freed after the reduce-scatter: only the shard's gradient is kept;
+  * 3: as 2, and the shard is the only copy of the parameters between uses: the flat parameter buffer is
+    gathered and freed around each use (``runtime.zero3``: the bucket is an FSDP unit).
+After the optimizer steps the shards, ``gather_params`` all-gathers them into the flat parameter buffers
+(levels 1 and 2; level 3 gathers at the next use).
 Gradients are reduced in the precision policy's ``reduce_dtype`` (a temporary copy when it is not float32).
 
 ``sync_shared``: a parameter read by several stages (tied embeddings: GPT-2's token embedding is also
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from autopar.ir.buckets import padded_numel, sync_buckets
 from autopar.placement import local_slice, parse_spec
-from autopar.runtime import faults, groups
+from autopar.runtime import faults, groups, zero3
 from autopar.runtime.collectives import gather_full
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -76,7 +79,8 @@ class Bucket:
         for p, a, b in self._offsets():
             self.param_flat[a:b].copy_(p.detach().reshape(-1))
             p.data = self.param_flat[a:b].view_as(p)
-        self.shard = torch.nn.Parameter(self.param_flat[self.lo:self.hi])
+        own = self.param_flat[self.lo:self.hi]
+        self.shard = torch.nn.Parameter(own.clone() if self.level == 3 else own)  # level 3 frees param_flat
 
     def _grads_as_views(self) -> None:
         """Point every ``p.grad`` at its slice of the flat buffer (copying a gradient allocated elsewhere)."""
@@ -135,6 +139,7 @@ class GradSync:
         numel = {n: getattr(gm, n).numel() for n in deferred}
         specs = sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
         self.buckets = [Bucket(gm, spec, mesh_index, stage.mesh_shape) for spec in specs]
+        self.units = zero3.Units(gm, self.buckets)
         self._args = (graph, stage, mesh_index, microbatches, bucket_bytes, reduce_dtype, timeout)
         self.microbatches, self.reduce_dtype = microbatches, reduce_dtype
         self.timeout = timeout or datetime.timedelta(seconds=300)
@@ -180,11 +185,14 @@ class GradSync:
         for i, bucket in enumerate(self.buckets):
             bucket.complete(self.timeout)
             self.events.append(("done", i, time.perf_counter(), 0))
+        self.units.free_all()  # a unit some parameter of which got no gradient is still gathered
 
     def gather_params(self) -> None:
+        """After the optimizer step: all-gather the updated shards (levels 1, 2); level 3 units stay freed."""
         for bucket in self.buckets:
-            if bucket.level >= 1:
+            if bucket.level in (1, 2):
                 bucket.gather_params()
+        self.units.free_all()
 
 
 def _group_key(mesh_index: int, axes, mesh_shape) -> str:

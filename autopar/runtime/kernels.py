@@ -14,7 +14,8 @@ With row shards, a mean is the local sum divided by the *global* count of counte
 (``ignore_index`` excluded), so each rank's value is a summand of the true mean (a Partial).
 
 ``local_experts_grouped_mm``: expert parallelism for ``transformers``' grouped expert matmul (see
-``passes/strategies/experts.py``): this rank holds experts [e0, e0 + n) and computes their rows only.
+``passes/strategies/experts.py``): this rank holds experts [e0, e0 + n) and computes their rows only, kept
+compact (``EXPERT_ROWS``) until ``pad_expert_rows`` puts them back among all rows as a plain Partial.
 """
 from __future__ import annotations
 
@@ -35,16 +36,30 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, vocab_
     return rows * (~outside).unsqueeze(-1).to(rows.dtype)
 
 
-def local_experts_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                             first_expert: int) -> torch.Tensor:
-    """Rows of x [S, K] routed to the local experts ``weight`` [n, K, N] times their expert; zero rows for
-    the other experts. ``offs`` [E] are the global cumulative row ends; the local rows are the slice
-    [offs[e0 - 1], offs[e0 + n - 1]), whose local offsets are those ends minus its start."""
+def local_experts_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, first_expert: int,
+                             native: bool, x_rows: bool, pad: bool, total_rows: int) -> torch.Tensor:
+    """The rows of x [S, K] routed to the local experts ``weight`` [n, K, N], each times its expert.
+
+    ``offs`` [E] are the global cumulative row ends, so the local rows are the slice [lo, hi) =
+    [offs[e0 - 1], offs[e0 + n - 1]), and their local offsets are those ends minus lo. ``x_rows``: x holds
+    only those rows already (an EXPERT_ROWS input), else x is whole and is sliced. The result is those rows
+    only (EXPERT_ROWS), or with ``pad`` all ``total_rows``, zero outside [lo, hi) (a plain Partial).
+    ``native``: the graph's op was ``aten._grouped_mm`` (bf16 models), else ``transformers``' fallback."""
     ends = offs[first_expert:first_expert + weight.shape[0]]
     lo = int(offs[first_expert - 1]) if first_expert > 0 else 0
-    hi = int(ends[-1])
-    rows = torch.ops.transformers.grouped_mm_fallback(x[lo:hi], weight, ends - lo)
-    return F.pad(rows, (0, 0, lo, x.shape[0] - hi))
+    local = x if x_rows else x[lo:int(ends[-1])]
+    if native:
+        rows = torch.ops.aten._grouped_mm(local, weight, ends - lo)
+    else:
+        rows = torch.ops.transformers.grouped_mm_fallback(local, weight, ends - lo)
+    return pad_expert_rows(rows, offs, first_expert, total_rows) if pad else rows
+
+
+def pad_expert_rows(rows: torch.Tensor, offs: torch.Tensor, first_expert: int, total_rows: int) -> torch.Tensor:
+    """An EXPERT_ROWS value (this device's rows, from row offs[first_expert - 1] on) as a plain Partial: all
+    ``total_rows`` rows, zero outside its own."""
+    lo = int(offs[first_expert - 1]) if first_expert > 0 else 0
+    return F.pad(rows, (0, 0) * (rows.dim() - 1) + (lo, total_rows - lo - rows.shape[0]))
 
 
 def _reduce(x: torch.Tensor, keys: list[str], op=dist.ReduceOp.SUM) -> torch.Tensor:

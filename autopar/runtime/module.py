@@ -11,7 +11,8 @@ Contract (tests outside this repository rely on it):
     ``pm.parameters()`` works as well;
   * ``pm.parameters()`` are this rank's shards, so any torch optimizer steps them; for the same reason
     ``pm.state_dict()`` holds this rank's shards only (use ``full_state_dict()`` for whole tensors, or
-    ``autopar.runtime.checkpoint`` for sharded checkpoints);
+    ``autopar.runtime.checkpoint`` for sharded checkpoints); with ZeRO-3 it is a collective of each
+    data-parallel group and holds copies of the parameters (they are sharded between uses);
   * ``pm.full_state_dict()`` has the keys and shapes of ``model.state_dict()``;
   * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank.
 """
@@ -72,6 +73,19 @@ class ParallelModule(torch.nn.Module):
         return self.runner.code
 
     # ---- state ---------------------------------------------------------------------------------
+    def state_dict(self, *args, **kwargs):
+        """``nn.Module.state_dict``; ZeRO-3 parameters are gathered first (a collective) and copied, as their
+        storage is freed again at the next use (``runtime.zero3``)."""
+        units = getattr(getattr(self.runner, "gradsync", None), "units", None)
+        for unit in getattr(units, "units", ()):
+            unit.gather()
+        out = super().state_dict(*args, **kwargs)
+        for unit in getattr(units, "units", ()):
+            for name in unit.bucket.names:
+                for key in [k for k in out if k.endswith("." + name)]:
+                    out[key] = out[key].clone()
+        return out
+
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """Full tensors for every key of the original ``model.state_dict()`` (a collective: call on all ranks).
 

@@ -85,6 +85,7 @@ class PlanOptimizer:
             scaler.update(found)
             if found:
                 return False
+        self.runner.gradsync.units.absorb_all()
         self.inner.step()
         self.runner.gradsync.gather_params()
         return True

@@ -26,8 +26,9 @@ class StageModule(torch.nn.Module):
         self.policy, self.device_type, self.gradsync, self.scaler = policy, device_type, gradsync_, scaler
 
     def run_module(self, *args):
-        """One call of the generated module, under the precision policy's autocast."""
-        with self.policy.autocast(self.device_type):
+        """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
+        hooks (``runtime.zero3``)."""
+        with self.policy.autocast(self.device_type), self.gradsync.units.hooks():
             return self.gm(*args)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
@@ -38,9 +39,13 @@ class StageModule(torch.nn.Module):
         return self.gm.code
 
     def local_state(self, name: str):
-        """(this rank's shard, its spec text, mesh index) of a parameter/buffer placeholder."""
+        """(this rank's shard, its spec text, mesh index) of a parameter/buffer placeholder. A ZeRO-3
+        parameter is gathered first (a collective of its data-parallel group; writes to it are kept)."""
         if name not in self.stage.shardings or not hasattr(self.gm, name):
             return None, None, None
+        unit = self.gradsync.units.of_param.get(name)
+        if unit is not None:
+            unit.materialize()
         return getattr(self.gm, name), self.stage.shardings[name].out, self.mesh_index
 
 

@@ -62,6 +62,7 @@ from autopar.passes.strategies import (  # noqa: E402,F401  # noqa: E402,F401
     creation,
     einsum,
     embedding,
+    expert_rows,
     experts,
     loss,
     matmul,
@@ -73,15 +74,21 @@ from autopar.passes.strategies import (  # noqa: E402,F401  # noqa: E402,F401
 )
 
 
-def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
-    """Strategies for every node of ``graph.gm`` on ``mesh_shape`` (see module docstring)."""
+def strategy_signature(node: fx.Node) -> str:
+    """Nodes with equal strategy signatures have the same strategy list (index for index): the op's
+    signature, and whether its inputs can carry an expert-parallel layout (``expert_rows.context_key``)."""
     from autopar.ir.ops import node_signature
 
+    return f"{node_signature(node)}|{expert_rows.context_key(node)}"
+
+
+def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
+    """Strategies for every node of ``graph.gm`` on ``mesh_shape`` (see module docstring)."""
     out: dict[str, list[Strategy]] = {}
     missing: set[str] = set()
     by_signature: dict[str, list[Strategy]] = {}  # identical layers share one list (and one object)
     for node in graph.gm.graph.nodes:
-        sig = node_signature(node) if node.op != "output" else None
+        sig = strategy_signature(node) if node.op != "output" else None
         if sig in by_signature:
             out[node.name] = by_signature[sig]
             continue
@@ -109,8 +116,9 @@ def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[St
 def node_strategies(node: fx.Node, mesh_shape: tuple[int, int], fn: RuleFn | None) -> list[Strategy]:
     view = OpView(node)
     base = all_replicated_rule(view)
-    per_axis_rules = [base] + (fn(view) if fn is not None else [])
-    return combine(view, per_axis_rules, mesh_shape)
+    per_axis_rules = [base] + (fn(view) if fn is not None else []) + expert_rows.expert_rows_rules(view)
+    kept = (expert_rows.one_axis_experts(view, s) for s in combine(view, per_axis_rules, mesh_shape))
+    return list(dict.fromkeys(s for s in kept if s is not None))
 
 
 def combine(view: OpView, rules: list[AxisRule], mesh_shape: tuple[int, int]) -> list[Strategy]:

@@ -2,15 +2,19 @@
 
 ``transformers`` 5.x runs the experts of Mixtral, Qwen2-MoE and friends as
 ``grouped_mm(x [S, K], w [E, K, N], offs [E]) -> [S, N]``: the S token-expert rows are sorted by expert,
-and expert e owns rows [offs[e-1], offs[e]) (offs[-1] = 0 implied). Under export, and on devices without
-a native kernel, that is the custom op ``transformers::grouped_mm_fallback`` (a loop of ``mm``). Per axis:
+and expert e owns rows [offs[e-1], offs[e]) (offs[-1] = 0 implied). Which op export records depends on the
+dtype: bf16 weights (what Mixtral-sized models train in) give PyTorch's own ``aten._grouped_mm``; fp32 under
+export gives the custom op ``transformers::grouped_mm_fallback`` (a loop of ``mm``). Both get the same rule
+(``aten._grouped_mm`` only in its MoE form: 2-D x, 3-D w, offsets given, no bias). Per axis:
 
 * split N (the experts' output features): w Shard(2), x Replicate, out Shard(1) — tensor parallel;
 * split K: x Shard(1), w Shard(1), out Partial — the op is linear in each operand;
 * split E (expert parallel): w Shard(0) so each device holds E/W whole experts; x Replicate; each device
   computes only the rows of its own experts and writes zeros elsewhere (``local_experts``), so the sum
-  over the axis is the full output: out Partial. Rows are contiguous per expert, so the local rows are one
-  slice [offs[e0-1], offs[e1-1]) and the device calls the same grouped op on it (exact, differentiable).
+  over the axis is the full output: out ``EXPERT_ROWS``, a Partial whose rows live on one device each,
+  which the expert MLP keeps up to its second matmul (``expert_rows.py``). Rows are contiguous per expert,
+  so the local rows are one slice [offs[e0-1], offs[e1-1]) and the device calls the same grouped op on it
+  (exact, differentiable).
 
 The op is registered by name, since ``transformers`` registers it only when imported.
 
@@ -24,17 +28,20 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Shard
 
+from autopar.ir.expert_rows import is_grouped_mm
 from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
-from autopar.placement import P, R
+from autopar.placement import EXPERT_ROWS, P, R
 
 aten = torch.ops.aten
 GROUPED_MM_FALLBACK = "transformers.grouped_mm_fallback.default"
 
 
-@register(GROUPED_MM_FALLBACK)
+@register(GROUPED_MM_FALLBACK, aten._grouped_mm.default)
 def grouped_mm_rule(view: OpView) -> list[AxisRule]:
+    if not is_grouped_mm(view.node):
+        return []
     (_, k), (experts, _, n) = view.in_shapes[0], view.in_shapes[1]
     rules = []
     if n > 1:
@@ -42,7 +49,7 @@ def grouped_mm_rule(view: OpView) -> list[AxisRule]:
     if k > 1:
         rules.append(AxisRule((Shard(1), Shard(1), R), P))
     if experts > 1:
-        rules.append(AxisRule((R, Shard(0), R), P, "local_experts"))
+        rules.append(AxisRule((R, Shard(0), R), EXPERT_ROWS, "local_experts"))
     return rules
 
 

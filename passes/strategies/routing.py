@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 from autopar.ir.ops import OpView
 from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
-from autopar.placement import R
+from autopar.placement import P, R
 
 aten = torch.ops.aten
 
@@ -28,7 +28,8 @@ def one_hot_rule(view: OpView) -> list[AxisRule]:
 def index_rule(view: OpView) -> list[AxisRule]:
     """``x[i0, i1, ...]`` with index tensors on leading dims 0..n-1 (the form tokens-to-experts dispatch and
     position lookups take): out = broadcast(index shape) + x.shape[n:]. A trailing dim of x keeps its
-    shard (indices Replicate); a dim of a single index tensor splits the output on that dim (x Replicate)."""
+    shard (indices Replicate); a dim of a single index tensor splits the output on that dim (x Replicate).
+    A gather is linear in x: x Partial gives a Partial output (the experts' un-permute reads them so)."""
     indices = view.arg(1)
     if not indices or any(i is None for i in indices):
         return []
@@ -38,6 +39,8 @@ def index_rule(view: OpView) -> list[AxisRule]:
     if n == 1:
         idx_shape = view.in_shapes[1]
         rules += [AxisRule((R, Shard(d)), Shard(d)) for d in range(len(idx_shape)) if idx_shape[d] > 1]
+    if view.out_vals and view.out_vals[0].dtype.is_floating_point:
+        rules.append(AxisRule((P,) + (R,) * n, P))
     return rules
 
 
