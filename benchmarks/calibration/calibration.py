@@ -82,7 +82,8 @@ def layout_options(run: Run, cluster) -> dict:
         options = {"layers": run.alpa_layers, "stages": stages, "microbatches": run.microbatches,
                    "pin": {"idx": "S(0)R", "targets": "S(0)R"} if batch_axis else None}
     options["schedule"] = run.schedule
-    for name, value in (("recompute", run.recompute), ("precision", run.precision)):
+    # none of the published runs sharded optimizer state (ZeRO): keep the planner's zero="auto" out of them
+    for name, value in (("recompute", run.recompute), ("precision", run.precision), ("zero", 0)):
         if name in PLANNER_OPTIONS:
             options[name] = value
     return options
