@@ -90,7 +90,8 @@ class Cluster:
       ``presets.usable_memory``); the planner's budget is ``memory_per_device``.
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
-      (``benchmarks/calibration``); 1.0 for profiled clusters, whose rates are measured.
+      (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
+      step (``autopar.profiler_training``, item 4); 1.0 on profiled GPUs, whose kernels are timed per probe.
     """
 
     name: str

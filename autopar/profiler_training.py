@@ -22,6 +22,19 @@
    of ``F.linear`` (three GEMMs) for each of ``TRAINING_SHAPES``; factor = median over shapes of curve-predicted
    GEMM seconds / (measured - 2 · op_overhead); the curve of the dtype measured (float32 on CPUs, the
    half-precision ones on GPUs) is multiplied by it, and its peak with it.
+4. End-to-end compute factor (CPU ranks). Items 2-3 price op calls and matmuls one by one; a training step
+   also pays what no single probe sees (elementwise ops on tensors larger than the caches, the allocator,
+   autograd's accumulation). Every rank runs forward + backward of ``TinyBlock(PROBE_WIDTH)`` on PROBE_TOKENS
+   tokens, all ranks at once; the cost model prices the same captured graph on the cluster of items 1-3
+   (``probe_step_prediction``: roofline seconds r, host overhead o). A square fp32 ``mm`` of REFERENCE_SIDE is
+   timed right before and after the probe step: the machine's speed then, against the speed the matmul
+   curve recorded (on a shared machine the load drifts between the profile's probes, and a factor taken
+   across them would measure the drift), so with q = reference seconds measured / predicted by the curve
+
+       compute_time_scale = (measured − o) / (r · q)
+
+   which ``cost_models.compute`` multiplies every roofline time by (it does not scale the overhead). The probe
+   is the profiler's own block, not a model being planned. GPU ranks keep 1.0 (kernels are timed per probe).
 """
 from __future__ import annotations
 
@@ -38,6 +51,8 @@ from autopar.cluster import Cluster
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
 TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
 GPU_SCALE = 8  # GPU ranks time each shape 8× larger per side-pair (tokens and d_out), past launch-bound sizes
+PROBE_WIDTH, PROBE_TOKENS = 192, 384  # item 4: a transformer block large enough that its kernels dominate
+REFERENCE_SIDE = 256  # item 4: the square mm timed beside the probe step
 
 
 class TinyBlock(nn.Module):
@@ -102,7 +117,7 @@ def measure_rank(settings, probe) -> dict:
     """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]}}."""
     from autopar.profiler import COLLECTIVES, collective_call
 
-    out = {"mesh": {}, "tiny_step": None, "linears": {}}
+    out = {"mesh": {}, "tiny_step": None, "linears": {}, "probe_step": None, "probe_reference": None}
     for mesh in meshes_of(dist.get_world_size()):
         groups = _axis_groups(mesh)
         for kind in COLLECTIVES:
@@ -114,6 +129,11 @@ def measure_rank(settings, probe) -> dict:
     if probe.kind != "cuda":
         block, x = TinyBlock(), torch.randn(4, 8)
         out["tiny_step"] = _timed(lambda: block(x).backward(), settings, probe)
+        block, x = TinyBlock(PROBE_WIDTH), torch.randn(PROBE_TOKENS, PROBE_WIDTH)
+        a, b = torch.randn(REFERENCE_SIDE, REFERENCE_SIDE), torch.randn(REFERENCE_SIDE, REFERENCE_SIDE)
+        before = _timed(lambda: torch.mm(a, b), settings, probe)
+        out["probe_step"] = _timed(lambda: block(x).backward(), settings, probe)
+        out["probe_reference"] = (before + _timed(lambda: torch.mm(a, b), settings, probe)) / 2
     for name in training_dtypes(probe):
         dtype = getattr(torch, name)
         out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
@@ -138,6 +158,49 @@ def training_matmul_factor(cluster: Cluster, dtype_name: str, shapes, seconds, o
         predicted = 3 * flops / cluster.matmul_flops(dtype_name, flops)
         factors.append(predicted / max(measured - 2 * overhead, 1e-9))
     return statistics.median(factors)
+
+
+def probe_step_prediction(cluster: Cluster, width: int = PROBE_WIDTH, tokens: int = PROBE_TOKENS):
+    """(roofline seconds, overhead seconds) the cost model predicts for forward + backward of
+    ``TinyBlock(width)`` on ``tokens`` tokens on one device of ``cluster``, at compute_time_scale 1."""
+    from autopar.cost_models.compute import compute_time, op_overhead_time
+    from autopar.ir.ops import OpView, requires_grad_nodes
+    from autopar.passes.capture import capture
+    from autopar.placement import R
+
+    graph = capture(TinyBlock(width), (torch.randn(tokens, width),))
+    needs = requires_grad_nodes(graph.gm, {p.name for p in graph.placeholders if p.kind == "parameter"})
+    unscaled = dataclasses.replace(cluster, compute_time_scale=1.0)
+    roofline = overhead = 0.0
+    for node in graph.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        view, grad = OpView(node), node.name in needs
+        whole = _Whole(tuple((R,) * len(getattr(v, "shape", ())) for v in view.in_vals), (R,) * 2)
+        t = compute_time(node, whole, view.in_vals, view.out_vals, (1, 1), unscaled, grad)
+        o = op_overhead_time(unscaled, grad)
+        roofline, overhead = roofline + t - o, overhead + o
+    return roofline, overhead
+
+
+@dataclasses.dataclass(frozen=True)
+class _Whole:
+    """A strategy that keeps every tensor whole on one device (what ``compute_time`` reads of a Strategy)."""
+
+    in_specs: tuple
+    out_spec: tuple
+    work_fraction: float = 1.0
+
+
+def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None = None) -> float:
+    """compute_time_scale of item 4: (measured − predicted overhead) / (predicted roofline · q), q = the
+    reference mm's measured seconds over the curve's (1 when ``reference`` is None)."""
+    roofline, overhead = probe_step_prediction(cluster)
+    q = 1.0
+    if reference is not None:
+        flops = 2.0 * REFERENCE_SIDE**3
+        q = reference / (flops / cluster.matmul_flops("float32", flops))
+    return max(measured - overhead, 1e-9) / max(roofline * q, 1e-12)
 
 
 def _share(alone, axis: int, m0: float, m1: float) -> float:
@@ -178,6 +241,12 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
         curve[name] = [[flops, rate * factor] for flops, rate in curve[name]]
         peak[name] = max(rate for _, rate in curve[name])
         notes.append(f"{name} curve × {factor:.2f} for training-shaped matmuls")
+    out = dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
+                              op_overhead=overhead, matmul_curve=curve, peak_flops=peak)
+    probes = [(r["probe_step"], r["probe_reference"]) for r in per_rank if r.get("probe_step") is not None]
+    if probes:
+        scale = end_to_end_factor(out, statistics.median(p for p, _ in probes), statistics.median(q for _, q in probes))
+        out = dataclasses.replace(out, compute_time_scale=scale)
+        notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
     note = f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; " + ("; ".join(notes) or "no curve scaled")
-    return dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
-                               op_overhead=overhead, matmul_curve=curve, peak_flops=peak), note
+    return out, note

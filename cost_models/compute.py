@@ -15,7 +15,8 @@ dropout with p = 0: found by the fake-tensor probe of ``cost_models.saved_tensor
 
 B is the cluster's *achieved* memory bandwidth (presets: peak × the fraction a streaming kernel reaches,
 cited there), so non-matmul ops are priced by the bandwidth they really get. Every roofline time is then
-multiplied by ``Cluster.compute_time_scale``, the preset's calibrated end-to-end factor (1 when profiled).
+multiplied by ``Cluster.compute_time_scale``, the preset's calibrated end-to-end factor (on a profiled CPU
+cluster, the profiler's measured one).
 
 Attention is priced by the kernel the model really runs (``attention_kernel``): an explicit
 ``aten._scaled_dot_product_{flash,efficient,cudnn}_attention`` node names its fused kernel, and the composite

@@ -15,6 +15,11 @@ the ILP as Alpa left it to its own. Printed per row: predicted and published ste
 ratio = predicted / published throughput (above 1: the model is optimistic); then the median and worst
 |ln ratio| over fitted and hold-out rows apart. Goal: every row within 0.90-1.10.
 
+The plan's predicted step is then re-priced with the transfers and gradient sync the run performed
+(``published_schedule``: Megatron-LM's scatter/gather pipeline sends instead of autopar's gather-then-send,
+and the gradient all-reduce exposed after backward where the run used Megatron's local DDP); the table's
+"predicted" is that step, "planner" the plan's own.
+
 Recompute and precision are passed as ``PlanOptions(recompute=..., precision=...)``: the published runs
 recompute every layer, and the planner prices that (one more forward per layer in backward, only the layer's
 input kept). Precision comes from the model's dtype (``.half()``), which the cost model reads already.
@@ -46,6 +51,7 @@ from autopar.fidelity import log_ratio_summary  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.presets import preset_gpus  # noqa: E402
 from benchmarks.calibration.published import PENDING, RUNS, Run, published_step_time  # noqa: E402
+from benchmarks.calibration.published_schedule import published_prediction  # noqa: E402
 from examples.gpt import GPT, GPTConfig, make_batch  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "calibration.md")
@@ -76,7 +82,8 @@ def layout_options(run: Run, cluster) -> dict:
         options = {"layers": run.alpa_layers, "stages": stages, "microbatches": run.microbatches,
                    "pin": {"idx": "S(0)R", "targets": "S(0)R"} if batch_axis else None}
     options["schedule"] = run.schedule
-    for name, value in (("recompute", run.recompute), ("precision", run.precision)):
+    # none of the published runs sharded optimizer state (ZeRO): keep the planner's zero="auto" out of them
+    for name, value in (("recompute", run.recompute), ("precision", run.precision), ("zero", 0)):
         if name in PLANNER_OPTIONS:
             options[name] = value
     return options
@@ -89,8 +96,9 @@ def predict(run: Run, graph, scale: float | None = None) -> dict:
     scored = score_options(graph, cluster, run.name, layout_options(run, cluster), model_name="GPT")
     if scored.plan is None:
         return {"step": math.nan, "status": scored.status, "seconds": time.perf_counter() - start}
-    return {"step": scored.step_time, "status": "ok", "seconds": time.perf_counter() - start,
-            "scale": cluster.compute_time_scale}
+    published = published_prediction(scored.plan, graph, cluster, run.grad_sync)
+    return {"step": float(published["step_time"]), "planner_step": scored.step_time, "status": "ok",
+            "seconds": time.perf_counter() - start, "scale": cluster.compute_time_scale}
 
 
 def capture_run(run: Run):
@@ -117,15 +125,17 @@ def fit_scales(rows: list[Run], graphs: dict, rounds: int = 2) -> dict[str, floa
 
 
 def table(rows: list[Run], results: dict) -> list[str]:
-    lines = ["| row | source | preset | layout | role | predicted s | published s | predicted TFLOP/s | "
-             "published TFLOP/s | ratio | status |", "|" + "---|" * 11]
+    lines = ["| row | source | preset | layout | role | planner s | predicted s | published s | predicted TFLOP/s | "
+             "published TFLOP/s | ratio | status |", "|" + "---|" * 12]
     for run in rows:
         r = results[run.name]
         published = published_step_time(run)
         ratio = published / r["step"] if r["step"] == r["step"] else math.nan
         layout = (f"dp{run.dp} tp{run.tp} pp{run.pp} B{run.microbatches}" if run.layout == "megatron"
                   else f"{len(run.stages)} stages, B{run.microbatches}")
-        lines.append(f"| {run.name} | {run.source} | {run.preset} | {layout} | {run.role} | {r['step']:.3f} | "
+        layout += ", sync after bwd" if run.grad_sync == "after_backward" else ""
+        lines.append(f"| {run.name} | {run.source} | {run.preset} | {layout} | {run.role} | "
+                     f"{r.get('planner_step', math.nan):.3f} | {r['step']:.3f} | "
                      f"{published:.3f} | {run.tflops * ratio:.1f} | {run.tflops:.1f} | {ratio:.3f} | {r['status']} |")
     return lines
 

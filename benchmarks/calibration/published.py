@@ -32,9 +32,12 @@ import dataclasses
 class Run:
     """One published run. layout: "megatron" (dp, tp, pp, microbatches) or "alpa" (``stages``: per stage
     (first layer, last layer, submesh [nodes, width], logical mesh), ``layers`` clusters of blocks);
-    role: "fit" rows set the preset's compute_time_scale, "holdout" rows only check it. The fit rows are one
-    system's runs per GPU type (Megatron's on p3.16xlarge, SC'21's two smallest on DGX A100); the hold-out rows
-    are the other system's plans on the same GPUs (Alpa's) and the larger SC'21 layouts (tp 4-8, pp 2)."""
+    role: "fit" rows set the preset's compute_time_scale, "holdout" rows only check it. grad_sync: "overlapped"
+    (torch DDP, and Alpa's, whose all-reduce the planner prices as its own) or "after_backward" (Megatron's
+    ``--DDP-impl local``: the artifact's benchmark_gpt_one_case.py always uses it; run_table_1.sh from 39B).
+    The fit rows are one system's runs per GPU type (Megatron's on p3.16xlarge, SC'21's two smallest on DGX
+    A100); the hold-out rows are the other system's plans on the same GPUs (Alpa's) and the larger SC'21
+    layouts (tp 4-8, pp 2)."""
 
     name: str
     source: str
@@ -58,6 +61,7 @@ class Run:
     precision: str = "fp16"
     schedule: str = "1f1b"
     role: str = "holdout"
+    grad_sync: str = "overlapped"
 
 
 def _alpa_stage(first, last, submesh, mesh):
@@ -71,17 +75,22 @@ GPT_1024 = dict(seq=1024, vocab=51200)
 GPT_2048 = dict(seq=2048, vocab=51200)
 
 RUNS = [
-    # Megatron on p3.16xlarge (benchmark_gpt.py best layouts; schedule: Megatron's 1F1B; uniform recompute).
+    # Megatron on p3.16xlarge (benchmark_gpt.py best layouts; schedule: Megatron's 1F1B; uniform recompute; local DDP).
     Run(name="megatron 350M@1", source=ALPA, preset=P3, gpus=1, hidden=1024, layers=24, heads=16, **GPT_1024,
-        batch=128, microbatches=8, tflops=47.53, layout="megatron", role="fit"),
+        batch=128, microbatches=8, tflops=47.53, layout="megatron", role="fit",
+        grad_sync="after_backward"),
     Run(name="megatron 1.3B@4", source=ALPA, preset=P3, gpus=4, hidden=2048, layers=24, heads=32, **GPT_1024,
-        batch=1024, microbatches=128, tflops=55.89, layout="megatron", dp=2, pp=2, role="fit"),
+        batch=1024, microbatches=128, tflops=55.89, layout="megatron", dp=2, pp=2, role="fit",
+        grad_sync="after_backward"),
     Run(name="megatron 2.6B@8", source=ALPA, preset=P3, gpus=8, hidden=2560, layers=32, heads=32, **GPT_1024,
-        batch=1024, microbatches=128, tflops=50.44, layout="megatron", pp=8, role="fit"),
+        batch=1024, microbatches=128, tflops=50.44, layout="megatron", pp=8, role="fit",
+        grad_sync="after_backward"),
     Run(name="megatron 6.7B@16", source=ALPA, preset=P3, gpus=16, hidden=4096, layers=32, heads=32, **GPT_1024,
-        batch=1024, microbatches=256, tflops=56.59, layout="megatron", tp=2, pp=8, role="fit"),
+        batch=1024, microbatches=256, tflops=56.59, layout="megatron", tp=2, pp=8, role="fit",
+        grad_sync="after_backward"),
     Run(name="megatron 15B@32", source=ALPA, preset=P3, gpus=32, hidden=5120, layers=48, heads=40, **GPT_1024,
-        batch=1024, microbatches=256, tflops=58.24, layout="megatron", tp=4, pp=8, role="fit"),
+        batch=1024, microbatches=256, tflops=58.24, layout="megatron", tp=4, pp=8, role="fit",
+        grad_sync="after_backward"),
     # Alpa's own plans (manual_gpipe stages of the artifact; GPipe schedule, remat on).
     Run(name="alpa 350M@1", source=ALPA, preset=P3, gpus=1, hidden=1024, layers=24, heads=16, **GPT_1024,
         batch=1024, microbatches=64, tflops=45.07, layout="alpa", alpa_layers=1, schedule="gpipe",
@@ -102,7 +111,8 @@ RUNS = [
     Run(name="alpa 15B@32", source=ALPA, preset=P3, gpus=32, hidden=5120, layers=48, heads=40, **GPT_1024,
         batch=1024, microbatches=128, tflops=59.9, layout="alpa", alpa_layers=16, schedule="gpipe",
         stages=tuple(_alpa_stage(4 * i, 4 * i + 3, [1, 8], [2, 4]) for i in range(4))),
-    # Megatron-LM SC'21 Table 1 on DGX A100 (run_table_1.sh: dp = GPUs / (tp · pp), microbatches = GBS / (dp · MBS)).
+    # Megatron-LM SC'21 Table 1 on DGX A100 (run_table_1.sh: dp = GPUs / (tp · pp), microbatches = GBS / (dp · MBS);
+    # DDP=torch up to 18B, DDP=local for 39B).
     Run(name="sc21 1.7B@32", source=SC21, preset=A100, gpus=32, hidden=2304, layers=24, heads=24, **GPT_2048,
         batch=512, microbatches=1, tflops=137, layout="megatron", dp=32, role="fit"),
     Run(name="sc21 3.6B@64", source=SC21, preset=A100, gpus=64, hidden=3072, layers=30, heads=32, **GPT_2048,
@@ -112,7 +122,8 @@ RUNS = [
     Run(name="sc21 18B@256", source=SC21, preset=A100, gpus=256, hidden=6144, layers=40, heads=48, **GPT_2048,
         batch=1024, microbatches=4, tflops=135, layout="megatron", dp=32, tp=8),
     Run(name="sc21 39B@512", source=SC21, preset=A100, gpus=512, hidden=8192, layers=48, heads=64, **GPT_2048,
-        batch=1536, microbatches=12, tflops=138, layout="megatron", dp=32, tp=8, pp=2),
+        batch=1536, microbatches=12, tflops=138, layout="megatron", dp=32, tp=8, pp=2,
+        grad_sync="after_backward"),
 ]
 
 # Published but not predicted yet, with what is missing.
