@@ -27,6 +27,7 @@ from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.units import fmt_bytes
+from autopar.manual_stages import manual_stages
 from autopar.options import PlanOptions, first_microbatch, microbatch_candidates, training_spec
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
@@ -34,8 +35,8 @@ from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
-from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts, choose_stages
-from autopar.passes.interleave import choose_virtual, dp_schedule, manual_chunks, recorded_schedule
+from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
+from autopar.passes.interleave import choose_virtual, dp_schedule, recorded_schedule
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.pins import apply_pins
@@ -266,7 +267,7 @@ def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], optio
         if isinstance(options.stages, (list, tuple)):
             if excluded:
                 raise InfeasibleError("the manual stages do not fit when solved exactly")
-            choice = _manual_stages(costs, options, candidates)
+            choice = manual_stages(costs, options, candidates)
         else:
             batch = graph.input_signature[0][0][0]
             choice = choose_stages(costs, batch, candidates, dp_schedule(options.schedule), options.stages,
@@ -288,39 +289,6 @@ def _floor_hint(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> st
         return ""
     return (f" For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} per device "
             f"({floor:.0f} bytes); a memory_per_device that large fits it.")
-
-
-def _manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]) -> StageChoice:
-    """A user's stage list: layers and submesh given; the logical mesh defaults to the submesh's shape."""
-    out = []
-    n = len(options.stages)
-    for s, entry in enumerate(options.stages):
-        try:
-            first, last = (int(x) for x in entry["layers"])
-            physical = tuple(int(x) for x in entry["submesh"])
-        except (KeyError, TypeError, ValueError):
-            raise PlanError(f"stage {s} of the manual stage list must look like {{'layers': [first, last], "
-                            f"'submesh': [nodes, devices_per_node]}}, got {entry!r}") from None
-        logical = tuple(entry.get("mesh", physical))
-        f = n - s if options.schedule != "gpipe" else candidates[-1]
-        out.append(ChosenStage(first, last, MeshOption(physical, logical), f))
-    v = options.virtual_stages or 1
-    _check_manual(out, costs, v)
-    B = candidates[-1] if options.microbatches is None else options.microbatches
-    gpipe = options.schedule == "gpipe"
-    forced = lambda s: tuple(n for n in range(s.first, s.last + 1) if costs.modes[n] == "full")  # noqa: E731
-    out = [s._replace(inflight=B if gpipe else min(s.inflight, B), recompute=forced(s)) for s in out]
-    return StageChoice(B, manual_chunks(out, v, B) if v > 1 else out, 0.0, virtual=v)
-
-
-def _check_manual(stages: list[ChosenStage], costs: StageCosts, virtual: int = 1) -> None:
-    L, D = costs.layers.count, costs.cluster.num_devices
-    covered = [layer for s in stages for layer in range(s.first, s.last + 1)]
-    if covered != list(range(L)):
-        raise PlanError(f"manual stages must cover layers 0..{L - 1} in order, each once; got layers {covered}")
-    used = sum(s.option.size for s in stages[:len(stages) // virtual])
-    if used != D:
-        raise PlanError(f"manual stages use {used} devices but the cluster has {D}; the submeshes must tile it")
 
 
 def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,

@@ -38,6 +38,7 @@ LAYERS = {
     "autopar.passes": "passes",
     "autopar.driver": "driver",
     "autopar.options": "driver",
+    "autopar.manual_stages": "driver",
     "autopar.plan_builder": "driver",
     "autopar.invariants": "driver",
     "autopar.runtime": "runtime",
