@@ -23,7 +23,7 @@ from tests.precision_cases import STEPS, options, run_all
 
 CASES = [
     ("gpt", "dp", "fp32", 0, None), ("gpt", "dp", "fp32", 1, None), ("gpt", "dp", "fp32", 2, None),
-    ("gpt", "pp", "fp32", 0, None), ("gpt", "pp", "fp32", 2, None),
+    ("gpt", "pp", "fp32", 0, None), ("gpt", "pp", "fp32", 1, None), ("gpt", "pp", "fp32", 2, None),
     ("gpt", "dp", "bf16", 0, None), ("gpt", "dp", "fp16", 2, None),
     ("gpt", "dp", "fp32", 2, "sync"), ("gpt", "pp", "fp32", 0, "sync"),
     ("zoo_llama", "dp", "fp32", 1, None), ("zoo_llama", "dp", "fp32", 2, None),
