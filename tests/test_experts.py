@@ -21,19 +21,10 @@ from autopar.placement import EXPERT_ROWS, P, R, local_shape, parse_spec, spec_s
 from autopar.presets import dgx_h100
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import kernels
+from examples.hf_causal_lm import MIXTRAL_8X7B as MIXTRAL
+from examples.hf_causal_lm import CausalLMLoss
 
 GiB = 2**30
-MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-               vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0)
-
-
-class CausalLMLoss(torch.nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
 
 
 @pytest.fixture(scope="module")

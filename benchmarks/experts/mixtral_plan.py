@@ -25,19 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import autopar  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.presets import dgx_h100  # noqa: E402
+from examples.hf_causal_lm import MIXTRAL_8X7B, CausalLMLoss  # noqa: E402
 
-MIXTRAL_8X7B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                    vocab_size=32000, num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.0)
 SEQ = 4096
-
-
-class CausalLMLoss(torch.nn.Module):
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
 
 
 def mixtral(layers: int, batch: int) -> tuple[torch.nn.Module, tuple, float]:

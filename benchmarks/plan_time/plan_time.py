@@ -29,6 +29,7 @@ import autopar  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
 from autopar.presets import preset_gpus  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
+from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
 DEFAULT_POINTS = ["1.3B:4:p3.16xlarge:1024", "2.6B:8:p3.16xlarge:1024", "6.7B:16:p3.16xlarge:1024",
                   "15B:32:p3.16xlarge:1024", "39B:64:p3.16xlarge:1024", "175B:1024:dgx-a100:1536",
@@ -40,17 +41,6 @@ HF_LLAMAS = {  # published configs (hidden, intermediate, layers, heads, kv head
     "hf-llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                           num_key_value_heads=8, vocab_size=32000),
 }
-
-
-class CausalLMLoss(torch.nn.Module):
-    """A transformers causal LM whose forward(input_ids, labels) returns the loss."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
 
 
 def hf_llama(name: str, batch: int) -> tuple[torch.nn.Module, tuple, float, int]:
