@@ -15,7 +15,7 @@ import autopar
 from autopar.runtime.checkpoint_zero import boxes
 from tests.models import make_small_gpt
 from tests.parity import EPS, LR, rel
-from tests.test_checkpoint import LOSS_TOL, PARAM_TOL, STEPS, single_device_run
+from tests.test_checkpoint import LOSS_TOL, PARAM_TOL, STEPS, single_device_run, train
 
 DP = {"stages": 1, "pin": {"p_*": "RR", "idx": "S(0)S(0)", "targets": "S(0)S(0)"}}   # on the 2×2 mesh
 DP2 = {"stages": 1, "pin": {"p_*": "RR", "idx": "RS(0)", "targets": "RS(0)"}}        # on the 1×2 mesh
@@ -24,15 +24,6 @@ TP = {"stages": 1, "pin": {"p_*_q_weight": "RS(0)", "p_*_k_weight": "RS(0)", "p_
                            "idx": "RR", "targets": "RR"}}
 RESUMES = {"zero0-dp": (0, DP2, True), "zero2-dp": (2, DP2, True), "zero0-tp": (0, TP, True),
            "no-optimizer-state": (1, DP2, False)}
-
-
-def train(pm, opt, batch, steps: int) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        losses.append(pm.train_step(*batch).item())
-        opt.step()
-        opt.zero_grad()
-    return losses
 
 
 def save_at_zero1(rank: int, directory: str) -> dict:
