@@ -34,7 +34,7 @@ from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
-from autopar.passes.strategies import generate_strategies
+from autopar.passes.strategies import generate_strategies, strategy_signature
 from autopar.placement import shard_factor
 
 INF = float("inf")
@@ -197,6 +197,10 @@ class StageCosts:
         """Solve every option up front, on all cores when that is safe (see ``parallel_map``)."""
         todo = [m for m in range(len(self.options)) if m not in self.variants]
         todo.sort(key=lambda m: -self.options[m].size)  # the largest meshes have the most strategies: first
+        for graph in self.graphs.values():  # node signatures (cached in the nodes) once, before the workers fork
+            for node in graph.gm.graph.nodes:
+                if node.op != "output":
+                    strategy_signature(node)
         for m, variants in zip(todo, parallel_map(self._solve_all, todo, "autopar: pricing submeshes")):
             self.variants[m] = variants
         self.solves += sum(len(self.variants[m]) for m in todo)
@@ -224,8 +228,11 @@ class StageCosts:
         share = option.size / self.cluster.num_devices
         smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
         if smallest and first.memory * share > 0.5 * self.cluster.memory_per_device:
+            budget = LEAN_MARGIN * min_memory(built.problem)
+            if first.memory <= budget:  # the unconstrained optimum fits: it is the lean optimum (``ilp_reuse``)
+                return out
             try:
-                lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built.problem))
+                lean = solve_built(built, env, self.time_limit, budget=budget)
                 out.append(layer_costs(lean, self.layers, self.batch_dims, option.logical, b0, self.blocks))
             except InfeasibleError:
                 pass
