@@ -339,7 +339,12 @@ class StageChoice:
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
                   stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
-    """Run the DP for every candidate B and keep the cheapest; InfeasibleError when nothing fits.
+    """Run the DP for every candidate B and keep the cheapest (the smallest B among equal costs);
+    InfeasibleError when nothing fits.
+
+    The largest B is tried first and each DP gets the best cost so far as its ``bound`` (``stage_dp``): a
+    pipeline's cost grows with (B − 1) times its slowest stage, so a good plan found at a large B cuts
+    short the search at every other B. The answer is the one the unbounded search in any order returns.
 
     excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
     did not fit); the DP treats them as not fitting."""
@@ -347,15 +352,15 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     costs.prepare()
     sizes = [o.size for o in costs.options]
     L = costs.layers.count
-    for B in candidates:
+    for B in sorted(candidates, reverse=True):
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)
         for b, k, i, option, f in excluded:
             if b == B:
                 table[k, i, costs.options.index(option), min(f, max_f) - 1] = INF
         found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
-                         hops=costs.hops_at(global_batch // B))
-        if found is not None and (best is None or found.cost < best[0].cost):
+                         hops=costs.hops_at(global_batch // B), bound=best[0].cost if best is not None else INF)
+        if found is not None and (best is None or (found.cost, B) < (best[0].cost, best[1])):
             best = (found, B, table)
     if best is None:
         budget = costs.cluster.memory_per_device
