@@ -16,11 +16,6 @@ except ImportError:  # pragma: no cover - exercised where highspy is not install
     highspy = None
 
 MIP_GAP = 1e-3  # relative gap: plans within 0.1 % of the optimum; HiGHS default is 1e-4
-# HiGHS's presolve is off: ``ilp_model`` already folds fixed classes and one-sided edges and merges equal
-# rows/columns of every resharding matrix, so presolve found little and its cost was most of the work on
-# the memory-bound ("lean") models, which HiGHS closes at the root node anyway (GPT-39B on 64 V100s: the
-# pricing ILPs took 40 % less solver time with the same optima to within MIP_GAP).
-PRESOLVE = "off"
 
 
 def available() -> bool:
@@ -35,7 +30,6 @@ def solve(model: SparseModel, time_limit: float) -> tuple[str, np.ndarray | None
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", MIP_GAP)
-    h.setOptionValue("presolve", PRESOLVE)
     h.passModel(_highs_lp(model))
     h.run()
     status = h.getModelStatus()

@@ -228,11 +228,8 @@ class StageCosts:
         share = option.size / self.cluster.num_devices
         smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
         if smallest and first.memory * share > 0.5 * self.cluster.memory_per_device:
-            budget = LEAN_MARGIN * min_memory(built.problem)
-            if first.memory <= budget:  # the unconstrained optimum fits: it is the lean optimum (``ilp_reuse``)
-                return out
             try:
-                lean = solve_built(built, env, self.time_limit, budget=budget)
+                lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built.problem))
                 out.append(layer_costs(lean, self.layers, self.batch_dims, option.logical, b0, self.blocks))
             except InfeasibleError:
                 pass

@@ -145,20 +145,3 @@ def test_a_bound_below_every_plan_prunes_and_above_it_changes_nothing():
     assert stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01, bound=free.cost) == free  # a tie is still found
     pruned = stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01, bound=0.5 * free.cost)
     assert pruned is None or pruned.cost > 0.5 * free.cost
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_an_unconstrained_optimum_within_the_lean_budget_is_the_lean_optimum(seed):
-    """``StageCosts`` skips the lean solve when the unconstrained solution already fits its budget."""
-    from test_ilp import brute, random_problem
-
-    from autopar.passes.ilp import memory_of, solve_ilp
-
-    rng = np.random.default_rng(seed)
-    problem = random_problem(rng)
-    free = solve_ilp(problem, 30)
-    for slack in (1.0, 1.1):
-        problem.budget = slack * memory_of(problem, free.choice)
-        lean = solve_ilp(problem, 30)
-        assert free.objective == pytest.approx(lean.objective, rel=1e-3) and free.objective == pytest.approx(
-            brute(problem), rel=1e-3)
