@@ -114,6 +114,38 @@ def test_a_megatron_config_that_does_not_fit_scores_out_of_memory():
         autopar.plan(model, tiny, batch, **megatron_options(MegatronConfig(dp=4, tp=1, pp=2, microbatches=2), 4, 8))
 
 
+def test_the_grid_offers_interleaving_as_megatron_allows_it():
+    """v > 1 only with pp > 1, pp·v dividing the blocks and microbatches a multiple of pp (Megatron's rules)."""
+    grid = list(megatron_grid(8, 8, 8, 64, n_heads=8))
+    interleaved = [c for c in grid if c.virtual_stages > 1]
+    assert {c.virtual_stages for c in interleaved} == {2, 4}
+    assert all(c.pp > 1 and 8 % (c.pp * c.virtual_stages) == 0 and c.microbatches % c.pp == 0 for c in interleaved)
+    assert {(c.pp, c.virtual_stages) for c in interleaved} == {(2, 2), (2, 4), (4, 2)}, "pp·v divides 8 blocks"
+    options = megatron_options(MegatronConfig(dp=1, tp=2, pp=2, microbatches=4, virtual_stages=2), 8, 8)
+    assert options["schedule"] == "interleaved" and options["virtual_stages"] == 2
+    assert [s["layers"] for s in options["stages"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="multiple of pp"):
+        megatron_options(MegatronConfig(dp=1, tp=1, pp=4, microbatches=2, virtual_stages=2), 8, 8)
+
+
+def test_an_interleaved_grid_point_is_scored_with_the_interleaved_schedule():
+    """A v = 2 config plans 4 chunks round robin on 2 devices and is priced by the interleaved schedule."""
+    from autopar.baselines.megatron_configs import capture_once, score_config
+    from autopar.presets import preset_gpus
+
+    with torch.device("meta"):
+        model = GPT(TINY_GPT)
+    graph, recapture = capture_once(model, make_batch(TINY_GPT, 16, device="meta"))
+    cluster = preset_gpus("dgx-a100", 2)
+    scored = {v: score_config(graph, cluster, MegatronConfig(dp=1, tp=1, pp=2, microbatches=4, virtual_stages=v),
+                              4, recapture) for v in (1, 2)}
+    plan = scored[2].plan
+    assert plan.schedule == "interleaved" and plan.virtual_stages == 2
+    assert [s.layers for s in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [s.ranks for s in plan.stages] == [[0], [1], [0], [1]]
+    assert scored[1].plan.schedule == "1f1b" and scored[2].step_time != scored[1].step_time
+
+
 def test_stages_span_whole_nodes_beyond_one_node():
     stages = megatron_options(MegatronConfig(dp=4, tp=4, pp=2, microbatches=2), 8, 8)["stages"]
     assert [s["submesh"] for s in stages] == [[2, 8], [2, 8]] and stages[1]["mesh"] == [4, 4]

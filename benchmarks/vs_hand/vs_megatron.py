@@ -101,8 +101,8 @@ def graph_flops(model, batch) -> float:
     return sum(sum(node_flops(n)) for n in capture(model, batch).gm.graph.nodes)
 
 
-def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> tuple:
-    """(best Scored or None, every Scored) of the family's hand grid."""
+def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> megatron_configs.HandSearch:
+    """The family's hand grid searched (best that fits, every config scored, best with memory ignored)."""
     if work.family == "gpt":
         cfg = work.model.cfg
         return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log,
@@ -127,19 +127,20 @@ def describe_plan(plan) -> str:
     return " + ".join(parts) + f", B={plan.microbatches}"
 
 
-def run_point(point: str, progress, precision: str | None = None) -> dict:
+def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None) -> dict:
+    """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none)."""
     family, name, gpus, preset = point.split(":")
     cluster = preset_gpus(preset, int(gpus))
     work = build_workload(family, name, precision)
     policy = precision or "fp32"
     start = time.perf_counter()
-    best, scored = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
-                                                                   f"{r.status} {r.step_time or ''}"),
-                             precision=policy)
+    search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
+                                                             f"{r.status} {r.step_time or ''}"), precision=policy)
+    best, scored, unbounded = search.best, search.scored, search.unbounded
     grid_s = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        plan = autopar.plan(work.model, cluster, work.batch, precision=policy)
+        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **(autopar_options or {}))
         auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
@@ -147,6 +148,9 @@ def run_point(point: str, progress, precision: str | None = None) -> dict:
     return {"point": point, "family": family, "model": name, "gpus": int(gpus), "cluster": preset,
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
+            "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
+            "hand_unbounded_step": unbounded.step_time if unbounded else None,
+            "autopar_options": autopar_options or {},
             "grid_s": grid_s, "plan_s": plan_s, "scored": [(str(s.config), s.status, s.step_time) for s in scored]}
 
 
@@ -161,7 +165,8 @@ def pflops(row: dict, key: str) -> float:
 
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
-           "autopar / hand", "configs scored (OOM)", "grid s", "autopar plan s"]
+           "autopar / hand", "memory binds (best hand, memory ignored)", "configs scored (OOM)", "grid s",
+           "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
@@ -169,21 +174,34 @@ def table_row(row: dict) -> list:
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
     label = {"gpt": "GPT", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
-            f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a",
+            f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
             f"{len(row['scored'])} ({oom})", f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
 
 
-def simulate(points: list[str], precision: str | None = None) -> int:
+def simulate(points: list[str], precision: str | None = None, merge: bool = False,
+             autopar_options: dict | None = None) -> int:
+    """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
+    ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
     header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy})")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
-    rows = []
+    rows = saved_rows() if merge else []
     for point in points:
-        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision)
-        rows.append(row)
+        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
+                        autopar_options=autopar_options)
+        rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
-    return render_simulation(header, rows)
+        render_simulation(header, rows)
+    return 0
+
+
+def saved_rows() -> list[dict]:
+    path = os.path.join(report.RESULTS, "vs_megatron_simulate.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)
 
 
 def render_simulation(header: str, rows: list[dict]) -> int:
@@ -200,8 +218,20 @@ def render_simulation(header: str, rows: list[dict]) -> int:
     return 0
 
 
+def binds_cell(row: dict) -> str:
+    if not memory_binds(row):
+        return "no"
+    if row.get("hand_unbounded"):
+        return f"yes ({row['hand_unbounded']}, {pflops(row, 'hand_unbounded_step'):.3f} PFLOP/s)"
+    return "yes" if "memory_binds" in row else "yes (some config OOM)"
+
+
 def memory_binds(row: dict) -> bool:
-    """Memory shapes the layout at this point: some configuration of the hand grid does not fit."""
+    """Memory changes the hand grid's answer at this point: its fastest layout with memory ignored does not
+    fit (``HandSearch.memory_binds``). Rows saved before that was recorded fall back to the older, weaker
+    test: some configuration of the grid does not fit."""
+    if "memory_binds" in row:
+        return bool(row["memory_binds"])
     return any(status == "OOM" for _, status, _ in row["scored"])
 
 
@@ -220,6 +250,9 @@ def main(argv=None) -> int:
     mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
+    parser.add_argument("--merge", action="store_true", help="--simulate: keep the saved JSON's other points")
+    parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
+                        help="--simulate: autopar's schedule option (default: autopar.plan's default)")
     parser.add_argument("--precision", choices=("fp16", "bf16"), help="--simulate: keep the models float32 and "
                         "plan both sides under this mixed-precision policy (default: models cast to fp16 whole)")
     parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
@@ -236,7 +269,8 @@ def main(argv=None) -> int:
         return render_simulation(args.header or report.machine_line("autopar vs hand-written layouts, simulated "
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
-        return simulate(args.points, args.precision)
+        extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
+        return simulate(args.points, args.precision, args.merge, extra)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)
