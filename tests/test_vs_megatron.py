@@ -146,6 +146,33 @@ def test_an_interleaved_grid_point_is_scored_with_the_interleaved_schedule():
     assert scored[1].plan.schedule == "1f1b" and scored[2].step_time != scored[1].step_time
 
 
+def _scorer(times: dict, out_of_memory: set):
+    """score(name, unbounded) of search_hand: ``times`` with memory ignored, names in ``out_of_memory`` OOM."""
+    from autopar.baselines.megatron_configs import Scored
+
+    def score(name, unbounded=False):
+        fits = unbounded or name not in out_of_memory
+        return Scored(name, times[name] if fits else None, "ok" if fits else "OOM")
+    return score
+
+
+def test_memory_binds_only_where_a_layout_that_does_not_fit_would_win():
+    """search_hand: the configs that did not fit are scored again with memory ignored (those ``memory_free``
+    admits); memory binds when one of them beats the best that fits, and not when all of them are slower."""
+    from autopar.baselines.megatron_configs import search_hand
+
+    times = {"a": 1.0, "b": 2.0, "c": 3.0}
+    bound = search_hand(list(times), _scorer(times, {"a"}), lambda name: name)
+    assert bound.best.config == "b" and bound.unbounded.config == "a" and bound.memory_binds
+    assert [r.config for r in bound.scored] == ["a", "b", "c"], "the retry is not mixed into the grid's scores"
+    slow_oom = search_hand(list(times), _scorer(times, {"c"}), lambda name: name)
+    assert slow_oom.best.config == "a" and slow_oom.unbounded is None and not slow_oom.memory_binds
+    skipped = search_hand(list(times), _scorer(times, {"a"}), lambda name: name, memory_free=lambda n: n != "a")
+    assert not skipped.memory_binds, "a config memory_free rules out (e.g. recompute) is not retried"
+    nothing_fits = search_hand(list(times), _scorer(times, set(times)), lambda name: name)
+    assert nothing_fits.best is None and nothing_fits.memory_binds
+
+
 def test_stages_span_whole_nodes_beyond_one_node():
     stages = megatron_options(MegatronConfig(dp=4, tp=4, pp=2, microbatches=2), 8, 8)["stages"]
     assert [s["submesh"] for s in stages] == [[2, 8], [2, 8]] and stages[1]["mesh"] == [4, 4]
