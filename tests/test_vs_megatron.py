@@ -173,6 +173,25 @@ def test_memory_binds_only_where_a_layout_that_does_not_fit_would_win():
     assert nothing_fits.best is None and nothing_fits.memory_binds
 
 
+def test_grid_search_stops_a_layout_at_its_first_config_that_does_not_fit():
+    """Most microbatches first: fewer microbatches (bigger ones) cannot fit where more did not, so they are
+    recorded OOM unplanned; fitting ones stop after ``patience`` slower in a row."""
+    from autopar.baselines.megatron_configs import grid_search
+
+    configs = [("x", b) for b in (1, 2, 4, 8, 16)] + [("y", b) for b in (1, 2, 4, 8, 16)]
+    times = {("x", 16): 5.0, ("x", 8): 4.0, ("x", 4): 4.5, ("x", 2): 4.6, ("x", 1): 3.0, ("y", 16): 6.0}
+    planned = []
+
+    def score(config):
+        planned.append(config)
+        return _scorer(times, set(configs) - set(times))(config)
+
+    best, scored = grid_search(configs, score, lambda c: c[0])
+    assert best.config == ("x", 8) and [r.config for r in scored if r.config[0] == "x"] == planned[:4]
+    assert planned == [("x", 16), ("x", 8), ("x", 4), ("x", 2), ("y", 16), ("y", 8)]
+    assert [r.status for r in scored if r.config[0] == "y"] == ["ok"] + ["OOM"] * 4
+
+
 def test_stages_span_whole_nodes_beyond_one_node():
     stages = megatron_options(MegatronConfig(dp=4, tp=4, pp=2, microbatches=2), 8, 8)["stages"]
     assert [s["submesh"] for s in stages] == [[2, 8], [2, 8]] and stages[1]["mesh"] == [4, 4]

@@ -249,21 +249,29 @@ def _reference_batch_workaround():
 def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) -> tuple[Scored | None, list[Scored]]:
     """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one).
 
-    Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)) in the given order, microbatches
-    ascending: configs that do not fit are skipped, and a layout is left after ``patience`` fitting configs
-    in a row slower than its best (step time against microbatch count is unimodal under the cost model: the
-    pipeline bubble shrinks as 1/B while per-microbatch latencies add up as B grows)."""
+    Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)); within a layout the given order
+    is microbatches ascending, and they are visited in reverse, most microbatches first. Two rules prune:
+
+    * memory per device does not grow with the microbatch count (the global batch is fixed, so a microbatch
+      shrinks as 1/B while the microbatches in flight stay at most pp·v chunk-sized ones), so once a config
+      does not fit, the layout's configs with fewer microbatches do not either: they are recorded "OOM"
+      without planning;
+    * step time against the microbatch count is unimodal under the cost model (the pipeline bubble shrinks
+      as 1/B while per-microbatch latencies add up as B grows), so a layout is left after ``patience``
+      fitting configs in a row slower than its best."""
     scored, best = [], None
     for layout in dict.fromkeys(layout_of(c) for c in configs):
         layout_best, worse = math.inf, 0
-        for config in [c for c in configs if layout_of(c) == layout]:
+        ordered = [c for c in configs if layout_of(c) == layout][::-1]
+        for k, config in enumerate(ordered):
             result = score(config)
             result.plan = None  # keep memory flat over a long grid
             scored.append(result)
             if log is not None:
                 log(result)
             if result.step_time is None:
-                continue
+                scored += [Scored(c, None, "OOM") for c in ordered[k + 1:]]
+                break
             if best is None or result.step_time < best.step_time:
                 best = result
             if result.step_time < layout_best:
