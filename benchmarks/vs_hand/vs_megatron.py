@@ -3,6 +3,7 @@
     python benchmarks/vs_megatron.py --simulate                      # Alpa's suites, cost model (~1 h on 2 cores)
     python benchmarks/vs_megatron.py --simulate --points gpt:1.3B:4:p3.16xlarge moe:2.4B:8:p3.16xlarge
     python benchmarks/vs_megatron.py --simulate --precision fp16     # fp32 master weights, fp16 compute, both sides
+    python benchmarks/vs_megatron.py --simulate --precision fp16 --merge --points gpt:39B:64:p3.16xlarge
     python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
 
@@ -13,6 +14,11 @@ and ``benchmarks/hand_grids.py`` say how a hand configuration becomes a plan). G
 Megatron's FLOP count, 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), for both sides; Wide-ResNet and MoE use the
 captured graph's forward + backward FLOPs (torch.utils.flop_counter). The ratio autopar/hand is a
 throughput ratio (higher is better; = hand step time / autopar step time).
+
+Memory binds at a point when it changes the hand grid's answer: the fastest hand configuration with memory
+ignored (the configs that did not fit, without recompute, planned again at an unbounded budget) does not
+fit, or nothing fits (``megatron_configs.HandSearch``). The summary line's geometric mean is over those
+points. Every point is written as soon as it is done (``--merge`` keeps the saved points it does not run).
 
 Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
 vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
