@@ -185,37 +185,37 @@ def table_row(row: dict) -> list:
 
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
-             autopar_options: dict | None = None) -> int:
+             autopar_options: dict | None = None, name: str = "simulate") -> int:
     """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
     ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
     header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy})")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
-    rows = saved_rows() if merge else []
+    rows = saved_rows(name) if merge else []
     for point in points:
         row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
                         autopar_options=autopar_options)
         rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
-        render_simulation(header, rows)
+        render_simulation(header, rows, name)
     return 0
 
 
-def saved_rows() -> list[dict]:
-    path = os.path.join(report.RESULTS, "vs_megatron_simulate.json")
+def saved_rows(name: str = "simulate") -> list[dict]:
+    path = os.path.join(report.RESULTS, f"vs_megatron_{name}.json")
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return json.load(f)
 
 
-def render_simulation(header: str, rows: list[dict]) -> int:
+def render_simulation(header: str, rows: list[dict], name: str = "simulate") -> int:
     """Write the table, the JSON of every scored config and the chart; print the summary line."""
     text = "\n\n".join([header, report.markdown_table(HEADERS, [table_row(r) for r in rows]), _notes()])
-    path = report.write_results("simulate", text, rows)
+    path = report.write_results(name, text, rows)
     labels = [f"{r['family']} {r['model']}/{r['gpus']} {r['cluster'].split('.')[0]}" for r in rows]
-    chart = report.throughput_chart("simulate", labels, [pflops(r, "hand_step") for r in rows],
+    chart = report.throughput_chart(name, labels, [pflops(r, "hand_step") for r in rows],
                                     [pflops(r, "auto_step") for r in rows], "PFLOP/s (predicted)",
                                     "autopar vs best hand layout (autopar's cost model)")
     print(f"\nwrote {path} and {chart}")
@@ -251,12 +251,15 @@ def _notes() -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--from-json", help="re-render a saved --simulate run (benchmarks/results/vs_megatron_"
-                                          "simulate.json) without planning again")
+    mode.add_argument("--from-json", nargs="+", help="re-render saved --simulate runs (benchmarks/results/"
+                      "vs_megatron_simulate.json; several are merged, a later file's point replacing an earlier's) "
+                      "without planning again")
     mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
     parser.add_argument("--merge", action="store_true", help="--simulate: keep the saved JSON's other points")
+    parser.add_argument("--name", default="simulate", help="--simulate: results are written as "
+                        "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
     parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
                         help="--simulate: autopar's schedule option (default: autopar.plan's default)")
     parser.add_argument("--precision", choices=("fp16", "bf16"), help="--simulate: keep the models float32 and "
@@ -269,14 +272,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="--local: timed steps per layout and round")
     args = parser.parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            rows = json.load(f)
+        rows = {}
+        for path in args.from_json:
+            with open(path) as f:
+                rows.update({r["point"]: r for r in json.load(f)})
+        rows = list(rows.values())
         print(report.markdown_table(HEADERS, [table_row(r) for r in rows]))
         return render_simulation(args.header or report.machine_line("autopar vs hand-written layouts, simulated "
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
         extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
-        return simulate(args.points, args.precision, args.merge, extra)
+        return simulate(args.points, args.precision, args.merge, extra, args.name)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)
