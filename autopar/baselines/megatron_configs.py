@@ -246,8 +246,10 @@ def _reference_batch_workaround():
         driver._reference_graphs = original
 
 
-def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) -> tuple[Scored | None, list[Scored]]:
-    """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one).
+def grid_search(configs: list, score, layout_of, patience: int = 2, log=None,
+                stop_below: float | None = None) -> tuple[Scored | None, list[Scored]]:
+    """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one),
+    or, given ``stop_below``, the first config that fits in under ``stop_below`` seconds as soon as it is found.
 
     Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)); within a layout the given order
     is microbatches ascending, and they are visited in reverse, most microbatches first. Two rules prune:
@@ -274,6 +276,8 @@ def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) ->
                 break
             if best is None or result.step_time < best.step_time:
                 best = result
+            if stop_below is not None and best.step_time < stop_below:
+                return best, scored
             if result.step_time < layout_best:
                 layout_best, worse = result.step_time, 0
             else:
@@ -290,8 +294,8 @@ UNBOUNDED_MEMORY = 2.0 ** 50
 @dataclasses.dataclass
 class HandSearch:
     """A hand grid's answer: ``best``, the fastest config that fits (None when none does); ``scored``, every
-    config scored; ``unbounded``, the fastest config with memory ignored, when one that does not fit beats
-    ``best`` (None otherwise: memory did not change the answer). See ``memory_binds``."""
+    config scored; ``unbounded``, a config that does not fit but beats ``best`` with memory ignored (the
+    first one found, not necessarily the fastest), or None: memory did not change the answer."""
 
     best: Scored | None
     scored: list[Scored]
@@ -307,13 +311,14 @@ class HandSearch:
 def search_hand(configs: list, score, layout_of, patience: int = 2, log=None, memory_free=None) -> HandSearch:
     """``grid_search`` of ``configs``, then the configs that did not fit and could be faster without memory's
     limit (``memory_free``: config -> bool, e.g. no recompute, which only adds time) searched again with
-    ``score(config, unbounded=True)``; the fastest of those is ``unbounded`` when it beats the best that fits.
+    ``score(config, unbounded=True)`` until one beats the best that fits: that one is ``unbounded``.
     Configs that fit keep their score: with memory ignored their step time can only drop, so this finds
     memory binding whenever a layout that does not fit wins (a lower bound on where memory binds)."""
     best, scored = grid_search(configs, score, layout_of, patience, log)
     out = {id(r.config) for r in scored if r.status == "OOM"}
     retry = [c for c in configs if id(c) in out and (memory_free is None or memory_free(c))]
-    free, _ = grid_search(retry, lambda c: score(c, unbounded=True), layout_of, patience, log)
+    free, _ = grid_search(retry, lambda c: score(c, unbounded=True), layout_of, patience, log,
+                          stop_below=best.step_time if best else math.inf)
     faster = free is not None and (best is None or free.step_time < best.step_time)
     return HandSearch(best, scored, free if faster else None)
 

@@ -15,10 +15,11 @@ Megatron's FLOP count, 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), for both s
 captured graph's forward + backward FLOPs (torch.utils.flop_counter). The ratio autopar/hand is a
 throughput ratio (higher is better; = hand step time / autopar step time).
 
-Memory binds at a point when it changes the hand grid's answer: the fastest hand configuration with memory
-ignored (the configs that did not fit, without recompute, planned again at an unbounded budget) does not
-fit, or nothing fits (``megatron_configs.HandSearch``). The summary line's geometric mean is over those
-points. Every point is written as soon as it is done (``--merge`` keeps the saved points it does not run).
+Memory binds at a point when it changes the hand grid's answer: a hand configuration that does not fit
+beats the fastest one that does once memory is ignored (the configs that did not fit, without recompute,
+planned again at an unbounded budget until one wins), or nothing fits (``megatron_configs.HandSearch``).
+The summary line's geometric mean is over those points. Every point is written as soon as it is done
+(``--merge`` keeps the saved points it does not run).
 
 Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
 vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
@@ -171,7 +172,7 @@ def pflops(row: dict, key: str) -> float:
 
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
-           "autopar / hand", "memory binds (best hand, memory ignored)", "configs scored (OOM)", "grid s",
+           "autopar / hand", "memory binds (a faster hand layout that does not fit)", "configs scored (OOM)", "grid s",
            "autopar plan s"]
 
 
