@@ -243,10 +243,13 @@ def memory_binds(row: dict) -> bool:
 
 
 def _notes() -> str:
-    return ("Hand layouts: GPT, Megatron-LM's grid (dp × tp × pp × microbatches, tp inside a node, blocks split "
-            "evenly, 1F1B; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP "
-            "(FLOP-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's cost "
-            "model. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs otherwise.")
+    return ("Hand layouts: GPT, Megatron-LM's grid (dp × tp × pp × microbatches × recompute none/selective/full × "
+            "distributed optimizer × interleaved virtual stages v ∈ {1, 2, 4}, tp inside a node, blocks split "
+            "evenly; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP (FLOP- "
+            "or parameter-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's "
+            "cost model under the same precision policy. Memory binds: a hand layout that does not fit would "
+            "beat the best one that does. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs "
+            "otherwise.")
 
 
 def main(argv=None) -> int:
