@@ -148,7 +148,32 @@ def dgx_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
     )
 
 
-PRESETS = {"p3.16xlarge": p3_16xlarge, "dgx-a100": dgx_a100, "dgx-h100": dgx_h100}
+# H100 96 GB HBM2e (the Grand Teton hosts of torchtitan's published runs): the same die as the H100 SXM5 at a
+# 500 W power limit, with HBM2e at 2.4 TB/s instead of HBM3 at 3.35 TB/s. Exposed memory: 96 GiB less the same
+# 361 MiB the 80 GB part's driver keeps (81920 - 81559 MiB), an estimate.
+H100_96GB_EXPOSED = 96 * 1024 * MiB - 361 * MiB
+
+
+def grand_teton_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
+    """Meta's Grand Teton: 8× H100 96 GB HBM2e per host, fully connected with NVLink, 400 Gb/s RDMA per GPU.
+
+    Source: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware" (8 H100 per host fully
+    connected with NVLink; 96 GB HBM2e, 2.4 TB/s; 400 Gb/s per GPU backend network; default 500 W power limit)
+    and its footnote 2 (peak between the SXM's and the NVL's, exact value unknown: the SXM's 989 TFLOPS is
+    kept, as that file's MFU does). Links as ``dgx_h100`` (NVLink 4 through NVSwitch; 8 × 400 Gb/s per host).
+    The 500 W limit's lower clocks and everything else a roofline misses are in the calibrated
+    compute_time_scale (``H100_COMPUTE_TIME_SCALE``).
+    """
+    base = dgx_h100(nodes, mesh_shape)
+    return dataclasses.replace(
+        base, name="grand-teton-h100", memory_bandwidth=2400 * GB * STREAM_FRACTION,
+        memory_capacity=H100_96GB_EXPOSED, memory_per_device=usable_memory(H100_96GB_EXPOSED),
+        source="torchtitan llama3_h100_202412 Hardware (Grand Teton: H100 96 GB HBM2e, 500 W); NVIDIA H100 "
+               "datasheet; stas00 MAMF; calibrated compute_time_scale (benchmarks/calibration)")
+
+
+PRESETS = {"p3.16xlarge": p3_16xlarge, "dgx-a100": dgx_a100, "dgx-h100": dgx_h100,
+           "grand-teton-h100": grand_teton_h100}
 
 
 def preset(name: str, nodes: int = 1, mesh_shape=None) -> Cluster:
