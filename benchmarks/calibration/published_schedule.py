@@ -43,7 +43,7 @@ from autopar.plan_builder import predict
 GRAD_SYNCS = ("overlapped", "after_backward")
 MATMULS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default")
 ATTENTION = "scaled_dot_product"
-BLOCK_PATH = re.compile(r"\.layers\.(\d+)(\.|$)")
+BLOCK_PATH = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
 
 
 def prefetched_gather(gather: float, compute: float, units: int) -> float:
@@ -57,7 +57,7 @@ def prefetched_gather(gather: float, compute: float, units: int) -> float:
 
 def op_sac_share(graph) -> float:
     """ρ: the share of the blocks' forward FLOPs that torchtitan's op-level selective checkpointing reruns
-    (module docstring). Blocks are the ops under a module path ``...layers.<i>``; their matmuls are counted
+    (module docstring). Blocks are the ops under a module path ``[...].layers.<i>``; their matmuls are counted
     in graph order, and the even-numbered ones (2nd, 4th, ...) are rerun, attention never."""
     total = rerun = 0.0
     counts: dict[str, int] = {}
@@ -82,7 +82,7 @@ def _block_of(node) -> str | None:
     stack = node.meta.get("nn_module_stack") or {}
     path = list(stack.values())[-1][0] if stack else ""
     match = BLOCK_PATH.search(path)
-    return match.group(1) if match else None
+    return match.group(2) if match else None
 
 
 def published_prediction(plan, run, graph=None) -> dict:
