@@ -69,14 +69,32 @@ def cluster_for(run: Run, scale: float | None = None) -> autopar.Cluster:
     return cluster
 
 
-def layout_options(run: Run, cluster) -> dict:
+HIDDEN_STREAM_OPS = ("aten.layer_norm.default", "aten.dropout.default", "aten.add.Tensor")
+
+
+def hidden_stream_ops(graph, hidden: int) -> list[str]:
+    """The LayerNorms, dropouts and residual adds on the [batch, sequence, hidden] stream between blocks (the
+    attention's dropout, on [batch, heads, s, s], is not one of them)."""
+    out = []
+    for node in graph.gm.graph.nodes:
+        val = node.meta.get("val")
+        if (node.op == "call_function" and str(node.target) in HIDDEN_STREAM_OPS
+                and getattr(val, "ndim", 0) == 3 and val.shape[-1] == hidden):
+            out.append(node.name)
+    return out
+
+
+def layout_options(run: Run, cluster, graph=None) -> dict:
     """PlanOptions fields that fix the run's layout (module docstring)."""
     if run.layout == "megatron":
         config = MegatronConfig(dp=run.dp, tp=run.tp, pp=run.pp, microbatches=run.microbatches)
         options = megatron_options(config, run.layers, cluster.devices_per_node)
         # Megatron-LM of 2021 keeps the hidden states replicated across tp between blocks (no sequence
-        # parallelism): LayerNorms run replicated, which the ILP would otherwise shard over the sequence.
-        options["pin"] = {**options["pin"], "layer_norm*": spec_text(config, "S(0)", "R")}
+        # parallelism, which Korthikanti et al. 2022 added to split exactly these ops): every tp rank runs the
+        # LayerNorms, dropouts and residual adds whole. The ILP would otherwise shard them over the sequence
+        # (a reduce-scatter and an all-gather cost what the all-reduce does) and price 1/tp of their time.
+        replicated = ["layer_norm*", *hidden_stream_ops(graph, run.hidden)] if graph is not None else ["layer_norm*"]
+        options["pin"] = {**options["pin"], **{name: spec_text(config, "S(0)", "R") for name in replicated}}
     elif run.layout == "fsdp":
         mesh = cluster.mesh_shape
         split = "".join("S(0)" if n > 1 else "R" for n in mesh)
@@ -102,7 +120,7 @@ def predict(run: Run, graph, scale: float | None = None) -> dict:
     """Predicted step time of ``run`` on an already captured ``graph``."""
     cluster = cluster_for(run, scale)
     start = time.perf_counter()
-    scored = score_options(graph, cluster, run.name, layout_options(run, cluster), model_name="GPT")
+    scored = score_options(graph, cluster, run.name, layout_options(run, cluster, graph), model_name="GPT")
     if scored.plan is None:
         return {"step": math.nan, "status": scored.status, "seconds": time.perf_counter() - start}
     published = published_prediction(scored.plan, run, graph)
