@@ -13,7 +13,7 @@ from autopar.plan import Plan, Stage
 from autopar.plan_builder import exposed_sync
 from autopar.profiler_training import end_to_end_factor, probe_step_prediction
 from benchmarks.calibration.published_schedule import op_sac_share, prefetched_gather, published_prediction
-from benchmarks.fidelity.cost_model_fidelity import figures, median_rows
+from benchmarks.fidelity.cost_model_fidelity import drift_corrected, figures, median_rows
 
 
 def test_prefetched_gather_hides_all_but_the_first_unit_behind_compute():
@@ -140,3 +140,33 @@ def test_fidelity_figures_and_medians_over_launches():
     assert [r["plan"] for r in rows] == ["a", "b", "c"]
     assert [r["meas_t"] for r in rows] == [1.25, 2.5, 3.0]
     assert rows[1]["mem_err"] == pytest.approx(0.0)
+
+
+def test_drift_correction_prices_the_busiest_stage_compute_at_the_launch_speed():
+    """Step 1.0 s, stages computing 0.2 and 0.3 s: a launch at 2/3 of the profiled speed (q = 1.5) adds
+    0.5 · 0.3 s; q = 1 leaves the prediction alone."""
+    plan = _one_stage_plan(compute=0.2)
+    plan.stages.append(_one_stage_plan(compute=0.3).stages[0])
+    plan.predicted["step_time"] = 1.0
+    assert drift_corrected(plan, 1.5) == pytest.approx(1.15)
+    assert drift_corrected(plan, 1.0) == pytest.approx(1.0)
+
+
+def test_megatron_rows_keep_the_hidden_stream_replicated():
+    """A one-block GPT with dropout: the LayerNorms, the hidden-state dropouts and the residual adds on
+    [batch, seq, hidden] are pinned; the attention's dropout on [batch, heads, seq, seq] is not."""
+    from autopar.passes.capture import capture
+    from benchmarks.calibration.calibration import hidden_stream_ops
+    from examples.gpt import GPT, GPTConfig, make_batch
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1, attention="materialized")
+    graph = capture(GPT(cfg), make_batch(cfg, 2))
+    names = set(hidden_stream_ops(graph, 16))
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    kinds = sorted(str(nodes[n].target) for n in names)
+    assert kinds.count("aten.layer_norm.default") == 3  # ln1, ln2, ln_f
+    assert kinds.count("aten.add.Tensor") >= 2  # the two residual adds
+    attention_dropouts = [n for n in nodes.values() if str(n.target) == "aten.dropout.default"
+                          and n.meta["val"].ndim == 4]
+    assert attention_dropouts and not names & {n.name for n in attention_dropouts}
+    assert all(nodes[n].meta["val"].shape[-1] == 16 for n in names)

@@ -41,7 +41,6 @@ import sys
 import time
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -143,6 +142,8 @@ def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
     no mask tensor (the published inputs have no padding, so the mask is exactly the causal one). Under
     torch.export transformers' own "sdpa" passes the mask it materialized, which the cost model prices as
     the memory-efficient kernel over the whole square instead of flash over the causal half."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
 
