@@ -11,12 +11,15 @@ for the preset cluster with the run's layout fixed: Megatron rows through ``auto
 (manual stages, Megatron's weight pins, microbatches, 1F1B) plus LayerNorms replicated over tp (Megatron-LM
 had no sequence parallelism then), Alpa rows through manual stages of its layer
 clusters with the batch dimension pinned to mesh axis 0 (its ``force_batch_dim_to_mesh_dim``), the rest left to
-the ILP as Alpa left it to its own. Printed per row: predicted and published step time and throughput, and
+the ILP as Alpa left it to its own; FSDP rows (torchtitan's Llama runs) are Hugging Face Llama from the
+published config (``capture_llama``, attention as torchtitan runs it: causal SDPA), data parallel over every
+GPU with every weight at ZeRO level 3. Printed per row: predicted and published step time and throughput, and
 ratio = predicted / published throughput (above 1: the model is optimistic); then the median and worst
 |ln ratio| over fitted and hold-out rows apart. Goal: every row within 0.90-1.10.
 
-The plan's predicted step is then re-priced with the gradient sync the run performed
-(``published_schedule``: exposed after backward where the run used Megatron's local DDP); the table's
+The plan's predicted step is then re-priced where the run's system differs from autopar's runtime
+(``published_schedule``: the gradient sync exposed after backward where the run used Megatron's local DDP,
+FSDP2's prefetched ZeRO-3 gathers, torchtitan's op-level selective recompute); the table's
 "predicted" is that step, "planner" the plan's own. Pipeline sends are the planner's own shard-to-shard
 transfers, which is Megatron-LM's scatter/gather.
 
