@@ -300,7 +300,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     B = choice.microbatches
     scaled = at_microbatch(B)
     ranks = place_chunks(cluster, [stage.option.physical for stage in choice.stages], choice.virtual)
-    memo, solved = SolutionMemo(), {}
+    memo, solved, strategies = SolutionMemo(), {}, {}  # strategies per logical mesh: stages on one share them
     subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
     subsets[-1].add("output")
     subsets = subsets_on(graph.gm, scaled.gm, subsets)
@@ -312,7 +312,9 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
                       inflight=chosen.inflight, devices_per_node=option.physical[1],
                       recomputed=recomputed_ops(layers, recompute, scaled))
         try:
-            solution = solve_intra_op(scaled, _strategies(scaled, option.logical, options), blocks, env,
+            if option.logical not in strategies:
+                strategies[option.logical] = _strategies(scaled, option.logical, options)
+            solution = solve_intra_op(scaled, strategies[option.logical], blocks, env,
                                       cluster.memory_per_device, options.time_limit, subset=subset,
                                       truncate=_uniform(recompute, layers, k, i), memo=memo)
         except InfeasibleError as e:

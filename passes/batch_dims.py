@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
-from autopar.ir.ops import OpView
+from autopar.ir.ops import SIGNATURE_KEY, OpView
 from autopar.passes.strategies import rule_for
 from autopar.passes.strategies.base import all_replicated_rule
 from autopar.placement import R
@@ -87,7 +87,7 @@ def rescale(graph, microbatches: int):
     for old, new in remap.items():
         new.meta = dict(old.meta)
         new.meta["val"] = _scaled(old.meta.get("val"), dims.get(old.name), microbatches, old.name)
-        new.meta.pop("autopar_signature", None)
+        new.meta.pop(SIGNATURE_KEY, None)
     output = next(n for n in graph.gm.graph.nodes if n.op == "output")
     new_output = [n for n in new_graph.nodes if n.op == "output"]
     if not new_output:

@@ -34,7 +34,7 @@ from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
-from autopar.passes.strategies import generate_strategies
+from autopar.passes.strategies import generate_strategies, strategy_signature
 from autopar.placement import shard_factor
 
 INF = float("inf")
@@ -197,6 +197,10 @@ class StageCosts:
         """Solve every option up front, on all cores when that is safe (see ``parallel_map``)."""
         todo = [m for m in range(len(self.options)) if m not in self.variants]
         todo.sort(key=lambda m: -self.options[m].size)  # the largest meshes have the most strategies: first
+        for graph in self.graphs.values():  # node signatures (cached in the nodes) once, before the workers fork
+            for node in graph.gm.graph.nodes:
+                if node.op != "output":
+                    strategy_signature(node)
         for m, variants in zip(todo, parallel_map(self._solve_all, todo, "autopar: pricing submeshes")):
             self.variants[m] = variants
         self.solves += sum(len(self.variants[m]) for m in todo)
@@ -332,7 +336,12 @@ class StageChoice:
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
                   stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
-    """Run the DP for every candidate B and keep the cheapest; InfeasibleError when nothing fits.
+    """Run the DP for every candidate B and keep the cheapest (the smallest B among equal costs);
+    InfeasibleError when nothing fits.
+
+    The largest B is tried first and each DP gets the best cost so far as its ``bound`` (``stage_dp``): a
+    pipeline's cost grows with (B − 1) times its slowest stage, so a good plan found at a large B cuts
+    short the search at every other B. The answer is the one the unbounded search in any order returns.
 
     excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
     did not fit); the DP treats them as not fitting."""
@@ -340,15 +349,15 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     costs.prepare()
     sizes = [o.size for o in costs.options]
     L = costs.layers.count
-    for B in candidates:
+    for B in sorted(candidates, reverse=True):
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)
         for b, k, i, option, f in excluded:
             if b == B:
                 table[k, i, costs.options.index(option), min(f, max_f) - 1] = INF
         found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
-                         hops=costs.hops_at(global_batch // B))
-        if found is not None and (best is None or found.cost < best[0].cost):
+                         hops=costs.hops_at(global_batch // B), bound=best[0].cost if best is not None else INF)
+        if found is not None and (best is None or (found.cost, B) < (best[0].cost, best[1])):
             best = (found, B, table)
     if best is None:
         budget = costs.cluster.memory_per_device

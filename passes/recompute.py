@@ -40,6 +40,7 @@ from autopar.errors import PlanError
 from autopar.ir.recompute import ATTENTION_CORE, region_keys
 
 MODES = ("none", "full", "selective", "auto")
+TABLE_CHUNK = 1 << 22  # cells [k, i, prefix, f] per vectorized step of ``LayerRecompute.tables``
 
 
 def check_policy(policy) -> None:
@@ -149,22 +150,26 @@ class LayerRecompute:
     def tables(self, latency: np.ndarray, memory: np.ndarray, scale: float, budget: float):
         """(latency [k, i, f], fits [k, i, f], prefix index [k, i, f]) with the first fitting prefix.
 
-        Vectorized over (i, prefix, f) for each first layer k; the arithmetic is the same, operation for
-        operation, as evaluating ``prefixes(k, i)`` one by one, so the chosen entries are bit-identical."""
+        Vectorized over (k, i, prefix, f), in blocks of first layers k that bound the temporaries; the
+        arithmetic is the same, operation for operation, as evaluating ``prefixes(k, i)`` one by one, so the
+        chosen entries are bit-identical."""
         L, _, F = memory.shape
         f_scaled = np.arange(1, F + 1) * scale
         save, fwd, top, index = self._prefix_arrays()
         best_lat = np.full(memory.shape, np.inf)
         best_p = np.full(memory.shape, -1, dtype=int)
-        for k in range(L):
-            peak = np.maximum(0.0, top[k] - self._peak_max[k][:, None])                 # [i, q]
-            mem = memory[k][:, None, :] - f_scaled * save[k][:, :, None] + scale * peak[:, :, None]
-            fits = mem <= budget                                                        # [i, q, f]
-            first = fits.argmax(axis=1)                                                 # [i, f]
-            any_fit = fits.any(axis=1)
-            rows = np.arange(L)[:, None]
-            best_lat[k] = np.where(any_fit, latency[k][:, None] + scale * fwd[k][rows, first], np.inf)
-            best_p[k] = np.where(any_fit, index[k][rows, first], -1)
+        block = max(1, TABLE_CHUNK // (L * save.shape[2] * F))
+        rows = np.arange(L)[None, :, None]
+        for lo in range(0, L, block):
+            ks = slice(lo, min(L, lo + block))
+            peak = np.maximum(0.0, top[ks] - self._peak_max[ks][:, :, None])                # [k, i, q]
+            mem = memory[ks][:, :, None, :] - f_scaled * save[ks][:, :, :, None] + scale * peak[:, :, :, None]
+            fits = mem <= budget                                                            # [k, i, q, f]
+            first = fits.argmax(axis=2)                                                     # [k, i, f]
+            any_fit = fits.any(axis=2)
+            ks_idx = np.arange(ks.start, ks.stop)[:, None, None]
+            best_lat[ks] = np.where(any_fit, latency[ks][:, :, None] + scale * fwd[ks_idx, rows, first], np.inf)
+            best_p[ks] = np.where(any_fit, index[ks_idx, rows, first], -1)
         return best_lat, best_p >= 0, best_p
 
     def _prefix_arrays(self) -> tuple[np.ndarray, ...]:

@@ -67,10 +67,15 @@ def inflight(sigma: int, microbatches: int, schedule: str) -> int:
 
 def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: int, *, schedule: str = "1f1b",
              max_stages: int | None = None, stages: int | None = None, bucket: float = 0.0,
-             hops: np.ndarray | None = None) -> DPResult | None:
+             hops: np.ndarray | None = None, bound: float = INF) -> DPResult | None:
     """Best stages for ``table`` [L, L, M, F] (see module docstring); None when nothing fits.
 
     stages: force exactly this many stages; max_stages: at most this many (default L).
+    bound: a cost the caller already has (another B's plan). Caps with (B − 1) · t_max > bound are not
+    tried: a plan found under cap t_max is reported at F + (B − 1) · t_max > bound, and larger caps only
+    add to that, so nothing skipped could cost as little as ``bound`` (ties are kept). The result may then
+    cost more than bound (or be None) where the unbounded search would have found a plan; either way it
+    does not beat or tie ``bound``.
     """
     L = table.shape[0]
     S = min(stages or max_stages or L, L)
@@ -79,7 +84,7 @@ def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: in
     best: DPResult | None = None
     last = -INF
     for t_max in np.unique(by_size[np.isfinite(by_size)]):
-        if best is not None and microbatches * t_max >= best.cost:
+        if (best is not None and microbatches * t_max >= best.cost) or (microbatches - 1) * t_max > bound:
             break
         if bucket and t_max <= last * (1 + bucket):
             continue

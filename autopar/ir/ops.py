@@ -111,8 +111,27 @@ def is_free_view(node: fx.Node) -> bool:
     return packet in FREE_VIEWS
 
 
+SIGNATURE_KEY = "autopar_signature"  # node.meta slot of the cached signature (``rescale`` drops it)
+
+
 def node_signature(node: fx.Node) -> str:
-    """Op and argument shapes/values: nodes with equal signatures have equal strategies and costs."""
+    """Op and argument shapes/values: nodes with equal signatures have equal strategies and costs.
+
+    Cached in ``node.meta``, valid while the node's target, args, kwargs, own value and its inputs' values
+    are the very same objects (checked by identity: a pass that relabels values or rewires arguments
+    replaces them, which invalidates the entry). Planning asks for every node's signature once per mesh
+    option and pricing step, and building it walks the arguments with pytree."""
+    inputs = node.all_input_nodes
+    stamp = (node.target, node.args, node.kwargs, node.meta.get("val"), *(a.meta.get("val") for a in inputs))
+    hit = node.meta.get(SIGNATURE_KEY)
+    if hit is not None and len(hit[0]) == len(stamp) and all(x is y for x, y in zip(hit[0], stamp)):
+        return hit[1]
+    signature = _signature(node)
+    node.meta[SIGNATURE_KEY] = (stamp, signature)
+    return signature
+
+
+def _signature(node: fx.Node) -> str:
     def describe(a):
         if isinstance(a, fx.Node):
             v = a.meta.get("val")
