@@ -85,7 +85,8 @@ def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
     names = {p.name: p.fqn for p in graph.placeholders if p.kind == "parameter"}
     copy = policy.compute_dtype.itemsize if policy.compute_dtype is not None else 0
     return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
-                        zero_search=not isinstance(options.zero, int), compute_itemsize=copy)
+                        zero_search=not isinstance(options.zero, int), compute_itemsize=copy,
+                        bucket_bytes=float(options.bucket_bytes))
 
 
 def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:

@@ -49,11 +49,12 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
     stage.outputs = sorted(solution.sends)
     stage.zero = {n: lvl for n, lvl in (*env.training.zero, *solution.zero.items()) if n in shardings and lvl}
     stage.collectives = _collectives(graph, solution, env, set(names))
-    per_mb = (solution.step_time - solution.sync_time) / env.microbatches
+    per_mb = (solution.step_time - solution.sync_time - solution.zero3_gather) / env.microbatches  # charge_zero3
     stage.predicted = {"latency": per_mb, "forward": per_mb / 3, "backward": 2 * per_mb / 3,
                        "compute": solution.compute_time, "comm": solution.comm_time,
                        "grad_sync": solution.sync_time - solution.zero_gather,  # exposed_sync adds the gathers
-                       "memory": solution.memory, "peak_memory": solution.memory,
+                       "memory": solution.memory - solution.zero3_unit,  # charge_zero3 adds the exact units
+                       "peak_memory": solution.memory - solution.zero3_unit,
                        "optimizer": _optimizer_seconds(graph, solution, env, stage.zero)}
     return stage
 

@@ -60,6 +60,7 @@ class TrainingSpec:
     zero: tuple[tuple[str, int], ...] = ()   # (parameter placeholder, forced level)
     zero_search: bool = False                # parameters absent from ``zero``: the ILP chooses (else level 0)
     compute_itemsize: int = 0                # autocast's weight copies (saved for backward); 0 for fp32
+    bucket_bytes: float = 25 * 2 ** 20       # gradient-sync bucket cap: a ZeRO-3 unit is gathered whole
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATE_BYTES:

@@ -22,13 +22,16 @@ from autopar.passes.ilp_model import min_memory_model, sharding_model
 
 @dataclasses.dataclass
 class IlpProblem:
-    """cost[c], mem[c], peak[c]: vectors over class c's strategies; edges[(c, d)]: |S_c|×|S_d| matrices."""
+    """cost[c], mem[c], peak[c]: vectors over class c's strategies; edges[(c, d)]: |S_c|×|S_d| matrices.
+    units[c]: bytes of ZeRO-3 units a strategy keeps gathered (a second transient, added to peak's; see
+    ``ilp_model``), or None when no class has any."""
 
     cost: list[np.ndarray]
     mem: list[np.ndarray]
     edges: dict[tuple[int, int], np.ndarray]
     budget: float | None = None
     peak: list[np.ndarray] | None = None
+    units: list[np.ndarray] | None = None
 
     @property
     def n_classes(self) -> int:
@@ -89,7 +92,14 @@ def evaluate(problem: IlpProblem, choice: list[int]) -> float:
 def memory_of(problem: IlpProblem, choice: list[int]) -> float:
     """Peak bytes per device of a choice: allocated state plus the largest transient."""
     state = sum(float(problem.mem[c][choice[c]]) for c in range(problem.n_classes))
-    return state + transient_of(problem, choice)
+    return state + transient_of(problem, choice) + units_of(problem, choice)
+
+
+def units_of(problem: IlpProblem, choice: list[int]) -> float:
+    """The gathered ZeRO-3 units a choice keeps whole at once (0 without units)."""
+    if problem.units is None:
+        return 0.0
+    return max((float(problem.units[c][choice[c]]) for c in range(problem.n_classes)), default=0.0)
 
 
 def transient_of(problem: IlpProblem, choice: list[int]) -> float:

@@ -9,15 +9,18 @@ classes, a resharding matrix R_{cd} (seconds):
                 Σ_b y_{cd}[a,b] = Σ_{i ∈ a} x_c[i]      ∀(c,d),a   (edge ↔ source)       edge_marginals
                 Σ_a y_{cd}[a,b] = Σ_{j ∈ b} x_d[j]      ∀(c,d),b   (edge ↔ destination)  edge_marginals
                 T ≥ Σ_i p_c[i] · x_c[i]                 ∀c         (peak transient)      memory_rows
-                Σ_c m_c · x_c + T ≤ M                               (memory)              memory_rows
-                x_c ∈ {0,1},  y_{cd} ∈ [0,1],  T ≥ 0
+                U ≥ Σ_i u_c[i] · x_c[i]                 ∀c         (gathered units)      memory_rows
+                Σ_c m_c · x_c + T + U ≤ M                           (memory)              memory_rows
+                x_c ∈ {0,1},  y_{cd} ∈ [0,1],  T, U ≥ 0
 
 R̃_{cd} is R_{cd} with equal rows merged into row groups a and equal columns into column groups b: exact,
 since with x one-hot the grouped sums are one-hot too, and it shrinks y by the strategies sharing a
 layout. m_c is what stays allocated (parameter state, activations saved for backward); p_c the class's
 transient (its largest local output and that output's gradient, alive together in backward), so T is the
-chosen plan's largest transient and the memory row bounds the peak. y needs no integrality: with x
-one-hot, the marginals leave one feasible y (the product of the two one-hot vectors).
+chosen plan's largest transient and the memory row bounds the peak. u_c (``problem.units``, only when some
+class has ZeRO-3 columns: ``intra_op_zero``) is what a column keeps gathered of level-3 parameters; units
+are alive across other classes' ops, so U adds to T instead of competing with it. y needs no integrality:
+with x one-hot, the marginals leave one feasible y (the product of the two one-hot vectors).
 
 Folding (exact): a class with one strategy gets no column; its cost and its edges' costs become the
 objective's constant or linear terms on the other side; its memory moves to the row's right-hand side
@@ -29,8 +32,9 @@ Units: the objective in ms (``MS``); memory rows in units of the budget M (or of
 when there is none), so a solver's absolute tolerance is relative to the budget.
 
 Column layout: x (one block per class with several strategies, binary), then y (one block per edge
-between two such classes, continuous), then T when memory rows are built. Row order follows the build
-order. Both orders are fixed: a MIP solver's path depends on them, and plans must not change by accident.
+between two such classes, continuous), then T when memory rows are built, then U when there are units. Row
+order follows the build order. Both orders are fixed: a MIP solver's path depends on them, and plans must
+not change by accident.
 
 Adding a constraint family: write one function ``family(builder, problem, x)`` that calls
 ``builder.columns`` for any new variables and ``builder.row`` for each row (and ``builder.add_cost`` /
@@ -191,8 +195,9 @@ def _grouped_edge(builder: ModelBuilder, matrix: np.ndarray, xc: np.ndarray, xd:
 
 
 def memory_rows(builder: ModelBuilder, problem, x: list, budget: float | None, objective_weight: float = 0.0) -> None:
-    """The T column, the transient rows (T ≥ p_c·x_c) and, given a budget, the memory row. T and the state
-    Σ m_c·x_c enter the objective with ``objective_weight`` (the least-memory model)."""
+    """The T column, the transient rows (T ≥ p_c·x_c), the U column and its rows where the problem has units,
+    and, given a budget, the memory row. T, U and the state Σ m_c·x_c enter the objective with
+    ``objective_weight`` (the least-memory model)."""
     unit = budget or max(float(max(m.max() for m in problem.mem)), 1.0)
     peak = builder.columns([objective_weight], 0.0, np.inf, False)[0]
     fixed = 0.0
@@ -207,8 +212,18 @@ def memory_rows(builder: ModelBuilder, problem, x: list, budget: float | None, o
         vals += (problem.mem[c] / unit).tolist()
         if problem.peak is not None:
             builder.row(np.concatenate([x[c], [peak]]), np.concatenate([problem.peak[c] / unit, [-1.0]]), -np.inf, 0.0)
+    gathered = []
+    if getattr(problem, "units", None) is not None:
+        units = builder.columns([objective_weight], 0.0, np.inf, False)[0]
+        gathered = [units]
+        for c in range(problem.n_classes):
+            if x[c] is None:
+                builder.lower[units] = max(builder.lower[units], float(problem.units[c][0]) / unit)
+            elif problem.units[c].any():
+                builder.row(np.concatenate([x[c], [units]]), np.concatenate([problem.units[c] / unit, [-1.0]]),
+                            -np.inf, 0.0)
     if budget is not None:
-        builder.row(cols, vals, -np.inf, 1.0 - fixed)
+        builder.row(cols + gathered, vals + [1.0] * len(gathered), -np.inf, 1.0 - fixed)
     if objective_weight:
         builder.add_cost(cols[1:], [objective_weight * v for v in vals[1:]])
         builder.offset += objective_weight * fixed

@@ -39,7 +39,10 @@ def _tighter_or_equal(new: IlpProblem, old: IlpProblem) -> bool:
     """F(new) ⊆ F(old): budget no larger and every memory coefficient no smaller."""
     if old.budget is not None and (new.budget is None or new.budget > old.budget):
         return False
-    if len(new.mem) != len(old.mem) or (new.peak is None) != (old.peak is None):
+    if len(new.mem) != len(old.mem) or (new.peak is None) != (old.peak is None) \
+            or (new.units is None) != (old.units is None):
+        return False
+    if new.units is not None and not all(np.all(a >= b) for a, b in zip(new.units, old.units)):
         return False
     if any(a.shape != b.shape or np.any(a < b) for a, b in zip(new.mem, old.mem)):
         return False

@@ -131,7 +131,8 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
             comm[layer] += group.comm[i]
             param[layer] += group.mem_param[i]
             act[layer] += group.mem_act[i]
-            peak[layer] = max(peak[layer], group.peak[i])
+            unit = group.zero3_unit[i] if group.zero3_unit is not None else 0.0  # ZeRO-3's gathered units
+            peak[layer] = max(peak[layer], group.peak[i] + unit)
     edges = np.zeros((L, L))
     for (gu, gv), cost in solution.edge_costs.items():
         per_instance = cost / solution.weights[gv]

@@ -27,7 +27,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import axis_links, redistribute_cost
 from autopar.cost_models.memory import TrainingSpec
-from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp
+from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp, units_of
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.intra_op_groups import Group, GroupBuilder
 from autopar.passes.intra_op_prices import edge_matrices, price_groups, shared_sync_rebates
@@ -94,7 +94,9 @@ class IntraOpSolution:
     sends: set[str] = dataclasses.field(default_factory=set)            # values later stages read
     weights: list[float] = dataclasses.field(default_factory=list)      # per group: instances it stands for
     zero: dict[str, int] = dataclasses.field(default_factory=dict)      # parameter -> ZeRO level the ILP chose
-    zero_gather: float = 0.0                                            # seconds of those levels' all-gathers
+    zero_gather: float = 0.0                                            # seconds of level 2's after-step gathers
+    zero3_gather: float = 0.0       # seconds per step of level 3's forward and backward gathers (in comm_time)
+    zero3_unit: float = 0.0         # bytes of gathered level-3 units the ILP's memory row estimated (in memory)
 
 
 class BuiltProblem(NamedTuple):
@@ -137,7 +139,19 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None,
             cost[cu] = cost[cu] + np.diag(m)
         else:
             class_edges[(cu, cv)] = class_edges.get((cu, cv), 0) + m
-    return BuiltProblem(b, IlpProblem(cost, mem, class_edges, budget, peak), class_of, edges)
+    return BuiltProblem(b, IlpProblem(cost, mem, class_edges, budget, peak, _class_units(b.groups, class_of)),
+                        class_of, edges)
+
+
+def _class_units(groups, class_of: list[int]) -> list[np.ndarray] | None:
+    """Per class, the ZeRO-3 units its columns keep gathered (``intra_op_zero``); None when there are none."""
+    if not any(g.zero3_unit is not None and g.zero3_unit.any() for g in groups):
+        return None
+    units = [None] * (max(class_of) + 1)
+    for c, group in zip(class_of, groups):
+        mine = group.zero3_unit if group.zero3_unit is not None else np.zeros(len(group.pick))
+        units[c] = mine if units[c] is None else np.maximum(units[c], mine)
+    return units
 
 
 def _bucket_startup(env: CostEnv) -> float:
@@ -204,7 +218,7 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
     choice = [result.choice[class_of[g]] for g in range(len(b.groups))]
     chosen: dict[str, Strategy] = {}
     inputs: dict[str, tuple] = {}
-    compute = comm = sync = gather = 0.0
+    compute = comm = sync = gather = gather3 = 0.0
     zero: dict[str, int] = {}
     for g, (group, i) in enumerate(zip(b.groups, choice)):
         for name in group.members:
@@ -219,6 +233,7 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
         sync += w * group.sync[i]
         zero.update(chosen_levels(b, group, i))
         gather += w * group.zero_gather[i] if group.zero_gather is not None else 0.0
+        gather3 += w * group.zero3_gather[i] if group.zero3_gather is not None else 0.0
     for dropped, twin in b.alias.items():  # truncated instances take their instance-1 twin's layout and level
         chosen[dropped] = b.strategies[dropped][b.strategies[twin].index(chosen[twin])]
         if twin in zero:
@@ -230,4 +245,5 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
     comm, sync = comm + bucket, sync + bucket
     return IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
                            memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
-                           set(b.sends_real), [b.weight(g) for g in range(len(b.groups))], zero, gather)
+                           set(b.sends_real), [b.weight(g) for g in range(len(b.groups))], zero, gather, gather3,
+                           units_of(problem, result.choice))

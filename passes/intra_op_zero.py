@@ -2,118 +2,177 @@
 
 Invariants and formulas:
   * For a group whose members include parameters whose level the ILP chooses (``TrainingSpec.zero_searched``),
-    every leader strategy i under which some such parameter is replicated on a mesh axis of size > 1 gets a
-    twin column: the same picks (so the same layouts, op times and resharding edges), with those parameters at
-    ZeRO level ``SEARCHED_LEVEL`` over their n = ∏(sizes of the axes they are replicated on) ways:
+    every leader strategy i under which some such parameter is replicated on a mesh axis of size > 1 gets two
+    twin columns: the same picks (so the same layouts, op times and resharding edges), with those parameters at
+    ZeRO level 2 and at level 3 over their n = ∏(sizes of the axes they are replicated on) ways. With
+    g = Σ_p Σ_{replicated axes a} bandwidth_time_a(all_gather, local bytes of p) and B microbatches:
 
-        mem_param' = mem_param − Σ_p [param_bytes(p, level 0) − param_bytes(p, level 2)]
-        cost' = cost + gather,   sync' = sync + gather,   comm' = comm + gather
-        gather = Σ_p Σ_{replicated axes a} bandwidth_time_a(all_gather, local bytes of p)
+        level 2: mem_param' = mem_param − Σ_p [param_bytes(p, 0) − param_bytes(p, 2)]
+                 cost' = cost + g,  comm' = comm + g,  sync' = sync + g          (after-step all-gather)
+        level 3: mem_param' = mem_param − Σ_p [param_bytes(p, 0) − param_bytes(p, 3)]
+                 cost' = cost + 2B·g,  comm' = comm + 2B·g,  sync' = sync       (gathers in every forward
+                 and backward, on the critical path: the runtime does not prefetch)
+                 units' = U = 2 · max(largest local bytes of p, min(bucket_bytes, Σ parameter bytes))
 
-    Gradients are reduce-scattered instead of all-reduced: the same bytes on a ring, so the sync price is
-    unchanged; the all-gather of the updated shards after the optimizer step is what ZeRO adds, and nothing
-    hides it (``plan_builder.exposed_sync`` charges it the same way).
-  * Only level 2 is offered: in this model level 1 moves the same bytes and keeps more (the whole gradient),
-    so level 2 dominates it. A forced ``zero=1`` (or a glob) is honoured as before.
+    The reduce-scatter both levels sync gradients with is priced as the all-reduce it replaces (the ILP charges
+    the whole sync, hidden or not), so level 3 − level 2 = (2B − 1)·g ≥ g: level 3 wins only where its memory
+    is needed. U is the gathered units: the runtime gathers a whole sync bucket (``ir.buckets``, at least
+    ``bucket_bytes`` unless the parameters are fewer, at most that plus its last parameter) from its first to
+    its last read, and buckets run in reverse order of first use, so at a bucket boundary the next unit is
+    gathered before the last read of the one before: two units are whole. Units stay gathered across other
+    groups' ops, so the ILP adds the largest chosen U to its memory row beside the largest transient
+    (``ilp_model``: the U column), an upper bound; the tests measure the runtime's peak.
+    ``plan_builder.charge_zero3`` replaces the estimate by the exact peak of the stage's buckets after the
+    solve (``IntraOpSolution.zero3_unit`` is what it takes out), so the plan predicts what ranks hold and the
+    ILP's budget errs on the safe side.
+  * A forced level 3 (``zero=3`` or a glob) is charged the same U on every column where the parameter is
+    replicated, so the memory row holds the gathered unit whether the level was chosen or forced.
+  * Level 1 is not offered: it moves the same bytes as 2 and keeps more (the whole gradient), so level 2
+    dominates it. A forced ``zero=1`` is honoured as before.
   * No new constraint family: a twin is one more strategy of the group's ILP class. Identical layers share
     a class (``intra_op._share_classes``), so they get one level. Column 0 stays level 0, so "the fully
     replicated plan" (``choice 0``) still means no ZeRO.
   * Groups with a single strategy are fixed (their edges were priced into their readers) and get no twins.
-  * ``keep_needed_zero``: with a relative MIP gap the solver may return a twin whose gather is within the gap;
+  * ``keep_needed_zero``: with a relative MIP gap the solver may return a twin whose price is within the gap;
     every twin whose base column also fits the budget is reverted (cheaper, same edges), smallest memory
-    increase first, so a plan shards weight updates only where memory asks for it.
+    increase first, and a level-3 twin whose base does not fit falls back to its level-2 sibling where that
+    fits, so a plan shards weight updates (and parameters) only as far as memory asks.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
 from autopar.passes.ilp import memory_of
 from autopar.placement import local_shape
 
-SEARCHED_LEVEL = 2
+
+class _Effect(NamedTuple):
+    saved2: float     # bytes a level-2 twin saves
+    saved3: float     # bytes a level-3 twin saves
+    gather: float     # seconds of one all-gather of the parameter's local tensor over its replicated axes
+    nbytes: float     # local bytes of the parameter (what a level-3 unit gathers of it)
+
+
+_NONE = _Effect(0.0, 0.0, 0.0, 0.0)
 
 
 def add_zero_columns(b) -> None:
-    """Append ZeRO twins to every eligible group of builder ``b`` (after ``price_groups``, before edges)."""
-    training = b.env.training
-    if not training.zero_search:
-        return
-    effects: dict[tuple, tuple[float, float]] = {}
+    """Append ZeRO twins to every eligible group of builder ``b`` (after ``price_groups``, before edges), and
+    charge the gathered units of forced level-3 parameters to the columns that replicate them."""
+    training, effects = b.env.training, {}
+    unit_floor = _unit_floor(b)
     for group in b.groups:
         params = [m for m in group.members if m in b.params and m not in b.boundary]
-        if len(group.pick) < 2 or not params or not all(training.zero_searched(p) for p in params):
+        if params:
+            _charge_forced_units(b, group, params, unit_floor, effects)
+        if len(group.pick) < 2 or not params or not training.zero_search \
+                or not all(training.zero_searched(p) for p in params):
             continue
         twins = []
         for i, pick in enumerate(group.pick):
-            saved = gather = 0.0
-            for name in params:
-                s, g = _effect(b, name, b.strategies[name][pick[name]].out_spec, effects)
-                saved, gather = saved + s, gather + g
-            if saved > 0:
-                twins.append((i, saved, gather))
+            found = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in params]
+            if sum(e.saved2 for e in found) > 0:
+                gather, largest = sum(e.gather for e in found), max(e.nbytes for e in found)
+                twins.append((i, 2, sum(e.saved2 for e in found), gather, 0.0))
+                twins.append((i, 3, sum(e.saved3 for e in found), gather, 2 * max(largest, unit_floor)))
         if twins:
-            _append_twins(group, twins)
+            _append_twins(group, twins, b.env.microbatches)
 
 
-def _effect(b, name: str, spec, cache: dict) -> tuple[float, float]:
-    """(bytes saved, seconds of all-gather added) by putting parameter ``name`` stored as ``spec`` at
-    ``SEARCHED_LEVEL``; (0, 0) when it is not replicated on any axis of size > 1."""
+def _unit_floor(b) -> float:
+    """The smallest a gathered unit is: a bucket of ``bucket_bytes``, or every parameter in scope if less."""
+    total = sum(float(b.nodes[n].meta["val"].numel() * b.nodes[n].meta["val"].element_size())
+                for n in b.params if n not in b.boundary)
+    return min(float(b.env.training.bucket_bytes), total)
+
+
+def _charge_forced_units(b, group, params: list[str], unit_floor: float, effects: dict) -> None:
+    forced = [p for p in params if not b.env.training.zero_searched(p) and b.env.training.zero_level(p) >= 3]
+    if not forced:
+        return
+    units = np.zeros(len(group.pick))
+    for i, pick in enumerate(group.pick):
+        sizes = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects).nbytes for name in forced]
+        units[i] = 2 * max(max(sizes), unit_floor) if max(sizes) > 0 else 0.0
+    group.zero3_unit = units
+
+
+def _effect(b, name: str, spec, cache: dict) -> _Effect:
+    """What putting parameter ``name`` stored as ``spec`` at levels 2 and 3 changes (``_NONE`` when it is not
+    replicated on any axis of size > 1)."""
     val = b.nodes[name].meta["val"]
     key = (tuple(val.shape), val.dtype, spec)
     if key not in cache:
         mesh = b.env.mesh_shape
         axes = [a for a, (size, p) in enumerate(zip(mesh, spec)) if size > 1 and not p.is_shard()]
         if not axes:
-            cache[key] = (0.0, 0.0)
+            cache[key] = _NONE
         else:
             numel = float(math.prod(local_shape(tuple(val.shape), spec, mesh)))
             ways = math.prod(mesh[a] for a in axes)
             price = b.env.training.param_bytes
-            saved = price(name, numel, val.dtype, ways, level=0) - price(name, numel, val.dtype, ways,
-                                                                           level=SEARCHED_LEVEL)
+            level0 = price(name, numel, val.dtype, ways, level=0)
             nbytes = numel * val.element_size()
-            cache[key] = (saved, sum(b.env.links[a].bandwidth_time("all_gather", nbytes) for a in axes))
+            cache[key] = _Effect(level0 - price(name, numel, val.dtype, ways, level=2),
+                                 level0 - price(name, numel, val.dtype, ways, level=3),
+                                 sum(b.env.links[a].bandwidth_time("all_gather", nbytes) for a in axes), nbytes)
     return cache[key]
 
 
-def _append_twins(group, twins: list[tuple[int, float, float]]) -> None:
+def _append_twins(group, twins: list[tuple[int, int, float, float, float]], microbatches: int) -> None:
+    """twins: (base column, level, bytes saved, all-gather seconds g, unit bytes) each; see module docstring."""
     n = len(group.pick)
-    base = [i for i, _, _ in twins]
+    base = [t[0] for t in twins]
+    level = np.array([t[1] for t in twins])
+    gather = np.array([t[3] for t in twins])
+    after_step = np.where(level == 2, gather, 0.0)
+    per_microbatch = np.where(level == 3, 2 * microbatches * gather, 0.0)
+    unit = np.array([t[4] for t in twins])
+    prior_unit = group.zero3_unit if group.zero3_unit is not None else np.zeros(n)
     group.pick.extend(dict(group.pick[i]) for i in base)
-    gather = np.array([g for _, _, g in twins])
-    group.cost = np.concatenate([group.cost, group.cost[base] + gather])
-    group.comm = np.concatenate([group.comm, group.comm[base] + gather])
-    group.sync = np.concatenate([group.sync, group.sync[base] + gather])
-    group.mem_param = np.concatenate([group.mem_param, group.mem_param[base] - np.array([s for _, s, _ in twins])])
+    group.cost = np.concatenate([group.cost, group.cost[base] + after_step + per_microbatch])
+    group.comm = np.concatenate([group.comm, group.comm[base] + after_step + per_microbatch])
+    group.sync = np.concatenate([group.sync, group.sync[base] + after_step])
+    group.mem_param = np.concatenate([group.mem_param, group.mem_param[base] - np.array([t[2] for t in twins])])
     group.mem_act = np.concatenate([group.mem_act, group.mem_act[base]])
     group.peak = np.concatenate([group.peak, group.peak[base]])
+    group.zero3_unit = np.concatenate([prior_unit, prior_unit[base] + unit])
     group.zero_base = np.concatenate([np.arange(n), base]).astype(int)
-    group.zero_gather = np.concatenate([np.zeros(n), gather])
+    group.zero_level = np.concatenate([np.zeros(n), level]).astype(int)
+    group.zero_gather = np.concatenate([np.zeros(n), after_step])
+    group.zero3_gather = np.concatenate([np.zeros(n), per_microbatch])
 
 
 def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) -> list[int]:
-    """``choice`` with every ZeRO twin reverted to its base column whose reversal keeps the memory within
-    the budget (all of them without a budget); see the module docstring."""
-    base_of: dict[int, np.ndarray] = {}
+    """``choice`` with every ZeRO twin reverted to its base column (or a level-3 twin to its level-2 sibling)
+    where that keeps the memory within the budget (to the base, without a budget); see the module docstring."""
+    twins_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for g, group in enumerate(groups):
         if group.zero_base is not None:
-            base_of.setdefault(class_of[g], group.zero_base)
+            twins_of.setdefault(class_of[g], (group.zero_base, group.zero_level))
     choice = list(choice)
-    chosen = [c for c, base in base_of.items() if base[choice[c]] != choice[c]]
-    chosen.sort(key=lambda c: problem.mem[c][base_of[c][choice[c]]] - problem.mem[c][choice[c]])
+    chosen = [c for c, (base, _) in twins_of.items() if base[choice[c]] != choice[c]]
+    chosen.sort(key=lambda c: problem.mem[c][twins_of[c][0][choice[c]]] - problem.mem[c][choice[c]])
     for c in chosen:
-        trial = list(choice)
-        trial[c] = int(base_of[c][choice[c]])
-        if problem.budget is None or memory_of(problem, trial) <= problem.budget:
-            choice = trial
+        base, level = twins_of[c]
+        fallbacks = [int(base[choice[c]])]
+        if level[choice[c]] == 3:
+            fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2]
+        for column in fallbacks:
+            trial = list(choice)
+            trial[c] = column
+            if problem.budget is None or memory_of(problem, trial) <= problem.budget:
+                choice = trial
+                break
     return choice
 
 
 def chosen_levels(b, group, column: int) -> dict[str, int]:
     """{parameter: level} that ``group``'s ``column`` puts at a ZeRO level (empty for a base column)."""
-    if group.zero_base is None or group.zero_base[column] == column:
+    if group.zero_level is None or group.zero_level[column] == 0:
         return {}
     pick = group.pick[column]
     out = {}
@@ -121,5 +180,5 @@ def chosen_levels(b, group, column: int) -> dict[str, int]:
         if name in b.params and name not in b.boundary:
             spec = b.strategies[name][pick[name]].out_spec
             if any(size > 1 and not p.is_shard() for size, p in zip(b.env.mesh_shape, spec)):
-                out[name] = SEARCHED_LEVEL
+                out[name] = int(group.zero_level[column])
     return out

@@ -127,22 +127,31 @@ def recompute_option(text: str):
 
 
 def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
-    """One case; a layout may end in ":rc-<full | layer glob>" to recompute those layers in backward."""
+    """One case. A layout may carry flags after ":": "rc-<full | layer glob>" recomputes those layers in
+    backward; "z<level>" forces that ZeRO level (the optimizer then comes from ``pm.optimizer``); "ckpt"
+    saves module and optimizer after step 2 and loads them into a module compiled from perturbed weights
+    with a fresh optimizer, which takes step 3 ("ckpt-noopt": loads the module only, a negative control)."""
     model, batch = FACTORIES[model_name]()
     reference = copy.deepcopy(model)
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
-    layout, _, rc = layout.partition(":rc-")
+    layout, *flags = layout.split(":")
+    rc = next((f[3:] for f in flags if f.startswith("rc-")), "")
     recompute = recompute_option(rc) if rc else "none"
+    zero = next((int(f[1:]) for f in flags if f[:1] == "z" and f[1:].isdigit()), None)
     if layout.startswith("pp") or layout.split("-")[0] in SHARD_TO_SHARD:  # pipelines (interleaved: "pp...v2")
         cluster, options = pipeline_options(layout, cluster, model, batch, recompute)
     else:
         cluster, options = layout_options(layout, model_name, cluster, model, batch, recompute)
+    options = {**options, "zero": zero} if zero is not None else options
     pm = autopar.compile(model, cluster, batch, **options, recompute=recompute)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    opt = _optimizer(pm, zero)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     loss_err, moved = 0.0, set()
     counted = _count_collectives()
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if step == STEPS - 1 and any(f.startswith("ckpt") for f in flags):
+            pm, opt = _round_trip(pm, opt, model_name, cluster, batch, {**options, "recompute": recompute}, zero,
+                                  with_optimizer="ckpt" in flags)
         loss = pm.train_step(*batch)
         opt.step()
         opt.zero_grad()
@@ -175,8 +184,40 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "wires": [t.get("wire") for t in pm.plan.transfers], "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
+            "zero": sorted({lvl for s in stages for lvl in s.zero.values()}),
             "keys_match": list(full) == list(reference.state_dict()),
             "shapes_match": all(full[k].shape == v.shape for k, v in reference.state_dict().items())}
+
+
+def _optimizer(pm, zero: int | None):
+    """AdamW(LR, EPS) over the module; built by the module when ZeRO shards its state (``pm.optimizer``)."""
+    if zero:
+        return pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    return torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+
+
+def _round_trip(pm, opt, model_name: str, cluster, batch, options: dict, zero, with_optimizer: bool) -> tuple:
+    """pm.save (module and optimizer) into a directory all ranks share, then a module compiled from other
+    weights (every parameter + 1) loads it, with a fresh optimizer that loads the saved state or not."""
+    import os
+    import shutil
+    import tempfile
+
+    rank = torch.distributed.get_rank()
+    box = [tempfile.mkdtemp(prefix="autopar-parity-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    pm.save(box[0], opt)
+    other, _ = FACTORIES[model_name]()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    loaded = autopar.compile(other, cluster, batch, **options)
+    loaded_opt = _optimizer(loaded, zero)
+    loaded.load(box[0], loaded_opt if with_optimizer else None)
+    torch.distributed.barrier()
+    if rank == 0 and os.path.isdir(box[0]):
+        shutil.rmtree(box[0], ignore_errors=True)
+    return loaded, loaded_opt
 
 
 def _resolved_text(spec: str) -> str:

@@ -2,12 +2,14 @@
 
 The runtime parity, memory and gather-count checks run in the shared 4-rank launch of tests/test_precision.py.
 """
+import numpy as np
 import torch
 import torch.fx as fx
 
 import autopar
 from autopar.cost_models.memory import TrainingSpec, held_state_bytes
 from autopar.ir.buckets import parameter_sources, peak_gathered, unit_spans
+from autopar.passes.ilp import IlpProblem, memory_of, solve_ilp
 from tests.models import FACTORIES
 from tests.precision_cases import options
 
@@ -69,3 +71,14 @@ def test_plan_at_level_3_charges_gathers_memory_and_records_the_level():
     assert 0 < p3["zero3_transient"] < p2["state_params"]
     assert set(z3.stages[0].zero.values()) == {3} and autopar.Plan.from_json(z3.to_json()) == z3
     assert "ZeRO level(s) by stage: 3" in z3.summary()
+
+
+def test_ilp_memory_row_counts_gathered_units_beside_the_transient():
+    """Strategy 1 is cheaper and keeps less state, but a ZeRO-3 unit gathered on top of it breaks the budget;
+    without the unit row (units=None) the same problem picks it."""
+    cost, mem, peak = [np.array([2.0, 1.0]), np.array([0.0])], [np.array([7.0, 5.0]), np.array([0.0])], None
+    units = [np.array([0.0, 4.0]), np.array([0.0])]
+    with_units = IlpProblem(cost, mem, {}, 8.0, peak, units)
+    assert solve_ilp(with_units).choice == [0, 0]
+    assert memory_of(with_units, [1, 0]) == 9.0
+    assert solve_ilp(IlpProblem(cost, mem, {}, 8.0, peak)).choice == [1, 0]

@@ -28,6 +28,7 @@ class ChunkSyncs:
     def __init__(self, syncs: list):
         self.syncs = syncs
         self.buckets = [b for s in syncs for b in s.buckets]
+        self.units = ChunkUnits([s.units for s in syncs])
 
     def begin(self) -> None:
         for s in self.syncs:
@@ -40,6 +41,23 @@ class ChunkSyncs:
     def gather_params(self) -> None:
         for s in self.syncs:
             s.gather_params()
+
+
+class ChunkUnits:
+    """The ZeRO-3 units of a device's chunks (``zero3.Units``' interface that the optimizer step and
+    ``state_dict`` use); each chunk's module runs under its own chunk's saved-tensor hooks."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.units = [u for part in parts for u in part.units]
+
+    def free_all(self) -> None:
+        for part in self.parts:
+            part.free_all()
+
+    def absorb_all(self) -> None:
+        for part in self.parts:
+            part.absorb_all()
 
 
 class InterleavedRunner(StageModule):
