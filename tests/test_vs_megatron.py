@@ -114,6 +114,84 @@ def test_a_megatron_config_that_does_not_fit_scores_out_of_memory():
         autopar.plan(model, tiny, batch, **megatron_options(MegatronConfig(dp=4, tp=1, pp=2, microbatches=2), 4, 8))
 
 
+def test_the_grid_offers_interleaving_as_megatron_allows_it():
+    """v > 1 only with pp > 1, pp·v dividing the blocks and microbatches a multiple of pp (Megatron's rules)."""
+    grid = list(megatron_grid(8, 8, 8, 64, n_heads=8))
+    interleaved = [c for c in grid if c.virtual_stages > 1]
+    assert {c.virtual_stages for c in interleaved} == {2, 4}
+    assert all(c.pp > 1 and 8 % (c.pp * c.virtual_stages) == 0 and c.microbatches % c.pp == 0 for c in interleaved)
+    assert {(c.pp, c.virtual_stages) for c in interleaved} == {(2, 2), (2, 4), (4, 2)}, "pp·v divides 8 blocks"
+    options = megatron_options(MegatronConfig(dp=1, tp=2, pp=2, microbatches=4, virtual_stages=2), 8, 8)
+    assert options["schedule"] == "interleaved" and options["virtual_stages"] == 2
+    assert [s["layers"] for s in options["stages"]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ValueError, match="multiple of pp"):
+        megatron_options(MegatronConfig(dp=1, tp=1, pp=4, microbatches=2, virtual_stages=2), 8, 8)
+
+
+def test_an_interleaved_grid_point_is_scored_with_the_interleaved_schedule():
+    """A v = 2 config plans 4 chunks round robin on 2 devices and is priced by the interleaved schedule."""
+    from autopar.baselines.megatron_configs import capture_once, score_config
+    from autopar.presets import preset_gpus
+
+    with torch.device("meta"):
+        model = GPT(TINY_GPT)
+    graph, recapture = capture_once(model, make_batch(TINY_GPT, 16, device="meta"))
+    cluster = preset_gpus("dgx-a100", 2)
+    scored = {v: score_config(graph, cluster, MegatronConfig(dp=1, tp=1, pp=2, microbatches=4, virtual_stages=v),
+                              4, recapture) for v in (1, 2)}
+    plan = scored[2].plan
+    assert plan.schedule == "interleaved" and plan.virtual_stages == 2
+    assert [s.layers for s in plan.stages] == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert [s.ranks for s in plan.stages] == [[0], [1], [0], [1]]
+    assert scored[1].plan.schedule == "1f1b" and scored[2].step_time != scored[1].step_time
+
+
+def _scorer(times: dict, out_of_memory: set):
+    """score(name, unbounded) of search_hand: ``times`` with memory ignored, names in ``out_of_memory`` OOM."""
+    from autopar.baselines.megatron_configs import Scored
+
+    def score(name, unbounded=False):
+        fits = unbounded or name not in out_of_memory
+        return Scored(name, times[name] if fits else None, "ok" if fits else "OOM")
+    return score
+
+
+def test_memory_binds_only_where_a_layout_that_does_not_fit_would_win():
+    """search_hand: the configs that did not fit are scored again with memory ignored (those ``memory_free``
+    admits); memory binds when one of them beats the best that fits, and not when all of them are slower."""
+    from autopar.baselines.megatron_configs import search_hand
+
+    times = {"a": 1.0, "b": 2.0, "c": 3.0}
+    bound = search_hand(list(times), _scorer(times, {"a"}), lambda name: name)
+    assert bound.best.config == "b" and bound.unbounded.config == "a" and bound.memory_binds
+    assert [r.config for r in bound.scored] == ["a", "b", "c"], "the retry is not mixed into the grid's scores"
+    slow_oom = search_hand(list(times), _scorer(times, {"c"}), lambda name: name)
+    assert slow_oom.best.config == "a" and slow_oom.unbounded is None and not slow_oom.memory_binds
+    skipped = search_hand(list(times), _scorer(times, {"a"}), lambda name: name, memory_free=lambda n: n != "a")
+    assert not skipped.memory_binds, "a config memory_free rules out (e.g. recompute) is not retried"
+    nothing_fits = search_hand(list(times), _scorer(times, set(times)), lambda name: name)
+    assert nothing_fits.best is None and nothing_fits.memory_binds
+
+
+def test_grid_search_stops_a_layout_at_its_first_config_that_does_not_fit():
+    """Most microbatches first: fewer microbatches (bigger ones) cannot fit where more did not, so they are
+    recorded OOM unplanned; fitting ones stop after ``patience`` slower in a row."""
+    from autopar.baselines.megatron_configs import grid_search
+
+    configs = [("x", b) for b in (1, 2, 4, 8, 16)] + [("y", b) for b in (1, 2, 4, 8, 16)]
+    times = {("x", 16): 5.0, ("x", 8): 4.0, ("x", 4): 4.5, ("x", 2): 4.6, ("x", 1): 3.0, ("y", 16): 6.0}
+    planned = []
+
+    def score(config):
+        planned.append(config)
+        return _scorer(times, set(configs) - set(times))(config)
+
+    best, scored = grid_search(configs, score, lambda c: c[0])
+    assert best.config == ("x", 8) and [r.config for r in scored if r.config[0] == "x"] == planned[:4]
+    assert planned == [("x", 16), ("x", 8), ("x", 4), ("x", 2), ("y", 16), ("y", 8)]
+    assert [r.status for r in scored if r.config[0] == "y"] == ["ok"] + ["OOM"] * 4
+
+
 def test_stages_span_whole_nodes_beyond_one_node():
     stages = megatron_options(MegatronConfig(dp=4, tp=4, pp=2, microbatches=2), 8, 8)["stages"]
     assert [s["submesh"] for s in stages] == [[2, 8], [2, 8]] and stages[1]["mesh"] == [4, 4]

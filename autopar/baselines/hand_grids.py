@@ -1,7 +1,7 @@
 """Hand-written layouts for models Megatron-LM does not cover: Wide-ResNet (DP × PP) and MoE (DP × EP × PP).
 
     from autopar.baselines.hand_grids import best_hand, wrn_pins, moe_pins
-    best, scored = best_hand(model, cluster, batch, moe_pins, max_ep=8, n_experts=16)
+    search = best_hand(model, cluster, batch, moe_pins, n_experts=16)  # .best, .scored, .memory_binds
 
 A ``HandLayout`` (dp, ep, pp, microbatches) is turned into autopar plan options exactly as
 ``megatron_configs`` does for GPT (manual stages + pins, activations placed by the same ILP, scored by the
@@ -29,10 +29,12 @@ from typing import Iterator
 
 from autopar.baselines.megatron_configs import (
     MAX_MICROBATCHES,
+    UNBOUNDED_MEMORY,
+    HandSearch,
     Scored,
     capture_once,
-    grid_search,
     score_options,
+    search_hand,
     stage_submesh,
 )
 
@@ -160,8 +162,8 @@ def hand_options(layout: HandLayout, ranges: list[tuple[int, int]], devices_per_
 
 
 def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int = 2,
-              log=None, precision: str = "fp32") -> tuple[Scored | None, list[Scored]]:
-    """Grid search over ``hand_grid`` (pins from ``pins_for(layout)``) scored by autopar's cost model,
+              log=None, precision: str = "fp32") -> HandSearch:
+    """``search_hand`` over ``hand_grid`` (pins from ``pins_for(layout)``) scored by autopar's cost model,
     every layout under the same ``precision`` policy as the autopar plan it is compared with.
 
     Stages: with n_experts > 1 (MoE) the default layers are cut evenly and pp must divide their count;
@@ -179,9 +181,12 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
             return [(s * per, (s + 1) * per - 1) for s in range(layout.pp)]
         return balanced_ranges(weights[layout.split], layout.pp)
 
-    def score(layout: HandLayout) -> Scored:
+    roomy = cluster.with_memory(UNBOUNDED_MEMORY)
+
+    def score(layout: HandLayout, unbounded: bool = False) -> Scored:
         options = hand_options(layout, ranges(layout), cluster.devices_per_node, pins_for(layout))
         options["precision"] = precision
-        return score_options(graph, cluster, layout, options, recapture, model_name=type(model).__name__)
+        return score_options(graph, roomy if unbounded else cluster, layout, options, recapture,
+                             model_name=type(model).__name__)
 
-    return grid_search(grid, score, lambda c: (c.dp, c.ep, c.pp, c.split), patience, log)
+    return search_hand(grid, score, lambda c: (c.dp, c.ep, c.pp, c.split), patience, log)

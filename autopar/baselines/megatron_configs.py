@@ -9,9 +9,13 @@ with ``autopar.plan``'s own choice is apples to apples (same cost model, same ru
 
 * stages: the blocks split evenly over pp stages (``layers=n_blocks`` makes layer l = block l; the
   embeddings ride with the first block, ln_f + lm_head + loss with the last, as Megatron places them);
-  1F1B over ``microbatches``. Each stage's submesh holds dp·tp devices: (1, dp·tp) inside a node when
-  dp·tp ≤ devices_per_node, else (dp·tp / devices_per_node, devices_per_node) whole nodes. Its logical
-  mesh is (dp, tp) with tp on the inner axis, so tensor parallelism stays inside a node (tp ≤ 8).
+  1F1B over ``microbatches``. With ``virtual_stages`` v > 1 (Megatron's interleaved schedule,
+  --num-layers-per-virtual-pipeline-stage n_blocks/(pp·v)): the blocks split evenly over pp·v chunks,
+  chunk j on the devices of stage j mod pp, autopar's schedule="interleaved"; Megatron requires pp > 1,
+  pp·v dividing the blocks and microbatches a multiple of pp. Each stage's submesh holds dp·tp devices:
+  (1, dp·tp) inside a node when dp·tp ≤ devices_per_node, else (dp·tp / devices_per_node,
+  devices_per_node) whole nodes. Its logical mesh is (dp, tp) with tp on the inner axis, so tensor
+  parallelism stays inside a node (tp ≤ 8).
 * pins (spec text per mesh axis (dp, tp); an axis of size 1 is always "R"): Megatron's tensor parallelism
   (Shoeybi et al. 2019): q, k, v and mlp.fc column-parallel (nn.Linear weight [out, in] Shard(0) on tp,
   bias Shard(0)), attn.o and mlp.proj row-parallel (weight Shard(1), bias replicated), LayerNorms
@@ -50,6 +54,10 @@ TP_DEGREES = (1, 2, 4, 8)
 # as autopar recompute options (the blocks are the layers of a Megatron config's plan).
 RECOMPUTE_LEVERS = {"none": "none", "selective": {"*": "selective"}, "full": "full"}
 MAX_MICROBATCHES = 512  # autopar.options.MAX_MICROBATCHES: the same range autopar searches
+# Model chunks per device the grid offers when pp > 1 (and pp·v divides the blocks). The bubble shrinks as
+# 1/v while the sends between devices grow as v, so the gain flattens fast; v = 2 and 4 keep the grid's size
+# at about twice the pipelined layouts' (pass ``virtual_stages`` to widen it, up to interleave.MAX_VIRTUAL).
+VIRTUAL_STAGES = (1, 2, 4)
 
 # Megatron's tensor-parallel weight specs on the tp axis, by node-name glob (the dp axis is always R).
 COLUMN = "S(0)"
@@ -68,12 +76,14 @@ BATCH_INPUTS = ("idx", "targets")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MegatronConfig:
-    """dp batch replicas × tp tensor shards × pp pipeline stages (devices = dp·tp·pp), 1F1B over microbatches."""
+    """dp batch replicas × tp tensor shards × pp pipeline stages (devices = dp·tp·pp), 1F1B over microbatches,
+    interleaved over ``virtual_stages`` model chunks per device when that is above 1."""
 
     dp: int
     tp: int
     pp: int
     microbatches: int
+    virtual_stages: int = 1  # Megatron's interleaved schedule: model chunks per device (1: plain 1F1B)
     recompute: str = "none"  # Megatron's activation recompute: "none", "selective" or "full" (RECOMPUTE_LEVERS)
     distributed_optimizer: bool = False  # Megatron's --use-distributed-optimizer: autopar's zero=1 over dp
     precision: str = "fp32"  # the precision policy shared with the autopar plan it is compared with
@@ -85,7 +95,8 @@ class MegatronConfig:
     def __str__(self) -> str:
         rc = f"·rc-{self.recompute}" if self.recompute != "none" else ""
         dist = "·distopt" if self.distributed_optimizer else ""
-        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}·B{self.microbatches}{rc}{dist}"
+        virtual = f"·v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"dp{self.dp}·tp{self.tp}·pp{self.pp}{virtual}·B{self.microbatches}{rc}{dist}"
 
 
 def spec_text(config: MegatronConfig, dp_axis: str, tp_axis: str) -> str:
@@ -101,9 +112,9 @@ def megatron_pins(config: MegatronConfig) -> dict[str, str]:
 
 
 def block_ranges(n_blocks: int, pp: int) -> list[tuple[int, int]]:
-    """[first, last] blocks of each stage: an even split (pp divides n_blocks)."""
+    """[first, last] blocks of each stage (or chunk): an even split (pp divides n_blocks)."""
     if pp < 1 or n_blocks % pp:
-        raise ValueError(f"pp={pp} must divide the {n_blocks} blocks evenly")
+        raise ValueError(f"{pp} pipeline stages (pp·virtual_stages) must divide the {n_blocks} blocks evenly")
     per = n_blocks // pp
     return [(s * per, (s + 1) * per - 1) for s in range(pp)]
 
@@ -118,10 +129,12 @@ def stage_submesh(devices: int, devices_per_node: int) -> list[int]:
 
 
 def megatron_stages(config: MegatronConfig, n_blocks: int, devices_per_node: int) -> list[dict]:
-    """The manual stage list of ``PlanOptions.stages`` (layers are blocks: plan with ``layers=n_blocks``)."""
+    """The manual stage list of ``PlanOptions.stages`` (layers are blocks: plan with ``layers=n_blocks``):
+    pp·v chunks, all on submeshes of the same shape (chunk j runs on the devices of stage j mod pp)."""
     width = config.dp * config.tp
+    chunks = block_ranges(n_blocks, config.pp * config.virtual_stages)
     return [{"layers": [first, last], "submesh": stage_submesh(width, devices_per_node),
-             "mesh": [config.dp, config.tp]} for first, last in block_ranges(n_blocks, config.pp)]
+             "mesh": [config.dp, config.tp]} for first, last in chunks]
 
 
 def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: int) -> dict:
@@ -129,8 +142,13 @@ def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: in
     if config.tp > devices_per_node:
         raise ValueError(f"tp={config.tp} exceeds the {devices_per_node} devices of a node; Megatron keeps "
                          f"tensor parallelism inside a node")
+    v = config.virtual_stages
+    if v > 1 and (config.pp < 2 or config.microbatches % config.pp):
+        raise ValueError(f"virtual_stages={v} needs pp > 1 and microbatches a multiple of pp (Megatron's "
+                         f"interleaved schedule); got pp={config.pp}, microbatches={config.microbatches}")
+    interleaved = {"schedule": "interleaved", "virtual_stages": v} if v > 1 else {"schedule": "1f1b"}
     return {"layers": n_blocks, "stages": megatron_stages(config, n_blocks, devices_per_node),
-            "microbatches": config.microbatches, "schedule": "1f1b", "pin": megatron_pins(config),
+            "microbatches": config.microbatches, **interleaved, "pin": megatron_pins(config),
             "recompute": RECOMPUTE_LEVERS[config.recompute], "precision": config.precision,
             "zero": 1 if config.distributed_optimizer and config.dp > 1 else 0}
 
@@ -149,13 +167,15 @@ def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_b
                   max_microbatches: int = MAX_MICROBATCHES,
                   recompute: tuple[str, ...] = tuple(RECOMPUTE_LEVERS),
                   distributed_optimizer: tuple[bool, ...] = (False, True),
-                  precision: str = "fp32") -> Iterator[MegatronConfig]:
+                  precision: str = "fp32",
+                  virtual_stages: tuple[int, ...] = VIRTUAL_STAGES) -> Iterator[MegatronConfig]:
     """Every config with dp·tp·pp = n_devices, tp ∈ {1, 2, 4, 8} ≤ devices_per_node (dividing n_heads),
     pp dividing n_blocks, stages that tile nodes, and microbatches = pp·2^k ≤ max_microbatches splitting the
     global batch so that every dp replica gets whole sequences (global_batch % (microbatches·dp) == 0),
-    each with every recompute lever of ``recompute`` and, when dp > 1, every distributed-optimizer setting of
-    ``distributed_optimizer``; all under ``precision``. Ordered by (pp, tp, recompute, distributed optimizer,
-    microbatches)."""
+    each with every recompute lever of ``recompute``, when dp > 1 every distributed-optimizer setting of
+    ``distributed_optimizer``, and when pp > 1 every v of ``virtual_stages`` with pp·v dividing n_blocks
+    (v = 1 is plain 1F1B; microbatches are multiples of pp, as interleaving needs); all under
+    ``precision``. Ordered by (pp, tp, virtual stages, recompute, distributed optimizer, microbatches)."""
     for pp in [p for p in range(1, n_blocks + 1) if n_blocks % p == 0 and n_devices % p == 0]:
         for tp in [t for t in TP_DEGREES if t <= devices_per_node and (n_devices // pp) % t == 0]:
             if n_heads is not None and n_heads % tp:
@@ -164,10 +184,12 @@ def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_b
             width = dp * tp
             if width > devices_per_node and width % devices_per_node:
                 continue
-            for rc in recompute:
-                for dist in sorted(set(distributed_optimizer) if dp > 1 else {False}):
-                    yield from _microbatch_configs(dp, tp, pp, global_batch, max_microbatches,
-                                                   recompute=rc, distributed_optimizer=dist, precision=precision)
+            for v in [v for v in virtual_stages if v == 1 or (pp > 1 and n_blocks % (pp * v) == 0)]:
+                for rc in recompute:
+                    for dist in sorted(set(distributed_optimizer) if dp > 1 else {False}):
+                        yield from _microbatch_configs(dp, tp, pp, global_batch, max_microbatches, recompute=rc,
+                                                       distributed_optimizer=dist, precision=precision,
+                                                       virtual_stages=v)
 
 
 def _microbatch_configs(dp: int, tp: int, pp: int, global_batch: int, max_microbatches: int,
@@ -224,26 +246,38 @@ def _reference_batch_workaround():
         driver._reference_graphs = original
 
 
-def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) -> tuple[Scored | None, list[Scored]]:
-    """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one).
+def grid_search(configs: list, score, layout_of, patience: int = 2, log=None,
+                stop_below: float | None = None) -> tuple[Scored | None, list[Scored]]:
+    """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one),
+    or, given ``stop_below``, the first config that fits in under ``stop_below`` seconds as soon as it is found.
 
-    Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)) in the given order, microbatches
-    ascending: configs that do not fit are skipped, and a layout is left after ``patience`` fitting configs
-    in a row slower than its best (step time against microbatch count is unimodal under the cost model: the
-    pipeline bubble shrinks as 1/B while per-microbatch latencies add up as B grows)."""
+    Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)); within a layout the given order
+    is microbatches ascending, and they are visited in reverse, most microbatches first. Two rules prune:
+
+    * memory per device does not grow with the microbatch count (the global batch is fixed, so a microbatch
+      shrinks as 1/B while the microbatches in flight stay at most pp·v chunk-sized ones), so once a config
+      does not fit, the layout's configs with fewer microbatches do not either: they are recorded "OOM"
+      without planning;
+    * step time against the microbatch count is unimodal under the cost model (the pipeline bubble shrinks
+      as 1/B while per-microbatch latencies add up as B grows), so a layout is left after ``patience``
+      fitting configs in a row slower than its best."""
     scored, best = [], None
     for layout in dict.fromkeys(layout_of(c) for c in configs):
         layout_best, worse = math.inf, 0
-        for config in [c for c in configs if layout_of(c) == layout]:
+        ordered = [c for c in configs if layout_of(c) == layout][::-1]
+        for k, config in enumerate(ordered):
             result = score(config)
             result.plan = None  # keep memory flat over a long grid
             scored.append(result)
             if log is not None:
                 log(result)
             if result.step_time is None:
-                continue
+                scored += [Scored(c, None, "OOM") for c in ordered[k + 1:]]
+                break
             if best is None or result.step_time < best.step_time:
                 best = result
+            if stop_below is not None and best.step_time < stop_below:
+                return best, scored
             if result.step_time < layout_best:
                 layout_best, worse = result.step_time, 0
             else:
@@ -251,6 +285,42 @@ def grid_search(configs: list, score, layout_of, patience: int = 2, log=None) ->
                 if worse >= patience:
                     break
     return best, scored
+
+
+# The memory budget of "memory ignored": far above any device (1 PiB), finite so the ILP's rows stay numeric.
+UNBOUNDED_MEMORY = 2.0 ** 50
+
+
+@dataclasses.dataclass
+class HandSearch:
+    """A hand grid's answer: ``best``, the fastest config that fits (None when none does); ``scored``, every
+    config scored; ``unbounded``, a config that does not fit but beats ``best`` with memory ignored (the
+    first one found, not necessarily the fastest), or None: memory did not change the answer."""
+
+    best: Scored | None
+    scored: list[Scored]
+    unbounded: Scored | None = None
+
+    @property
+    def memory_binds(self) -> bool:
+        """Memory changes the answer: the fastest hand layout with memory ignored does not fit (a config
+        scored out of memory beats the fastest one that fits), or no layout fits at all."""
+        return self.best is None or self.unbounded is not None
+
+
+def search_hand(configs: list, score, layout_of, patience: int = 2, log=None, memory_free=None) -> HandSearch:
+    """``grid_search`` of ``configs``, then the configs that did not fit and could be faster without memory's
+    limit (``memory_free``: config -> bool, e.g. no recompute, which only adds time) searched again with
+    ``score(config, unbounded=True)`` until one beats the best that fits: that one is ``unbounded``.
+    Configs that fit keep their score: with memory ignored their step time can only drop, so this finds
+    memory binding whenever a layout that does not fit wins (a lower bound on where memory binds)."""
+    best, scored = grid_search(configs, score, layout_of, patience, log)
+    out = {id(r.config) for r in scored if r.status == "OOM"}
+    retry = [c for c in configs if id(c) in out and (memory_free is None or memory_free(c))]
+    free, _ = grid_search(retry, lambda c: score(c, unbounded=True), layout_of, patience, log,
+                          stop_below=best.step_time if best else math.inf)
+    faster = free is not None and (best is None or free.step_time < best.step_time)
+    return HandSearch(best, scored, free if faster else None)
 
 
 def capture_once(model, batch, precision: str = "fp32") -> tuple:
@@ -265,10 +335,17 @@ def capture_once(model, batch, precision: str = "fp32") -> tuple:
 
 
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
-                  log=None, precision: str = "fp32") -> tuple[Scored | None, list[Scored]]:
-    """Grid search of ``megatron_grid`` scored by ``score_config`` (see ``grid_search``)."""
+                  log=None, precision: str = "fp32") -> HandSearch:
+    """``search_hand`` of ``megatron_grid`` scored by ``score_config``; with memory ignored only the configs
+    without recompute are searched again (recompute adds a forward and saves only memory)."""
     graph, recapture = capture_once(model, batch, precision)
     grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
                               precision=precision))
-    return grid_search(grid, lambda c: score_config(graph, cluster, c, n_blocks, recapture),
-                       lambda c: (c.dp, c.tp, c.pp, c.recompute, c.distributed_optimizer), patience, log)
+    roomy = cluster.with_memory(UNBOUNDED_MEMORY)
+
+    def score(config: MegatronConfig, unbounded: bool = False) -> Scored:
+        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture)
+
+    return search_hand(grid, score,
+                       lambda c: (c.dp, c.tp, c.pp, c.virtual_stages, c.recompute, c.distributed_optimizer),
+                       patience, log, memory_free=lambda c: c.recompute == "none")

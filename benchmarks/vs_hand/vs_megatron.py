@@ -3,6 +3,7 @@
     python benchmarks/vs_megatron.py --simulate                      # Alpa's suites, cost model (~1 h on 2 cores)
     python benchmarks/vs_megatron.py --simulate --points gpt:1.3B:4:p3.16xlarge moe:2.4B:8:p3.16xlarge
     python benchmarks/vs_megatron.py --simulate --precision fp16     # fp32 master weights, fp16 compute, both sides
+    python benchmarks/vs_megatron.py --simulate --precision fp16 --merge --points gpt:39B:64:p3.16xlarge
     python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
 
@@ -13,6 +14,12 @@ and ``benchmarks/hand_grids.py`` say how a hand configuration becomes a plan). G
 Megatron's FLOP count, 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), for both sides; Wide-ResNet and MoE use the
 captured graph's forward + backward FLOPs (torch.utils.flop_counter). The ratio autopar/hand is a
 throughput ratio (higher is better; = hand step time / autopar step time).
+
+Memory binds at a point when it changes the hand grid's answer: a hand configuration that does not fit
+beats the fastest one that does once memory is ignored (the configs that did not fit, without recompute,
+planned again at an unbounded budget until one wins), or nothing fits (``megatron_configs.HandSearch``).
+The summary line's geometric mean is over those points. Every point is written as soon as it is done
+(``--merge`` keeps the saved points it does not run).
 
 Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
 vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
@@ -101,8 +108,8 @@ def graph_flops(model, batch) -> float:
     return sum(sum(node_flops(n)) for n in capture(model, batch).gm.graph.nodes)
 
 
-def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> tuple:
-    """(best Scored or None, every Scored) of the family's hand grid."""
+def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> megatron_configs.HandSearch:
+    """The family's hand grid searched (best that fits, every config scored, best with memory ignored)."""
     if work.family == "gpt":
         cfg = work.model.cfg
         return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log,
@@ -127,19 +134,20 @@ def describe_plan(plan) -> str:
     return " + ".join(parts) + f", B={plan.microbatches}"
 
 
-def run_point(point: str, progress, precision: str | None = None) -> dict:
+def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None) -> dict:
+    """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none)."""
     family, name, gpus, preset = point.split(":")
     cluster = preset_gpus(preset, int(gpus))
     work = build_workload(family, name, precision)
     policy = precision or "fp32"
     start = time.perf_counter()
-    best, scored = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
-                                                                   f"{r.status} {r.step_time or ''}"),
-                             precision=policy)
+    search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
+                                                             f"{r.status} {r.step_time or ''}"), precision=policy)
+    best, scored, unbounded = search.best, search.scored, search.unbounded
     grid_s = time.perf_counter() - start
     start = time.perf_counter()
     try:
-        plan = autopar.plan(work.model, cluster, work.batch, precision=policy)
+        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **(autopar_options or {}))
         auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
@@ -147,6 +155,9 @@ def run_point(point: str, progress, precision: str | None = None) -> dict:
     return {"point": point, "family": family, "model": name, "gpus": int(gpus), "cluster": preset,
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
+            "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
+            "hand_unbounded_step": unbounded.step_time if unbounded else None,
+            "autopar_options": autopar_options or {},
             "grid_s": grid_s, "plan_s": plan_s, "scored": [(str(s.config), s.status, s.step_time) for s in scored]}
 
 
@@ -161,7 +172,8 @@ def pflops(row: dict, key: str) -> float:
 
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
-           "autopar / hand", "configs scored (OOM)", "grid s", "autopar plan s"]
+           "autopar / hand", "memory binds (a faster hand layout that does not fit)", "configs scored (OOM)", "grid s",
+           "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
@@ -169,29 +181,42 @@ def table_row(row: dict) -> list:
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
     label = {"gpt": "GPT", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
-            f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a",
+            f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
             f"{len(row['scored'])} ({oom})", f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
 
 
-def simulate(points: list[str], precision: str | None = None) -> int:
+def simulate(points: list[str], precision: str | None = None, merge: bool = False,
+             autopar_options: dict | None = None, name: str = "simulate") -> int:
+    """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
+    ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
     header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy})")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
-    rows = []
+    rows = saved_rows(name) if merge else []
     for point in points:
-        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision)
-        rows.append(row)
+        row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
+                        autopar_options=autopar_options)
+        rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
-    return render_simulation(header, rows)
+        render_simulation(header, rows, name)
+    return 0
 
 
-def render_simulation(header: str, rows: list[dict]) -> int:
+def saved_rows(name: str = "simulate") -> list[dict]:
+    path = os.path.join(report.RESULTS, f"vs_megatron_{name}.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)
+
+
+def render_simulation(header: str, rows: list[dict], name: str = "simulate") -> int:
     """Write the table, the JSON of every scored config and the chart; print the summary line."""
     text = "\n\n".join([header, report.markdown_table(HEADERS, [table_row(r) for r in rows]), _notes()])
-    path = report.write_results("simulate", text, rows)
+    path = report.write_results(name, text, rows)
     labels = [f"{r['family']} {r['model']}/{r['gpus']} {r['cluster'].split('.')[0]}" for r in rows]
-    chart = report.throughput_chart("simulate", labels, [pflops(r, "hand_step") for r in rows],
+    chart = report.throughput_chart(name, labels, [pflops(r, "hand_step") for r in rows],
                                     [pflops(r, "auto_step") for r in rows], "PFLOP/s (predicted)",
                                     "autopar vs best hand layout (autopar's cost model)")
     print(f"\nwrote {path} and {chart}")
@@ -200,26 +225,47 @@ def render_simulation(header: str, rows: list[dict]) -> int:
     return 0
 
 
+def binds_cell(row: dict) -> str:
+    if not memory_binds(row):
+        return "no"
+    if row.get("hand_unbounded"):
+        return f"yes ({row['hand_unbounded']}, {pflops(row, 'hand_unbounded_step'):.3f} PFLOP/s)"
+    return "yes" if "memory_binds" in row else "yes (some config OOM)"
+
+
 def memory_binds(row: dict) -> bool:
-    """Memory shapes the layout at this point: some configuration of the hand grid does not fit."""
+    """Memory changes the hand grid's answer at this point: its fastest layout with memory ignored does not
+    fit (``HandSearch.memory_binds``). Rows saved before that was recorded fall back to the older, weaker
+    test: some configuration of the grid does not fit."""
+    if "memory_binds" in row:
+        return bool(row["memory_binds"])
     return any(status == "OOM" for _, status, _ in row["scored"])
 
 
 def _notes() -> str:
-    return ("Hand layouts: GPT, Megatron-LM's grid (dp × tp × pp × microbatches, tp inside a node, blocks split "
-            "evenly, 1F1B; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP "
-            "(FLOP-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's cost "
-            "model. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs otherwise.")
+    return ("Hand layouts: GPT, Megatron-LM's grid (dp × tp × pp × microbatches × recompute none/selective/full × "
+            "distributed optimizer × interleaved virtual stages v ∈ {1, 2, 4}, tp inside a node, blocks split "
+            "evenly; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP (FLOP- "
+            "or parameter-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's "
+            "cost model under the same precision policy. Memory binds: a hand layout that does not fit would "
+            "beat the best one that does. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs "
+            "otherwise.")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--from-json", help="re-render a saved --simulate run (benchmarks/results/vs_megatron_"
-                                          "simulate.json) without planning again")
+    mode.add_argument("--from-json", nargs="+", help="re-render saved --simulate runs (benchmarks/results/"
+                      "vs_megatron_simulate.json; several are merged, a later file's point replacing an earlier's) "
+                      "without planning again")
     mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
+    parser.add_argument("--merge", action="store_true", help="--simulate: keep the saved JSON's other points")
+    parser.add_argument("--name", default="simulate", help="--simulate: results are written as "
+                        "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
+    parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
+                        help="--simulate: autopar's schedule option (default: autopar.plan's default)")
     parser.add_argument("--precision", choices=("fp16", "bf16"), help="--simulate: keep the models float32 and "
                         "plan both sides under this mixed-precision policy (default: models cast to fp16 whole)")
     parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
@@ -230,13 +276,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="--local: timed steps per layout and round")
     args = parser.parse_args(argv)
     if args.from_json:
-        with open(args.from_json) as f:
-            rows = json.load(f)
+        rows = {}
+        for path in args.from_json:
+            with open(path) as f:
+                rows.update({r["point"]: r for r in json.load(f)})
+        rows = list(rows.values())
         print(report.markdown_table(HEADERS, [table_row(r) for r in rows]))
         return render_simulation(args.header or report.machine_line("autopar vs hand-written layouts, simulated "
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
-        return simulate(args.points, args.precision)
+        extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
+        return simulate(args.points, args.precision, args.merge, extra, args.name)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)
