@@ -186,6 +186,29 @@ def test_forced_zero_level_memory_cannot_hold_is_one_clear_error():
         autopar.plan(model, tight, batch, zero=0, recompute="none", **options("gpt", "dp"))
 
 
+def test_mixed_precision_plans_a_model_captured_on_the_meta_device():
+    """A real-size model is planned on the meta device, where its graph builds tensors with ``device=meta``
+    (positions, rotary frequencies); the autocast relabelling runs a CPU copy of the graph and leaves the
+    captured graph's devices alone."""
+    import torch
+
+    from autopar.ir.precision import apply_to_graph
+    from autopar.passes.capture import capture
+    from tests.zoo_models import llama
+
+    with torch.device("meta"):
+        model, _ = llama()
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    graph = apply_to_graph(capture(model, (ids, ids)), POLICIES["bf16"])
+    values = [n.meta.get("val") for n in graph.gm.graph.nodes]
+    linear = (torch.ops.aten.mm.default, torch.ops.aten.linear.default)
+    matmuls = [n.meta["val"] for n in graph.gm.graph.nodes if n.target in linear]
+    assert matmuls and all(v.dtype == torch.bfloat16 for v in matmuls)
+    assert all(v.device.type == "meta" for v in values if isinstance(v, torch.Tensor))
+    plan = autopar.plan(model, autopar.Cluster.preset("dgx-h100", 1), (ids, ids), precision="bf16")
+    assert plan.precision == "bf16"
+
+
 # ---- the memory model ----------------------------------------------------------------------------------------
 def test_param_bytes_per_zero_level():
     spec = lambda lvl: TrainingSpec(zero=(("w", lvl),))  # noqa: E731

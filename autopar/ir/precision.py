@@ -26,6 +26,7 @@ import dataclasses
 import warnings
 
 import torch
+import torch.fx as fx
 
 from autopar.errors import PrecisionError
 
@@ -114,15 +115,33 @@ def apply_to_graph(graph, policy: PrecisionPolicy):
     scratch = FakeTensorMode(allow_non_fake_inputs=True)
     with scratch:
         args = [_like(n.meta.get("val"), device="cpu") for n in graph.gm.graph.find_nodes(op="placeholder")]
-    originals = {n.name: n.meta.get("val") for n in graph.gm.graph.nodes}
+    on_cpu, copies = _on_cpu(graph.gm)
     with policy.autocast("cpu"):
-        FakeTensorProp(graph.gm, scratch).propagate_dont_convert_inputs(*args)
+        FakeTensorProp(on_cpu, scratch).propagate_dont_convert_inputs(*args)
     relabel = FakeTensorMode(allow_non_fake_inputs=True)
     with relabel:
         for node in graph.gm.graph.nodes:
-            old, new = originals[node.name], node.meta.get("val")
-            node.meta["val"] = _retyped(old, new) if node.op != "placeholder" else old
+            if node.op not in ("placeholder", "output"):
+                node.meta["val"] = _retyped(node.meta.get("val"), copies[node].meta.get("val"))
     return graph
+
+
+def _on_cpu(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict]:
+    """A copy of ``gm`` (and {original node: its copy}) whose ops that place a new tensor on a device
+    (``arange(..., device=meta)``, ``to(x, meta)``: a model captured on the meta device records them)
+    place it on the CPU instead, where the autocast propagation runs; the original graph is untouched."""
+    copies: dict = {}
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, copies)
+    graph.output(output)
+    for node in graph.nodes:
+        node.args = fx.node.map_aggregate(node.args, _cpu_device)
+        node.kwargs = fx.node.map_aggregate(node.kwargs, _cpu_device)
+    return fx.GraphModule(gm, graph), copies
+
+
+def _cpu_device(arg):
+    return torch.device("cpu") if isinstance(arg, torch.device) and arg.type != "cpu" else arg
 
 
 def _like(val, device: str, dtype=None):

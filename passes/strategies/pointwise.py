@@ -6,7 +6,7 @@ op is linear in that operand:
   * ``add``/``sub`` of tensors: all operands Partial (their summands add up); a scalar term would be
     added W times, so it forbids Partial;
   * ``mul``/``div`` (numerator only): one operand Partial, the others Replicate;
-  * copies and casts (``clone``, ``to``, ``alias``, ``neg``, ...): Partial in, Partial out.
+  * copies and casts (``clone``, ``to``, ``alias``, ``neg``, ``detach_``, ...): Partial in, Partial out.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ NONLINEAR = [
 SUMS = [aten.add, aten.sub, aten.rsub]
 SCALES = [aten.mul, aten.div]
 COPIES = [aten.neg, aten.clone, aten.contiguous, aten.alias, aten.to, aten._to_copy, aten.type_as,
-          aten.detach, aten.lift_fresh_copy, aten.positive]
+          aten.detach, aten.detach_, aten.lift_fresh_copy, aten.positive]
 
 
 def broadcast_rules(view: OpView) -> list[AxisRule]:
