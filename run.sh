@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The two commands a new user needs (each installs what it needs into .venv first):
 #   ./run.sh demo     plan a GPT for 2×8 DGX-A100, then train the GPT example on 4 local CPU ranks
-#   ./run.sh test     the test suite (extra arguments go to pytest)
+#   ./run.sh test     the test suite (extra arguments go to pytest; see run_tests for its two lanes)
 # and, for maintainers: ./run.sh bench <script> [args]   runs benchmarks/<suite>/<script>.py
 #                       ./run.sh lint                    ruff check . (.ci/run runs it before the tests)
 set -euo pipefail
@@ -21,6 +21,50 @@ setup() {
     fi
 }
 
+# The suite in two pytest processes side by side (tests/conftest.py): the process-group tests
+# (-m distributed), one launch at a time, stream to the terminal; the fast tier (-m "not distributed") runs
+# beside them into a log printed after them. Exit code: the first lane's failure (5, no tests, only when
+# neither lane ran one); a last line totals both. With -m/--markexpr among the arguments, or
+# AUTOPAR_TEST_LANES=1: one plain pytest run.
+run_tests() {
+    local arg
+    for arg in "$@"; do
+        case "$arg" in -m|-m*|--markexpr|--markexpr=*) AUTOPAR_TEST_LANES=1 ;; esac
+    done
+    if [ "${AUTOPAR_TEST_LANES:-2}" = 1 ]; then
+        "$PY" -m pytest -q "$@"
+        return
+    fi
+    local slow_rc fast_rc
+    LOGS="$(mktemp -d "${TMPDIR:-/tmp}/autopar-test-lanes.XXXXXX")"
+    "$PY" -m pytest -q -m "not distributed" -o cache_dir=.pytest_cache/fast-tier "$@" >"$LOGS/fast" 2>&1 &
+    FAST_LANE=$!  # global: the EXIT trap (Ctrl-C too) stops it and removes the logs
+    trap 'kill "$FAST_LANE" 2>/dev/null; rm -rf "$LOGS"' EXIT
+    echo "run.sh: the process-group tests (-m distributed) below; the fast tier runs beside them, printed after"
+    PYTHONUNBUFFERED=1 "$PY" -m pytest -q -m distributed "$@" 2>&1 | tee "$LOGS/slow"
+    slow_rc=${PIPESTATUS[0]}
+    wait "$FAST_LANE"
+    fast_rc=$?
+    echo "======== fast tier (-m \"not distributed\"), run beside the above ========"
+    cat "$LOGS/fast"
+    "$PY" - "$LOGS/slow" "$LOGS/fast" <<'EOF_PY'
+import re
+import sys
+
+totals = dict.fromkeys(("passed", "failed", "skipped"), 0)
+for path in sys.argv[1:]:
+    summaries = [line for line in open(path, errors="replace") if re.search(r"\bin [0-9.]+s\b", line)]
+    for count, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summaries[-1] if summaries else ""):
+        totals["failed" if word.startswith("error") else word] += int(count)
+print(f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['skipped']} skipped")
+EOF_PY
+    for rc in "$slow_rc" "$fast_rc"; do
+        [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && return "$rc"
+    done
+    [ "$slow_rc" -eq 5 ] && [ "$fast_rc" -eq 5 ] && return 5
+    return 0
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -28,7 +72,7 @@ case "$cmd" in
     test)
         setup
         set +e
-        "$PY" -m pytest -q "$@"
+        run_tests "$@"
         rc=$?
         [ $rc -eq 5 ] && echo "run.sh: pytest collected no tests: that is a failure" >&2
         exit $rc ;;

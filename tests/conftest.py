@@ -8,6 +8,11 @@ Tiers (markers registered in pyproject.toml):
 ``./run.sh test -m "not distributed and not browser"`` runs the fast tier alone. Tests mark themselves with
 ``@pytest.mark.distributed`` etc.; ``pytest_collection_modifyitems`` adds the marks for the tests below,
 which start their process groups in a shared module-scoped fixture (one launch serves many cases).
+
+``./run.sh test`` runs the suite as two pytest processes side by side: ``-m distributed`` (one process group
+at a time: launches on a 2-core machine are CPU-bound, and several at once would stretch collective
+timeouts) and ``-m "not distributed"`` (the fast tier, on the core the launches leave idle while rank 0
+plans). A test that starts processes without the mark would run beside a launch.
 """
 import os
 import sys
@@ -60,3 +65,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if _listed(BROWSER_TESTS, module, name):
             item.add_marker(pytest.mark.browser)
+
+
+@pytest.fixture(scope="session")
+def parity_runs(request) -> dict:
+    """{case: every rank's results} for the parity cases of every module with a selected test
+    (``tests/parity.py``'s ``launch_modules``: one launch per world size serves all of them)."""
+    from tests.parity import launch_modules
+
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    return launch_modules(sorted((m for m in modules if hasattr(m, "PARITY_CASES")), key=lambda m: m.__name__))

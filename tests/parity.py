@@ -16,8 +16,10 @@ order of any sharding, and eps=1e-8 turns that noise into full-size updates, whi
 reproduce; with eps=1e-6 such noise moves nothing.
 """
 import copy
+import pickle
 
 import torch
+import torch.distributed as dist
 
 import autopar
 from autopar.driver import PlanOptions, memory_bounds
@@ -139,9 +141,13 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     recompute = recompute_option(rc) if rc else "none"
     zero = next((int(f[1:]) for f in flags if f[:1] == "z" and f[1:].isdigit()), None)
     if layout.startswith("pp") or layout.split("-")[0] in SHARD_TO_SHARD:  # pipelines (interleaved: "pp...v2")
-        cluster, options = pipeline_options(layout, cluster, model, batch, recompute)
+        def options_of_case():
+            return pipeline_options(layout, cluster, model, batch, recompute)
     else:
-        cluster, options = layout_options(layout, model_name, cluster, model, batch, recompute)
+        def options_of_case():
+            return layout_options(layout, model_name, cluster, model, batch, recompute)
+    key = (model_name, tuple(mesh), world, layout, rc)  # a negative control reuses its case's budget
+    cluster, options = on_rank_zero(lambda: _remembered(key, options_of_case))
     options = {**options, "zero": zero} if zero is not None else options
     pm = autopar.compile(model, cluster, batch, **options, recompute=recompute)
     opt = _optimizer(pm, zero)
@@ -220,6 +226,25 @@ def _round_trip(pm, opt, model_name: str, cluster, batch, options: dict, zero, w
     return loaded, loaded_opt
 
 
+_OPTIONS: dict[tuple, bytes] = {}  # rank 0's (cluster, options) per case key, pickled: each use gets a copy
+
+
+def _remembered(key: tuple, compute: callable):
+    """``compute()``, computed once per key in this process; each call gets its own copy."""
+    if key not in _OPTIONS:
+        _OPTIONS[key] = pickle.dumps(compute())
+    return pickle.loads(_OPTIONS[key])
+
+
+def on_rank_zero(fn: callable):
+    """``fn()`` computed on rank 0 and broadcast to every rank. For a case's memory budget and plan options:
+    they are deterministic, so every rank computing them (a capture and an ILP, or a whole plan) would only
+    give the same answer ``world`` times over on a machine whose cores the rest of the suite shares."""
+    box = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _resolved_text(spec: str) -> str:
     """A sender's spec as it sends (Partial axes reduced first)."""
     return spec.replace("P", "R")
@@ -241,6 +266,23 @@ def launch_cases(cases: list[tuple], world: int, timeout: float = 120) -> list[d
     for case in cases:
         per_rank[0][case]["ranks_agree"] = len({round(r[case]["loss"], 12) for r in per_rank}) == 1
     return per_rank
+
+
+def launch_modules(modules) -> dict[tuple, list[dict]]:
+    """One launch per world size for the cases of all ``modules`` (each declares ``PARITY_CASES``, {world:
+    [case]}, and may declare ``PARITY_TIMEOUT``, seconds, default 120): {case: every rank's results}. Each
+    launch costs every rank a torch start-up (about 4 s of CPU per rank), so the parity suites share them.
+    A case two modules declare runs once."""
+    cases, timeout = {}, {}
+    for module in modules:
+        for world, listed in module.PARITY_CASES.items():
+            cases.setdefault(world, {}).update(dict.fromkeys(listed))
+            timeout[world] = max(timeout.get(world, 0), getattr(module, "PARITY_TIMEOUT", 120))
+    out = {}
+    for world, unique in sorted(cases.items()):
+        per_rank = launch_cases(list(unique), world, timeout=timeout[world])
+        out.update({case: [r[case] for r in per_rank] for case in unique})
+    return out
 
 
 def run_cases(rank: int, cases: list[tuple], world: int) -> dict:

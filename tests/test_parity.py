@@ -1,12 +1,10 @@
 """Sharded training equals one device: losses at every step and parameters after 3 AdamW steps.
 
-Two launches (2 and 4 gloo ranks) run every case; each test reads its case's figures. Tolerances: loss
-relative error ≤ 1e-5 at each step, parameter relative error ≤ 1e-4 per tensor (fp32). The negative
-controls break all-reduce and must fail the same check.
+Two launches (2 and 4 gloo ranks, shared with the other parity suites) run every case; each test reads its
+case's figures. Tolerances: loss relative error ≤ 1e-5 at each step, parameter relative error ≤ 1e-4 per
+tensor (fp32). The negative controls break all-reduce and must fail the same check.
 """
 import pytest
-
-from tests.parity import launch_cases
 
 MODELS = ["mlp", "gpt", "hf_gpt2"]
 CASES = {
@@ -16,12 +14,12 @@ CASES = {
 }
 
 
+PARITY_CASES = CASES  # launched with the other parity suites' (conftest.parity_runs)
+
+
 @pytest.fixture(scope="module")
-def results():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(launch_cases(cases, world, timeout=120)[0])
-    return out
+def results(parity_runs):
+    return {case: parity_runs[case][0] for cases in CASES.values() for case in cases}
 
 
 PARITY = [c for cases in CASES.values() for c in cases if not c[3]]

@@ -10,8 +10,6 @@ nothing hangs) and must fail the same check.
 """
 import pytest
 
-from tests.parity import launch_cases
-
 CASES = [
     ("gpt", (1, 4), "auto:rc-full", None),
     ("gpt", (1, 4), "auto:rc-1", None),
@@ -23,13 +21,15 @@ NEGATIVE = [("gpt", (1, 4), "auto:rc-full", "replay")]
 pytestmark = [pytest.mark.distributed]
 
 
+PARITY_CASES = {4: CASES + NEGATIVE}  # one 4-rank launch with the other parity suites (conftest.parity_runs)
+
+
 @pytest.fixture(scope="module")
-def results():
-    per_rank = launch_cases(CASES + NEGATIVE, 4)
-    out = per_rank[0]
+def results(parity_runs):
+    out = {case: dict(parity_runs[case][0]) for case in PARITY_CASES[4]}
     for case in CASES:
-        out[case]["replayed_anywhere"] = sum(r[case]["replayed_comm_calls"] for r in per_rank)
-        out[case]["regions_anywhere"] = sum(r[case]["regions"] for r in per_rank)
+        out[case]["replayed_anywhere"] = sum(r["replayed_comm_calls"] for r in parity_runs[case])
+        out[case]["regions_anywhere"] = sum(r["regions"] for r in parity_runs[case])
     return out
 
 

@@ -4,8 +4,8 @@ Each architecture plans on ``Cluster.local(4)`` (the planner choosing stages, an
 trains on 2 gloo ranks under a memory budget that forces sharding, matching one device (fp32: loss ≤ 1e-5
 relative at each of 3 AdamW steps, every parameter ≤ 1e-4 relative). One launch runs every 2-rank case and
 one the 4-rank few (a 2×2 mesh, Mixtral on 4 ranks, where the planner picks expert parallelism, a pipelined
-MoE). Negative controls break the all-reduce (Llama; Mixtral's expert-parallel plan) and the pipeline's
-backward transfer and must fail the same check.
+MoE); both are shared with the other parity suites. Negative controls break the all-reduce (Llama;
+Mixtral's expert-parallel plan) and the pipeline's backward transfer and must fail the same check.
 """
 import re
 import warnings
@@ -18,7 +18,6 @@ import autopar
 from autopar.errors import CaptureError
 from autopar.passes.capture import capture
 from autopar.passes.strategies import generate_strategies, rule_for
-from tests.parity import launch_cases
 from tests.zoo_models import ZOO
 
 CASES = {
@@ -29,12 +28,12 @@ CASES = {
 }
 
 
+PARITY_CASES, PARITY_TIMEOUT = CASES, 900  # launched with the other parity suites' (conftest.parity_runs)
+
+
 @pytest.fixture(scope="module")
-def results():
-    out = {}
-    for world, cases in CASES.items():
-        out.update(launch_cases(cases, world, timeout=900)[0])
-    return out
+def results(parity_runs):
+    return {case: parity_runs[case][0] for cases in CASES.values() for case in cases}
 
 
 def _id(case):
