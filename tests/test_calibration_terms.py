@@ -6,41 +6,87 @@ import dataclasses
 import types
 
 import pytest
+import torch
 
 from autopar.cluster import Cluster
+from autopar.plan import Plan, Stage
 from autopar.plan_builder import exposed_sync
-from autopar.presets import dgx_a100, p3_16xlarge
 from autopar.profiler_training import end_to_end_factor, probe_step_prediction
-from benchmarks.calibration.published_schedule import scatter_gather_seconds
-from benchmarks.fidelity.cost_model_fidelity import figures, median_rows
+from benchmarks.calibration.published_schedule import op_sac_share, prefetched_gather, published_prediction
+from benchmarks.fidelity.cost_model_fidelity import drift_corrected, figures, median_rows
 
 
-def test_scatter_gather_send_is_a_slice_per_nic_then_an_nvlink_gather():
-    """Two DGX A100 nodes, a (2, 8) stage mesh, an activation of 2 GB split over the data-parallel axis and
-    replicated over the 8 tensor-parallel ranks: each replica holds 1 GB, each rank sends 1/8 of it over its
-    own NIC (180 GB/s per node / 8), and the receiver all-gathers the 8 slices over NVSwitch."""
-    sender, receiver = _stage("S(0)R", range(16)), _stage("S(0)R", range(16, 32))
-    nic = 0.9 * 8 * 200e9 / 8 / 8
-    send = 6e-6 + 1e9 / 8 / nic
-    gather = 5e-6 + 1e-6 * 7 + 7 / 8 * 1e9 / 240e9  # α + 7 ring steps + (n-1)/n · m / β
-    assert scatter_gather_seconds(sender, receiver, "h", 2e9, dgx_a100(nodes=4)) == pytest.approx(send + gather)
+def test_prefetched_gather_hides_all_but_the_first_unit_behind_compute():
+    """4 units, 0.4 s of gathers: with 1.2 s of compute beside them only the first unit's 0.1 s shows; with
+    0.2 s of compute the gathers bind and 0.4 - 0.2 · 3/4 = 0.25 s shows; none to gather, none shown."""
+    assert prefetched_gather(0.4, 1.2, 4) == pytest.approx(0.1)
+    assert prefetched_gather(0.4, 0.2, 4) == pytest.approx(0.25)
+    assert prefetched_gather(0.0, 1.0, 4) == 0.0
+    assert prefetched_gather(0.4, 5.0, 1) == pytest.approx(0.4)  # one unit: nothing to overlap with
 
 
-def _stage(spec: str, ranks, mesh=(2, 8)):
-    return types.SimpleNamespace(shardings={"h": types.SimpleNamespace(out=spec)}, mesh_shape=mesh,
-                                 submesh=(2, 8) if mesh == (2, 8) else (1, mesh[1]), ranks=list(ranks))
+def _one_stage_plan(**predicted) -> Plan:
+    base = {"forward": 1.0, "backward": 2.0, "latency": 3.0, "compute": 3.0, "comm": 0.0, "grad_sync": 0.0,
+            "memory": 0.0, "peak_memory": 0.0}
+    stage = Stage(index=0, ranks=[0], mesh_shape=(1, 1), submesh=(1, 1), nodes=[], shardings={},
+                  predicted={**base, **predicted})
+    return Plan(model="m", graph_fingerprint="", input_signature=[], cluster={}, stages=[stage],
+                predicted={"step_time": -1.0})
 
 
-def test_scatter_gather_of_a_fully_sharded_value_is_only_the_send():
-    sender, receiver = _stage("S(0)S(1)", range(16)), _stage("S(0)S(1)", range(16, 32))
-    assert scatter_gather_seconds(sender, receiver, "h", 16e9, dgx_a100(nodes=4)) == pytest.approx(
-        6e-6 + 1e9 / (180e9 / 8))
+def test_published_prediction_hides_zero3_gathers_behind_compute():
+    """One stage, one microbatch: forward 1.33 s and backward 2.93 s, each with g = 0.33 s of ZeRO-3 gathers
+    the planner put on the critical path. FSDP over 2 blocks (3 units) hides all but g/3 of each."""
+    plan = _one_stage_plan(forward=1.33, backward=2.93, latency=4.26, zero3_gather=0.33)
+    run = types.SimpleNamespace(grad_sync="overlapped", zero=3, recompute="full", layers=2)
+    assert published_prediction(plan, run)["step_time"] == pytest.approx(1.0 + 0.11 + 2.6 + 0.11)
+    run = types.SimpleNamespace(grad_sync="overlapped", zero=0, recompute="full", layers=2)
+    assert published_prediction(plan, run)["step_time"] == -1.0  # nothing to re-price: the plan's own
 
 
-def test_scatter_gather_inside_a_node_uses_the_pair_link():
-    """Two 1x2 stages on one V100 node: each rank sends its whole shard over the pair's one NVLink (25 GB/s)."""
-    sender, receiver = _stage("S(0)S(1)", (0, 1), (1, 2)), _stage("S(0)S(1)", (2, 3), (1, 2))
-    assert scatter_gather_seconds(sender, receiver, "h", 2e9, p3_16xlarge()) == pytest.approx(8e-6 + 1e9 / 25e9)
+class _Block(torch.nn.Module):
+    """A Llama block's matmuls in Llama's order (q, k, v, attention, o, gate, up, down), norms left out."""
+
+    def __init__(self, h: int = 64, kv: int = 32, ffn: int = 128):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(h, n, bias=False) for n in (h, kv, kv, h))
+        self.gate, self.up = torch.nn.Linear(h, ffn, bias=False), torch.nn.Linear(h, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = (t.view(b, s, -1, 16).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class _TwoBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(64, 8, bias=False)  # outside the blocks: not counted
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()
+
+
+def test_op_sac_reruns_every_second_matmul_of_a_block():
+    """Two blocks (hidden 64, 4 heads, 2 kv heads, MLP 128) on 16 tokens: each block's matmuls in order are
+    q, k, v, o, gate, up, down; op SAC reruns k, o and up, never attention:
+    ρ = 2·16·64·(32 + 64 + 128) / (2·16·64·(64 + 32 + 32 + 64 + 3·128) + 4·16²·64) = 458752 / 1245184.
+    The plan's 0.6 s of full recompute then shrinks to ρ · 0.6."""
+    from autopar.passes.capture import capture
+
+    graph = capture(_TwoBlocks(), (torch.zeros(1, 16, 64),))
+    rho = 458752 / 1245184
+    assert op_sac_share(graph) == pytest.approx(rho)
+    plan = _one_stage_plan(backward=2.6, latency=3.6, recompute=0.6)
+    run = types.SimpleNamespace(grad_sync="overlapped", zero=0, recompute="op_sac", layers=2)
+    assert published_prediction(plan, run, graph)["step_time"] == pytest.approx(1.0 + 2.0 + rho * 0.6)
 
 
 def test_a_sync_after_backward_is_all_exposed():
@@ -94,3 +140,33 @@ def test_fidelity_figures_and_medians_over_launches():
     assert [r["plan"] for r in rows] == ["a", "b", "c"]
     assert [r["meas_t"] for r in rows] == [1.25, 2.5, 3.0]
     assert rows[1]["mem_err"] == pytest.approx(0.0)
+
+
+def test_drift_correction_prices_the_busiest_stage_compute_at_the_launch_speed():
+    """Step 1.0 s, stages computing 0.2 and 0.3 s: a launch at 2/3 of the profiled speed (q = 1.5) adds
+    0.5 · 0.3 s; q = 1 leaves the prediction alone."""
+    plan = _one_stage_plan(compute=0.2)
+    plan.stages.append(_one_stage_plan(compute=0.3).stages[0])
+    plan.predicted["step_time"] = 1.0
+    assert drift_corrected(plan, 1.5) == pytest.approx(1.15)
+    assert drift_corrected(plan, 1.0) == pytest.approx(1.0)
+
+
+def test_megatron_rows_keep_the_hidden_stream_replicated():
+    """A one-block GPT with dropout: the LayerNorms, the hidden-state dropouts and the residual adds on
+    [batch, seq, hidden] are pinned; the attention's dropout on [batch, heads, seq, seq] is not."""
+    from autopar.passes.capture import capture
+    from benchmarks.calibration.calibration import hidden_stream_ops
+    from examples.gpt import GPT, GPTConfig, make_batch
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1, attention="materialized")
+    graph = capture(GPT(cfg), make_batch(cfg, 2))
+    names = set(hidden_stream_ops(graph, 16))
+    nodes = {n.name: n for n in graph.gm.graph.nodes}
+    kinds = sorted(str(nodes[n].target) for n in names)
+    assert kinds.count("aten.layer_norm.default") == 3  # ln1, ln2, ln_f
+    assert kinds.count("aten.add.Tensor") >= 2  # the two residual adds
+    attention_dropouts = [n for n in nodes.values() if str(n.target) == "aten.dropout.default"
+                          and n.meta["val"].ndim == 4]
+    assert attention_dropouts and not names & {n.name for n in attention_dropouts}
+    assert all(nodes[n].meta["val"].shape[-1] == 16 for n in names)

@@ -158,11 +158,15 @@ class GradSync:
         return GradSync(gm, *self._args)
 
     def begin(self) -> None:
-        """Arm the hooks for one ``train_step``."""
+        """Arm the hooks for one ``train_step``. At levels 0-1 every ``p.grad`` becomes its view of the flat
+        buffer before backward (DDP's gradient_as_bucket_view): gradients accumulated over microbatches
+        would otherwise be a second full copy until the bucket launches after the last one."""
         self.armed = True
         self.events.clear()
         for b in self.buckets:
             b.seen, b.expected = 0, len(b.params) * self.microbatches
+            if b.level <= 1:  # autograd then accumulates every microbatch in place into the flat buffer
+                b._grads_as_views()
 
     def _accumulated(self, bucket: Bucket) -> None:
         if not self.armed:

@@ -11,14 +11,17 @@ for the preset cluster with the run's layout fixed: Megatron rows through ``auto
 (manual stages, Megatron's weight pins, microbatches, 1F1B) plus LayerNorms replicated over tp (Megatron-LM
 had no sequence parallelism then), Alpa rows through manual stages of its layer
 clusters with the batch dimension pinned to mesh axis 0 (its ``force_batch_dim_to_mesh_dim``), the rest left to
-the ILP as Alpa left it to its own. Printed per row: predicted and published step time and throughput, and
+the ILP as Alpa left it to its own; FSDP rows (torchtitan's Llama runs) are Hugging Face Llama from the
+published config (``capture_llama``, attention as torchtitan runs it: causal SDPA), data parallel over every
+GPU with every weight at ZeRO level 3. Printed per row: predicted and published step time and throughput, and
 ratio = predicted / published throughput (above 1: the model is optimistic); then the median and worst
 |ln ratio| over fitted and hold-out rows apart. Goal: every row within 0.90-1.10.
 
-The plan's predicted step is then re-priced with the transfers and gradient sync the run performed
-(``published_schedule``: Megatron-LM's scatter/gather pipeline sends instead of autopar's gather-then-send,
-and the gradient all-reduce exposed after backward where the run used Megatron's local DDP); the table's
-"predicted" is that step, "planner" the plan's own.
+The plan's predicted step is then re-priced where the run's system differs from autopar's runtime
+(``published_schedule``: the gradient sync exposed after backward where the run used Megatron's local DDP,
+FSDP2's prefetched ZeRO-3 gathers, torchtitan's op-level selective recompute); the table's
+"predicted" is that step, "planner" the plan's own. Pipeline sends are the planner's own shard-to-shard
+transfers, which is Megatron-LM's scatter/gather.
 
 Recompute and precision are passed as ``PlanOptions(recompute=..., precision=...)``: the published runs
 recompute every layer, and the planner prices that (one more forward per layer in backward, only the layer's
@@ -50,9 +53,10 @@ from autopar.driver import PlanOptions  # noqa: E402
 from autopar.fidelity import log_ratio_summary  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.presets import preset_gpus  # noqa: E402
-from benchmarks.calibration.published import PENDING, RUNS, Run, published_step_time  # noqa: E402
+from benchmarks.calibration.published import LLAMAS, PENDING, RUNS, Run, published_step_time  # noqa: E402
 from benchmarks.calibration.published_schedule import published_prediction  # noqa: E402
 from examples.gpt import GPT, GPTConfig, make_batch  # noqa: E402
+from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "calibration.md")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -67,14 +71,37 @@ def cluster_for(run: Run, scale: float | None = None) -> autopar.Cluster:
     return cluster
 
 
-def layout_options(run: Run, cluster) -> dict:
+HIDDEN_STREAM_OPS = ("aten.layer_norm.default", "aten.dropout.default", "aten.add.Tensor")
+
+
+def hidden_stream_ops(graph, hidden: int) -> list[str]:
+    """The LayerNorms, dropouts and residual adds on the [batch, sequence, hidden] stream between blocks (the
+    attention's dropout, on [batch, heads, s, s], is not one of them)."""
+    out = []
+    for node in graph.gm.graph.nodes:
+        val = node.meta.get("val")
+        if (node.op == "call_function" and str(node.target) in HIDDEN_STREAM_OPS
+                and getattr(val, "ndim", 0) == 3 and val.shape[-1] == hidden):
+            out.append(node.name)
+    return out
+
+
+def layout_options(run: Run, cluster, graph=None) -> dict:
     """PlanOptions fields that fix the run's layout (module docstring)."""
     if run.layout == "megatron":
         config = MegatronConfig(dp=run.dp, tp=run.tp, pp=run.pp, microbatches=run.microbatches)
         options = megatron_options(config, run.layers, cluster.devices_per_node)
         # Megatron-LM of 2021 keeps the hidden states replicated across tp between blocks (no sequence
-        # parallelism): LayerNorms run replicated, which the ILP would otherwise shard over the sequence.
-        options["pin"] = {**options["pin"], "layer_norm*": spec_text(config, "S(0)", "R")}
+        # parallelism, which Korthikanti et al. 2022 added to split exactly these ops): every tp rank runs the
+        # LayerNorms, dropouts and residual adds whole. The ILP would otherwise shard them over the sequence
+        # (a reduce-scatter and an all-gather cost what the all-reduce does) and price 1/tp of their time.
+        replicated = ["layer_norm*", *hidden_stream_ops(graph, run.hidden)] if graph is not None else ["layer_norm*"]
+        options["pin"] = {**options["pin"], **{name: spec_text(config, "S(0)", "R") for name in replicated}}
+    elif run.layout == "fsdp":
+        mesh = cluster.mesh_shape
+        split = "".join("S(0)" if n > 1 else "R" for n in mesh)
+        options = {"stages": 1, "microbatches": run.microbatches,
+                   "pin": {"p_*": "R" * len(mesh), "input_ids": split, "labels": split}}
     else:
         stages = [{"layers": [first, last], "submesh": list(submesh), "mesh": list(mesh)}
                   for first, last, submesh, mesh in run.stages]
@@ -82,8 +109,10 @@ def layout_options(run: Run, cluster) -> dict:
         options = {"layers": run.alpa_layers, "stages": stages, "microbatches": run.microbatches,
                    "pin": {"idx": "S(0)R", "targets": "S(0)R"} if batch_axis else None}
     options["schedule"] = run.schedule
-    # none of the published runs sharded optimizer state (ZeRO): keep the planner's zero="auto" out of them
-    for name, value in (("recompute", run.recompute), ("precision", run.precision), ("zero", 0)):
+    # the runs' own ZeRO level (0: none sharded optimizer state; keeps the planner's zero="auto" out of them);
+    # torchtitan's op-level selective checkpointing is planned as "full" and re-priced (published_schedule)
+    recompute = "full" if run.recompute == "op_sac" else run.recompute
+    for name, value in (("recompute", recompute), ("precision", run.precision), ("zero", run.zero)):
         if name in PLANNER_OPTIONS:
             options[name] = value
     return options
@@ -93,20 +122,46 @@ def predict(run: Run, graph, scale: float | None = None) -> dict:
     """Predicted step time of ``run`` on an already captured ``graph``."""
     cluster = cluster_for(run, scale)
     start = time.perf_counter()
-    scored = score_options(graph, cluster, run.name, layout_options(run, cluster), model_name="GPT")
+    scored = score_options(graph, cluster, run.name, layout_options(run, cluster, graph), model_name="GPT")
     if scored.plan is None:
         return {"step": math.nan, "status": scored.status, "seconds": time.perf_counter() - start}
-    published = published_prediction(scored.plan, graph, cluster, run.grad_sync)
+    published = published_prediction(scored.plan, run, graph)
     return {"step": float(published["step_time"]), "planner_step": scored.step_time, "status": "ok",
             "seconds": time.perf_counter() - start, "scale": cluster.compute_time_scale}
 
 
 def capture_run(run: Run):
+    if run.model != "gpt":
+        return capture_llama(run)
     cfg = GPTConfig(vocab_size=run.vocab, seq_len=run.seq, n_layer=run.layers, n_head=run.heads,
                     n_embd=run.hidden, dropout=0.1, attention="materialized")
     with torch.device("meta"):
         model = GPT(cfg).to(DTYPES[run.precision])
     return capture(model, make_batch(cfg, run.batch, device="meta"))
+
+
+def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """Hugging Face attention as torchtitan runs it: ``F.scaled_dot_product_attention(..., is_causal=True)``,
+    no mask tensor (the published inputs have no padding, so the mask is exactly the causal one). Under
+    torch.export transformers' own "sdpa" passes the mask it materialized, which the cost model prices as
+    the memory-efficient kernel over the whole square instead of flash over the causal half."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def capture_llama(run: Run):
+    """The run's Llama (``published.LLAMAS``) on the meta device in its precision's dtype (torchtitan's FSDP2
+    computes in bf16 parameters), with ``causal_sdpa`` attention, captured at the global batch."""
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+
+    AttentionInterface.register("causal_sdpa", causal_sdpa)
+    cfg = LlamaConfig(**LLAMAS[run.model], max_position_embeddings=run.seq, use_cache=False,
+                      attention_dropout=0.0, attn_implementation="causal_sdpa")
+    with torch.device("meta"):
+        model = CausalLMLoss(LlamaForCausalLM(cfg)).to(DTYPES[run.precision])
+    ids = torch.zeros(run.batch, run.seq, dtype=torch.long, device="meta")
+    return capture(model, (ids, ids))
 
 
 def fit_scales(rows: list[Run], graphs: dict, rounds: int = 2) -> dict[str, float]:
@@ -131,8 +186,9 @@ def table(rows: list[Run], results: dict) -> list[str]:
         r = results[run.name]
         published = published_step_time(run)
         ratio = published / r["step"] if r["step"] == r["step"] else math.nan
-        layout = (f"dp{run.dp} tp{run.tp} pp{run.pp} B{run.microbatches}" if run.layout == "megatron"
-                  else f"{len(run.stages)} stages, B{run.microbatches}")
+        layout = {"megatron": f"dp{run.dp} tp{run.tp} pp{run.pp} B{run.microbatches}",
+                  "fsdp": f"FSDP {run.gpus}, {run.recompute}"}.get(run.layout, f"{len(run.stages)} stages, "
+                                                                     f"B{run.microbatches}")
         layout += ", sync after bwd" if run.grad_sync == "after_backward" else ""
         lines.append(f"| {run.name} | {run.source} | {run.preset} | {layout} | {run.role} | "
                      f"{r.get('planner_step', math.nan):.3f} | {r['step']:.3f} | "

@@ -19,9 +19,15 @@ Sources
   SC'21, Table 1 (DGX A100 80 GB, fp16, seq 2048, vocab 51200); layouts (tp, pp, micro-batch size, global
   batch, nodes, recompute) from NVIDIA/Megatron-LM examples/sc21/run_table_1.sh. Rows from 76B on use the
   interleaved schedule, which autopar does not plan yet: left out.
-* H100: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (Llama 3.1 8B, 8 H100,
-  FSDP, local batch 2, selective AC: 5,762 tokens/s/GPU). Listed for completeness, not predicted: it needs
-  FSDP (ZeRO-3, the ``zero`` option) and a Llama capture at sequence 8192; see ``PENDING``.
+* TITAN: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit 31a17bf of that file; runs of
+  torchtitan 9dec370, torch 1963fc8, December 2024): Llama 3.1 8B, sequence 8192 (torchtitan's llama3_8b.toml),
+  bf16 parameters with fp32 gradient reduction (FSDP2's MixedPrecisionPolicy as torchtitan sets it), eager
+  (no torch.compile, no Float8), selective activation checkpointing "op" (every second ``mm`` of a block and
+  the attention outputs saved, the rest recomputed in backward), tokens/s per GPU. Table 1: 8 GPUs, local
+  batch 2 (global 16): 5,762; Table 3: 128 GPUs, local batch 2 (global 256): 5,605. Hardware (the file's
+  "Hardware"): Grand Teton hosts, 8 H100 per host fully connected with NVLink, 96 GB HBM2e at 2.4 TB/s, 500 W
+  power limit, 400 Gb/s RDMA per GPU: the ``grand-teton-h100`` preset. Published TFLOP/s per GPU is
+  torchtitan's count, tokens/s × (6 · non-embedding parameters + 12 · layers · hidden · sequence).
 """
 from __future__ import annotations
 
@@ -37,7 +43,10 @@ class Run:
     ``--DDP-impl local``: the artifact's benchmark_gpt_one_case.py always uses it; run_table_1.sh from 39B).
     The fit rows are one system's runs per GPU type (Megatron's on p3.16xlarge, SC'21's two smallest on DGX
     A100); the hold-out rows are the other system's plans on the same GPUs (Alpa's) and the larger SC'21
-    layouts (tp 4-8, pp 2)."""
+    layouts (tp 4-8, pp 2). model: "gpt" (``examples.gpt``) or a key of ``LLAMAS``; zero: the ZeRO level of
+    every parameter (3: FSDP); layout "fsdp": data parallel over every GPU, every weight replicated over the
+    batch shards (ZeRO-3 shards their storage). tokens_per_s: the published tokens/s per GPU, where that is the
+    published figure (``tflops`` is then derived from it)."""
 
     name: str
     source: str
@@ -62,6 +71,9 @@ class Run:
     schedule: str = "1f1b"
     role: str = "holdout"
     grad_sync: str = "overlapped"
+    model: str = "gpt"
+    zero: int = 0
+    tokens_per_s: float = 0.0
 
 
 def _alpa_stage(first, last, submesh, mesh):
@@ -126,20 +138,57 @@ RUNS = [
         grad_sync="after_backward"),
 ]
 
+
+# Llama configurations (Hugging Face ``LlamaConfig`` fields; meta-llama/Llama-3.1-8B's config.json).
+LLAMAS = {"llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                              num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0)}
+
+
+def llama_non_embedding_params(name: str) -> int:
+    """Parameters less the input embedding (torchtitan's count): per block q, o (h²), k, v (h · h·kv/heads),
+    the three MLP matrices (3 · h · ffn) and two norms; then the final norm and the output projection."""
+    c = LLAMAS[name]
+    h, ffn, kv = c["hidden_size"], c["intermediate_size"], c["num_key_value_heads"]
+    block = 2 * h * h + 2 * h * (h * kv // c["num_attention_heads"]) + 3 * h * ffn + 2 * h
+    return c["num_hidden_layers"] * block + h + h * c["vocab_size"]
+
+
+def titan_tflops(name: str, seq: int, tokens_per_s: float) -> float:
+    """torchtitan's model TFLOP/s per GPU: tokens/s × (6 · non-embedding parameters + 12 · l · h · s)."""
+    c = LLAMAS[name]
+    per_token = 6 * llama_non_embedding_params(name) + 12 * c["num_hidden_layers"] * c["hidden_size"] * seq
+    return tokens_per_s * per_token / 1e12
+
+
+TITAN = "torchtitan llama3_h100_202412 (Grand Teton H100)"
+LLAMA_8B = dict(model="llama3.1-8b", hidden=4096, layers=32, heads=32, seq=8192, vocab=128256, microbatches=1,
+                layout="fsdp", precision="bf16", zero=3, recompute="op_sac", preset="grand-teton-h100")
+RUNS += [
+    Run(name="titan 8B@8", source=TITAN, gpus=8, batch=16, tokens_per_s=5762,
+        tflops=titan_tflops("llama3.1-8b", 8192, 5762), role="fit", **LLAMA_8B),
+    Run(name="titan 8B@128", source=TITAN, gpus=128, batch=256, tokens_per_s=5605,
+        tflops=titan_tflops("llama3.1-8b", 8192, 5605), **LLAMA_8B),
+]
+
 # Published but not predicted yet, with what is missing.
 PENDING = [
-    ("torchtitan Llama 3.1 8B@8 H100 (FSDP, local batch 2, seq 8192, selective AC): 5,762 tokens/s/GPU",
-     "needs zero=3 (FSDP) and selective recompute in the planner, and the Llama capture of the zoo"),
+    ("torchtitan Llama 3.1 8B with torch.compile or Float8 (Tables 1-3), 70B and 405B (Tables 4-6)",
+     "compiled kernels and fp8 matmuls are not priced; the 70B/405B runs also use torch.compile and Float8"),
     ("Megatron-LM SC'21 Table 1 76B@1024 ... 1T@3072 (DGX A100)", "interleaved 1F1B schedule"),
     ("Alpa artifact 39B@64 (Megatron 57.84, Alpa 57 TFLOP/s) and Megatron 760M@2 (55.53)", "no layout published"),
 ]
 
 
 def model_flops(run: Run) -> float:
-    """F of the module docstring: FLOPs of one iteration, recomputed forward included."""
+    """F of the module docstring: FLOPs of one iteration, recomputed forward included (GPT rows); Llama rows:
+    torchtitan's count, which leaves recompute out."""
+    if run.model != "gpt":
+        return run.tflops * 1e12 * run.gpus * published_step_time(run)
     b, s, layers, h, v = run.batch, run.seq, run.layers, run.hidden, run.vocab
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def published_step_time(run: Run) -> float:
+    if run.tokens_per_s:
+        return run.batch * run.seq / (run.tokens_per_s * run.gpus)
     return model_flops(run) / (run.tflops * 1e12 * run.gpus)

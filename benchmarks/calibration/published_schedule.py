@@ -1,92 +1,112 @@
-"""Price a Megatron-LM row's pipeline transfers and data-parallel sync the way that run performed them.
+"""Price a published row's gradient sync, ZeRO-3 gathers and recompute the way that run performed them.
 
-The planner prices what autopar's runtime does: a stage's output is gathered whole over the sending stage's
-mesh before it is sent (``passes.intra_op_prices._send_preparation``), and the gradient sync overlaps the last
-microbatch's backward (``plan_builder.exposed_sync``). Megatron-LM's SC'21 runs did neither in that way:
+The planner prices what autopar's runtime does; three published runs' systems did otherwise, and each row
+says which (``published.Run``). Everything else is the plan's own prediction.
 
-* Transfers (Narayanan et al. 2021, §4.1, "scatter/gather communication optimization"): every data-parallel
-  replica sends only its own microbatch, and the tensor-parallel ranks, which all hold the same activation,
-  each send a 1/t slice of it over their own InfiniBand card; the receiving ranks all-gather the slices over
-  NVLink. So the sender's forward and backward per microbatch lose the planner's gather and its backward,
-  and the schedule replays with t_send as the hop; per microbatch and direction, with L the bytes one
-  replica holds, r the sender's replicated ways and β_gpu one rank's bandwidth:
+* Gradient sync (``grad_sync``): autopar buckets it and overlaps the last microbatch's backward
+  (``plan_builder.exposed_sync``), as torch DDP, Alpa and FSDP do ("overlapped": the plan's own price).
+  Megatron-LM's local DDP (``--DDP-impl local``: the Alpa artifact's benchmark_gpt_one_case.py always uses
+  it; SC'21's run_table_1.sh from 39B on) all-reduces the whole buffer after the last backward
+  ("after_backward"): all of it exposed, i.e. one sync bucket per stage.
 
-      t_send = α + (L / r) / β_gpu + all_gather over the r replicated ways (L bytes)
+* ZeRO-3 gathers (``zero`` = 3): autopar's runtime gathers each unit just before its use, so the planner
+  puts every gather on the critical path (``plan_builder.charge_zero3``: g per microbatch, forward and
+  backward each). FSDP2 prefetches: unit u+1's all-gather runs while unit u computes. With U units of equal
+  size gathered in order and c the compute beside them, the gathers end at max(g/U + c, g + c/U), so
 
-  (across nodes α, β_gpu are the inter-node link's, its per-node bandwidth shared by the sender's ranks on a
-  node; between stages on the same nodes, the intra-node link's for a pair).
+      exposed(g, c, U) = max(g / U, g − c · (U − 1) / U)
 
-* Gradient sync: torch DDP ("overlapped") all-reduces its buckets while backward runs, as the planner
-  prices; Megatron's local DDP ("after_backward") all-reduces the whole gradient buffer after the last
-  backward, so all of it is exposed. Which one a row ran is in ``published.Run.grad_sync``.
+  (``prefetched_gather``; the same algebra as ``exposed_sync``), for forward (c = forward compute) and for
+  backward (c = backward compute) apart.
 
-The adjusted step is ``plan_builder.predict`` over the adjusted stages: the same schedule replay as the plan's
-own prediction. Once the planner prices shard-to-shard transfers itself, the transfer half is redundant.
+* Recompute "op_sac" (torchtitan's selective activation checkpointing, option "op"): in every block the
+  outputs of the 1st, 3rd, 5th, ... ``mm`` and of attention are saved, everything else is recomputed in
+  backward. The planner prices "full" (every op of the block rerun; ``passes.recompute``); the run reruns
+  the share ρ of the block's forward FLOPs outside the saved ops (``op_sac_share``), so the recompute it
+  charged is scaled by ρ, as the planner's own "selective" mode scales by its attention core's FLOP share.
+  Memory-bound ops carry no FLOPs, so their rerun is priced at ρ of their time, not all of it: an
+  under-estimate of the run's recompute.
+
+The adjusted step is ``plan_builder.predict`` over the adjusted stages: the same schedule replay as the
+plan's own prediction. Pipeline transfers need no adjustment: the planner prices shard-to-shard sends
+itself (``autopar.ir.shard_boxes``: each piece crosses the slow link once, the receivers gather over their
+own links), which is Megatron-LM's scatter/gather optimization (Narayanan et al. 2021, §4.1).
 """
 from __future__ import annotations
 
 import copy
-import math
+import re
 
-from autopar.cost_models.communication import axis_links, redistribute_cost
-from autopar.placement import R, parse_spec
+from autopar.cost_models.compute import node_flops
 from autopar.plan_builder import predict
 
-
-def gathered_send_seconds(graph, stage, value: str, microbatches: int, cluster) -> tuple[float, float]:
-    """(forward, backward) seconds per microbatch the planner charged the sender of ``value`` for gathering it
-    whole before the send and for the backward of that gather: what ``_send_preparation`` prices."""
-    val = _value(graph, value)
-    shape = (val.shape[0] // microbatches, *val.shape[1:])
-    spec = parse_spec(stage.shardings[value].out)
-    links = axis_links(cluster, stage.mesh_shape, _width(stage, cluster))
-    return redistribute_cost(shape, val.element_size(), spec, (R,) * len(spec), stage.mesh_shape, links, (), True)
+GRAD_SYNCS = ("overlapped", "after_backward")
+MATMULS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default")
+ATTENTION = "scaled_dot_product"
+BLOCK_PATH = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
 
 
-def scatter_gather_seconds(sender, receiver, value: str, nbytes: float, cluster) -> float:
-    """t_send of the module docstring for one microbatch of ``value`` (global bytes ``nbytes``), one direction,
-    from stage ``sender`` to stage ``receiver``. Across nodes, the sender's ranks on one node share its NICs
-    (β_gpu = inter-node bandwidth per node / those ranks); inside a node each rank pair has its own link."""
-    spec = parse_spec(sender.shardings[value].out)
-    sharded = math.prod(n for n, p in zip(sender.mesh_shape, spec) if p.is_shard())
-    replicated = math.prod(sender.mesh_shape) // sharded
-    local = nbytes / sharded
-    per_node = cluster.devices_per_node
-    nodes = {r // per_node for r in sender.ranks}
-    if nodes == {r // per_node for r in receiver.ranks}:
-        link, per_gpu = cluster.intra_node, cluster.intra_node.bandwidth_for(2)
-    else:
-        link, per_gpu = cluster.inter_node, cluster.inter_node.bandwidth / (len(sender.ranks) / len(nodes))
-    seconds = link.latency + local / replicated / per_gpu
-    if replicated > 1:
-        axis = max(range(len(spec)), key=lambda a: sender.mesh_shape[a] if not spec[a].is_shard() else 0)
-        seconds += axis_links(cluster, sender.mesh_shape, _width(sender, cluster))[axis].time("all_gather", local)
-    return seconds
+def prefetched_gather(gather: float, compute: float, units: int) -> float:
+    """Seconds of ``gather`` (all units' all-gathers) left exposed when each of ``units`` equal units is
+    gathered while the previous one computes (module docstring)."""
+    if gather <= 0:
+        return 0.0
+    u = max(int(units), 1)
+    return max(gather / u, gather - compute * (u - 1) / u)
 
 
-def published_prediction(plan, graph, cluster, grad_sync: str = "overlapped") -> dict:
-    """``plan.predicted`` recomputed with scatter/gather transfers and the run's gradient sync, "overlapped"
-    with backward (torch DDP) or "after_backward" (Megatron's local DDP); module docstring."""
-    stages = copy.deepcopy(plan.stages)
-    transfers = copy.deepcopy(plan.transfers)
-    for t in transfers:
-        sender = stages[t["src"]]
-        fwd, bwd = gathered_send_seconds(graph, sender, t["value"], plan.microbatches, cluster)
-        p = sender.predicted
-        p.update(latency=p["latency"] - fwd - bwd, forward=p["forward"] - fwd, backward=p["backward"] - bwd)
-        t["seconds"] = 2 * scatter_gather_seconds(sender, stages[t["dst"]], t["value"], t["nbytes"], cluster)
-    if grad_sync == "after_backward":
-        for s in stages:
-            s.predicted["sync_buckets"] = 1.0  # one buffer after backward: exposed_sync exposes all of it
-    return predict(stages, plan.microbatches, plan.schedule, transfers)
-
-
-def _value(graph, name: str):
+def op_sac_share(graph) -> float:
+    """ρ: the share of the blocks' forward FLOPs that torchtitan's op-level selective checkpointing reruns
+    (module docstring). Blocks are the ops under a module path ``[...].layers.<i>``; their matmuls are counted
+    in graph order, and the even-numbered ones (2nd, 4th, ...) are rerun, attention never."""
+    total = rerun = 0.0
+    counts: dict[str, int] = {}
     for node in graph.gm.graph.nodes:
-        if node.name == name:
-            return node.meta["val"]
-    raise KeyError(f"value {name!r} is not a node of the captured graph")
+        block = _block_of(node)
+        if block is None:
+            continue
+        flops = node_flops(node)[0]
+        total += flops
+        target = str(node.target)
+        if target in MATMULS:
+            counts[block] = counts.get(block, 0) + 1
+            rerun += flops if counts[block] % 2 == 0 else 0.0
+        elif ATTENTION not in target:
+            rerun += flops
+    return rerun / total if total else 0.0
 
 
-def _width(stage, cluster) -> int:
-    return stage.submesh[1] if stage.submesh[0] == 1 else cluster.devices_per_node
+def _block_of(node) -> str | None:
+    if node.op != "call_function":
+        return None
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    match = BLOCK_PATH.search(path)
+    return match.group(2) if match else None
+
+
+def published_prediction(plan, run, graph=None) -> dict:
+    """``plan.predicted`` with the run's gradient sync, ZeRO-3 gathers and recompute (module docstring).
+    ``graph``: the captured graph, needed for ``run.recompute == "op_sac"``."""
+    if run.grad_sync not in GRAD_SYNCS:
+        raise ValueError(f"grad_sync {run.grad_sync!r}: expected one of {GRAD_SYNCS}")
+    if run.grad_sync == "overlapped" and run.zero != 3 and run.recompute != "op_sac":
+        return dict(plan.predicted)
+    stages = copy.deepcopy(plan.stages)
+    share = op_sac_share(graph) if run.recompute == "op_sac" else 1.0
+    for s in stages:
+        p = s.predicted
+        if run.grad_sync == "after_backward":
+            p["sync_buckets"] = 1.0  # one buffer after backward: exposed_sync exposes all of it
+        saved = (1.0 - share) * p.get("recompute", 0.0)
+        _shift(p, "backward", -saved)
+        if run.zero == 3:
+            g = p.get("zero3_gather", 0.0)
+            for phase in ("forward", "backward"):
+                _shift(p, phase, prefetched_gather(g, p[phase] - g, run.layers + 1) - g)
+    return predict(stages, plan.microbatches, plan.schedule, plan.transfers, plan.virtual_stages)
+
+
+def _shift(predicted: dict, phase: str, seconds: float) -> None:
+    predicted[phase] += seconds
+    predicted["latency"] += seconds

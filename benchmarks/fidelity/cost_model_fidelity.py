@@ -28,6 +28,13 @@ Printed: one row per plan, the median absolute time error, the Spearman rank cor
 and measured time, the memory error per plan, and whether each auto plan measured no slower than the
 best forced plan. Goals: median time error <= 10 %, Spearman >= 0.9, worst memory error <= 10 %.
 
+Same machine conditions: the profile and the measurement are minutes apart, and other jobs' load drifts in
+between. Every timed round also runs the profiler's own reference probe (fp32 mm of 256, all ranks busy), so
+each launch knows how fast the machine computed while it timed the plans; each plan's prediction is then
+re-priced at that speed (``drift_corrected``: its compute scaled by q = profiled rate / rate during the
+launch; communication is left as profiled). The table's errors are against the corrected prediction; the
+median error as profiled is printed beside it.
+
 ``--repeats N`` measures N launches one after another (the plans are compiled afresh in each): the table
 shows each plan's median over launches, and each of the three figures is computed per launch and reported
 as its median over launches (with its range), so that one noisy launch cannot decide it.
@@ -85,7 +92,10 @@ def _timed(built, batch, fake_comm: bool) -> float:
     return time.perf_counter() - start
 
 
-def _reference_rate(side: int = 256, window_s: float = 0.05) -> float:
+REFERENCE_SIDE = 256
+
+
+def _reference_rate(side: int = REFERENCE_SIDE, window_s: float = 0.05) -> float:
     """FLOP/s of a square fp32 ``mm`` of ``side`` on this rank with every rank running it at once: the
     profiler's own probe, repeated during the measurement to show how busy the machine is then."""
     a, b, c = (torch.randn(side, side) for _ in range(3))
@@ -165,13 +175,30 @@ def load_or_profile(path: str | None, out: str) -> tuple[autopar.Cluster, str]:
     return cluster, out
 
 
-def summarize(plans: dict, measured: list[dict]) -> list[dict]:
-    """One row per plan: predicted and measured time (s) and peak (bytes), and their errors."""
+def drift(cluster, measured: list[dict]) -> float:
+    """q = the profile's rate for the reference mm / the rate the same mm ran at during this launch (every
+    rank's median): how much slower the machine computed while the plans were timed than when it was
+    profiled (other jobs' load drifts over minutes; the profile cannot see the measurement's)."""
+    during = statistics.median(x for r in measured for x in r["reference_rate"])
+    return cluster.matmul_flops("float32", 2 * REFERENCE_SIDE**3) / during
+
+
+def drift_corrected(plan, q: float) -> float:
+    """The plan's predicted step with its compute priced at the launch's speed: step + (q − 1) · c, c the
+    busiest stage's predicted compute (kernels and host overhead; communication is left as profiled)."""
+    busiest = max(float(s.predicted.get("compute", 0.0)) for s in plan.stages)
+    return float(plan.predicted["step_time"]) + (q - 1.0) * busiest
+
+
+def summarize(plans: dict, measured: list[dict], q: float = 1.0) -> list[dict]:
+    """One row per plan: predicted (``drift_corrected`` by ``q``; as profiled: pred_profile) and measured
+    time (s) and peak (bytes), and their errors."""
     rows = []
     for name, plan in plans.items():
         times = measured[0][name]["times"]
         row = {"plan": name, "mesh": "x".join(map(str, plan.stages[0].mesh_shape)), "stages": len(plan.stages),
-               "pred_t": float(plan.predicted["step_time"]), "meas_t": statistics.median(times),
+               "pred_t": drift_corrected(plan, q), "pred_profile": float(plan.predicted["step_time"]),
+               "meas_t": statistics.median(times), "drift": q,
                "iqr": float(np.subtract(*np.percentile(times, [75, 25]))) / statistics.median(times),
                "pred_mem": float(plan.predicted["peak_memory"]), "meas_mem": max(r[name]["peak"] for r in measured),
                "pred_compute": float(plan.predicted.get("compute", float("nan"))),
@@ -184,6 +211,12 @@ def summarize(plans: dict, measured: list[dict]) -> list[dict]:
         row["mem_err"] = relative_error(row["pred_mem"], row["meas_mem"])
         rows.append(row)
     return rows
+
+
+def _profile_errors(per_launch: list[list[dict]]) -> list[float]:
+    """Every plan's median over launches of its time error without the drift correction."""
+    return [statistics.median(relative_error(r["pred_profile"], r["meas_t"]) for r in same)
+            for same in zip(*per_launch)]
 
 
 def print_table(rows: list[dict], split: bool) -> None:
@@ -281,7 +314,9 @@ def main(argv=None) -> int:
     during = statistics.median(x for measured in launches for r in measured for x in r["reference_rate"])
     print(f"# machine speed: fp32 mm 256^3 with all ranks busy ran at {during / 1e9:.1f} GFLOP/s per rank during "
           f"the measurement; the cluster file says {cluster.matmul_flops('float32', 2 * 256**3) / 1e9:.1f}")
-    per_launch = [summarize(plans, measured) for measured in launches]
+    per_launch = [summarize(plans, measured, drift(cluster, measured)) for measured in launches]
+    print("# predictions drift-corrected per launch: compute x " + ", ".join(f"{r[0]['drift']:.3f}" for r in per_launch)
+          + f" (as profiled, median |time error| {statistics.median(abs(x) for x in _profile_errors(per_launch)):.1%})")
     rows = median_rows(per_launch)
     print_table(rows, args.split)
     print_verdict(rows, per_launch)
