@@ -108,8 +108,8 @@ def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
 
 @contextlib.contextmanager
 def _quiet_fake_tensor_log():
-    """Silence FakeTensorMode's ERROR log while probing. A graph rescaled to a microbatch keeps ops the batch
-    does not reach at the full batch (an HF causal mask built from the batch size), so some probes meet
+    """Silence FakeTensorMode's ERROR log while probing. A graph whose rescaling is inexact (a size derived
+    from the batch that ``batch_dims`` cannot follow) keeps such ops at the full batch, so some probes meet
     shapes that do not broadcast; the op's meta kernel raises, fake_tensor logs a full traceback at ERROR
     before re-raising, and ``_probe`` prices the op by its fallback rule. The exception is the signal;
     the log line would only reach the user as a scary traceback during a successful plan."""

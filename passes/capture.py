@@ -23,6 +23,7 @@ import traceback
 import torch
 import torch.fx as fx
 from torch.export.graph_signature import InputKind
+from torch.fx import config as fx_config
 
 from autopar.errors import CaptureError
 from autopar.ir.graph import ModelGraph, PlaceholderInfo
@@ -41,9 +42,14 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:
         raise CaptureError(f"autopar expects a torch.nn.Module, got {type(model).__name__}; wrap your "
                            f"function in a Module whose forward returns the loss")
     example_inputs = normalize_inputs(example_inputs)
-    ep = _export(model, example_inputs)
+    ep = _export(model, example_inputs, stack_traces=False)
     gm = ep.graph_module
-    inline_higher_order_ops(gm, {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER})
+    try:
+        inline_higher_order_ops(gm, _trainable(ep))
+    except CaptureError:  # export again with each op's stack trace, so that the error names the model line
+        ep = _export(model, example_inputs, stack_traces=True)
+        inline_higher_order_ops(ep.graph_module, _trainable(ep))
+        raise
     _strip_assertions(gm)
     placeholders = _describe_placeholders(ep, gm)
     aliases = _param_aliases(model, ep)
@@ -68,12 +74,21 @@ def normalize_inputs(example_inputs) -> tuple:
     return tuple(example_inputs)
 
 
-def _export(model: torch.nn.Module, example_inputs: tuple) -> torch.export.ExportedProgram:
-    """torch.export non-strict, with torch's own multi-page error turned into one line + the user's line."""
+def _trainable(ep: torch.export.ExportedProgram) -> set[str]:
+    return {s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.PARAMETER}
+
+
+def _export(model: torch.nn.Module, example_inputs: tuple, stack_traces: bool) -> torch.export.ExportedProgram:
+    """torch.export non-strict, with torch's own multi-page error turned into one line + the user's line.
+
+    ``stack_traces=False`` leaves ``meta["stack_trace"]`` unset: recording and symbolizing a Python stack
+    per traced op is a fifth of export's time on an 8B-parameter Llama, and only error messages read it
+    (``capture_hops.model_line``), so ``capture`` exports again with them on the error path alone."""
     quiet = io.StringIO()
     logger = logging.getLogger("torch")
-    level = logger.level
+    level, recorded = logger.level, fx_config.do_not_emit_stack_traces
     logger.setLevel(logging.ERROR)
+    fx_config.do_not_emit_stack_traces = not stack_traces
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             return torch.export.export(model, example_inputs, strict=False)
@@ -81,6 +96,7 @@ def _export(model: torch.nn.Module, example_inputs: tuple) -> torch.export.Expor
         raise CaptureError(_describe_export_failure(model, e)) from None
     finally:
         logger.setLevel(level)
+        fx_config.do_not_emit_stack_traces = recorded
 
 
 def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:

@@ -38,6 +38,8 @@ _INLINE_FIXES = {
 
 def inline_higher_order_ops(gm: fx.GraphModule, trainable: set[str]) -> int:
     """Inline every supported higher-order op of ``gm`` in place (see module docstring); returns how many.
+    The caller recompiles ``gm`` (capture does once, after its last edit: code generation for an 8B
+    Llama's graph is a tenth of a CPU second each time).
 
     ``trainable``: names of the placeholders that carry parameters (what a no_grad output is checked
     against)."""
@@ -52,7 +54,6 @@ def inline_higher_order_ops(gm: fx.GraphModule, trainable: set[str]) -> int:
     if count:
         _drop_unused_submodules(gm)
         gm.graph.lint()
-        gm.recompile()
     return count
 
 

@@ -1,10 +1,10 @@
 """Pass helper: give every node of the graph being split into stages an owning stage.
 
 The layer clustering names the nodes of the graph captured at the full batch. The stages are solved on the
-graph at one microbatch, which is re-captured when rescaling is not exact (``batch_dims.rescale_is_exact``);
-a re-capture names its nodes afresh and can hold nodes the clustering never saw (a causal mask or an MoE's
-routing constant built from the microbatch size). A name-for-name reading would then put nodes in the wrong
-stage, or leave a value read by a stage with no stage producing it.
+graph at one microbatch, which is re-captured when rescaling is not exact (``batch_dims.rescale_is_exact``:
+a size derived from the batch that the walk cannot follow); a re-capture names its nodes afresh and can hold
+nodes the clustering never saw (a constant built from the microbatch size). A name-for-name reading would
+then put nodes in the wrong stage, or leave a value read by a stage with no stage producing it.
 
 ``subsets_on`` carries the layer subsets over: the two graphs' call_function sequences are aligned on
 (op, module path) with ``difflib`` (they come from the same code, so they differ in a few nodes), matched
