@@ -6,6 +6,8 @@ solve. ``ilp_pulp`` solves the same model with PuLP's bundled CBC; a test checks
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from autopar.passes.ilp_model import SparseModel
@@ -16,6 +18,15 @@ except ImportError:  # pragma: no cover - exercised where highspy is not install
     highspy = None
 
 MIP_GAP = 1e-3  # relative gap: plans within 0.1 % of the optimum; HiGHS default is 1e-4
+
+
+def _reset_scheduler_after_fork() -> None:
+    """Drop the thread pool a forked child inherited without its threads (module docstring)."""
+    highspy.Highs.resetGlobalScheduler(True)
+
+
+if highspy is not None and hasattr(highspy.Highs, "resetGlobalScheduler"):
+    os.register_at_fork(after_in_child=_reset_scheduler_after_fork)
 
 
 def available() -> bool:

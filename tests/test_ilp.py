@@ -134,3 +134,26 @@ def test_the_sparse_model_prices_every_choice_like_the_formulation(seed):
         assert holds == (memory_of(problem, list(choice)) <= problem.budget * (1 + 1e-12)), choice
         seen.add(holds)
     assert seen == {True, False}, "the budget separates feasible from infeasible choices"
+
+
+def test_a_forked_child_solves_after_its_parent_did():
+    """The planner forks pricing workers after it may have solved in this process (``passes.forked``). HiGHS
+    1.16 keeps a thread pool from the parent's MIP that a fork inherits without its threads: without the
+    reset in ``passes.ilp_highs`` the child's solve waits forever, past its time limit."""
+    import multiprocessing
+
+    if backend() != "highs":
+        pytest.skip("highspy not installed")
+    problem = random_problem(np.random.default_rng(0), classes=12)
+    problem.budget = 0.5 * (min_memory(problem) + memory_of(problem, [0] * problem.n_classes))
+    want = solve_ilp(problem, 30, which="highs").objective
+    ctx = multiprocessing.get_context("fork")
+    answer = ctx.Queue()
+    child = ctx.Process(target=lambda: answer.put(solve_ilp(problem, 30, which="highs").objective))
+    child.start()
+    child.join(60)
+    alive = child.is_alive()
+    if alive:
+        child.kill()
+    assert not alive, "the forked child's HiGHS solve did not return within 60 s"
+    assert answer.get(timeout=5) == pytest.approx(want)
