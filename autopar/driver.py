@@ -235,7 +235,7 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     tried, error = [], None
     for recompute in attempts:
         env = CostEnv(cluster, mesh, training_spec(graph, options), microbatches=microbatches,
-                      recomputed=recomputed_ops(layers, recompute, scaled) if recompute else frozenset())
+                      recomputed=recomputed_ops(layers, recompute, scaled) if recompute else {})
         try:
             solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
         except InfeasibleError as e:
@@ -361,7 +361,7 @@ def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> 
     mesh = tuple(cluster.mesh_shape)
     strategies = _strategies(graph, mesh, options)
     blocks = find_repeated_blocks(graph)
-    recomputed = frozenset()
+    recomputed = {}
     if options.recompute not in ("auto", "none"):
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         modes = layer_modes(options.recompute, graph, layers)

@@ -21,7 +21,7 @@ import numpy as np
 from autopar.cluster import Cluster
 from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
-from autopar.cost_models.memory import held_state_bytes
+from autopar.cost_models.memory import held_state_bytes, single_step_release
 from autopar.ir.buckets import deferrable_syncs, padded_numel, peak_gathered, sync_buckets, unit_spans
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
@@ -56,7 +56,31 @@ def make_stage(graph, solution: IntraOpSolution, env: CostEnv, *, index: int, ra
                        "memory": solution.memory - solution.zero3_unit,  # charge_zero3 adds the exact units
                        "peak_memory": solution.memory - solution.zero3_unit,
                        "optimizer": _optimizer_seconds(graph, solution, env, stage.zero)}
+    if env.microbatches == 1 and not env.recomputed and max(solution.weights, default=1) == 1:
+        released = _released_in_one_step(graph, solution, env, stage)
+        stage.predicted["memory"] -= released
+        stage.predicted["peak_memory"] -= released
     return stage
+
+
+def _released_in_one_step(graph, solution: IntraOpSolution, env: CostEnv, stage: Stage) -> float:
+    """``cost_models.memory.single_step_release`` of a stage that runs one microbatch per step: its groups'
+    saved activations at their leaders' positions, and the gradients of the parameters no sync bucket keeps
+    (gradients of bucketed parameters at levels 0-1 live in flat buffers that persist between steps)."""
+    position = {n.name: i for i, n in enumerate(graph.gm.graph.nodes)}
+    acts = [(position[g.leader], float(g.mem_act[i])) for g, i in zip(solution.groups, solution.choice)
+            if g.leader in position]
+    bucketed = {n for b in stage_sync_buckets(graph, stage, env.training.bucket_bytes) for n in b["names"]}
+    grads = []
+    for p in graph.placeholders:
+        if p.kind != "parameter" or p.name in bucketed or p.name not in stage.shardings:
+            continue
+        readers = [position[u.name] for u in graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users]
+        if not readers:
+            continue
+        numel = math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
+        grads.append((max(readers), numel * p.dtype.itemsize))
+    return single_step_release(acts, grads)
 
 
 def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dict[str, int]) -> float:

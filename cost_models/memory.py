@@ -34,12 +34,16 @@ reads overlap, each its padded flat buffer, ``ir.buckets.peak_gathered``).
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
 All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
 this sum bounds the real peak from above by at most the gradient bytes (4 of the 16 bytes/parameter).
+Where a step runs one microbatch, the plan's prediction takes back what that bound overcounts for the
+gradients no flat buffer keeps between steps (``single_step_release``): they are allocated in backward,
+each once its last reader's backward runs, after everything read later in forward has been released.
 """
 from __future__ import annotations
 
 import dataclasses
 import operator
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -178,16 +182,17 @@ def zero_levels(zero, names_to_fqns: dict[str, str]) -> dict[str, int]:
 
 
 def held_state_bytes(buckets: list[dict], loose: list[int], optimizer: str, itemsize: int = 4) -> dict[str, float]:
-    """{params, grads, optimizer}: bytes one rank holds. ``buckets``: {numel, ways, level} per synced bucket;
-    ``loose``: numel of every other trainable local tensor (its own gradient and state). The optimizer keeps
-    its state per tensor it steps (a bucket's shard at level ≥ 1, else each parameter) plus a 4-byte step
-    counter per tensor for adam/adamw."""
+    """{params, grads, optimizer}: bytes one rank holds between steps. ``buckets``: {numel, ways, level} per
+    synced bucket (its flat gradient buffer, or shard, persists); ``loose``: numel of every other trainable
+    local tensor, whose gradient does not outlive the step (the optimizer's ``zero_grad`` sets it to None,
+    torch's default). The optimizer keeps its state per tensor it steps (a bucket's shard at level ≥ 1,
+    else each parameter) plus a 4-byte step counter per tensor for adam/adamw."""
     from autopar.ir.buckets import padded_numel
 
     per_elem, step = OPTIMIZER_STATE_BYTES[optimizer], 4 if optimizer.startswith("adam") else 0
     params = grads = state = 0.0
     for n in loose:
-        params, grads, state = params + n * itemsize, grads + n * itemsize, state + n * per_elem + step
+        params, state = params + n * itemsize, state + n * per_elem + step
     for b in buckets:
         padded = padded_numel(b["numel"], b["ways"], b["level"])
         shard = padded // b["ways"] if b["level"] >= 1 else None
@@ -195,3 +200,25 @@ def held_state_bytes(buckets: list[dict], loose: list[int], optimizer: str, item
         grads += (shard if b["level"] >= 2 else padded) * itemsize
         state += (shard * per_elem + step) if shard is not None else b["numel"] * per_elem + step * b["count"]
     return {"params": params, "grads": grads, "optimizer": state}
+
+
+def single_step_release(activations: list[tuple[int, float]], gradients: list[tuple[int, float]]) -> float:
+    """Bytes a one-microbatch step's peak stays below Σ activations + Σ gradients, the ILP's bound, for
+    gradients that do not exist between steps (``zero_grad`` sets them to None, torch's default).
+
+    ``activations``: (forward position, bytes kept for backward); ``gradients``: (position of the last
+    forward reader, bytes). Backward visits positions in reverse: when it reaches x, the activations of
+    positions after x are released and the gradients of parameters read at or after x are allocated, so
+
+        peak = max_x ( Σ_{x_a ≤ x} a + Σ_{x_g ≥ x} g ),    release = A + G − peak ≥ 0.
+    """
+    if not gradients:
+        return 0.0
+    size = 1 + max(x for x, _ in [*activations, *gradients])
+    act, grad = np.zeros(size), np.zeros(size)
+    for x, a in activations:
+        act[x] += a
+    for x, g in gradients:
+        grad[x] += g
+    live = np.cumsum(act) + np.cumsum(grad[::-1])[::-1]
+    return float(max(0.0, act.sum() + grad.sum() - live.max()))

@@ -24,7 +24,8 @@ from autopar.passes.ilp_model import min_memory_model, sharding_model
 class IlpProblem:
     """cost[c], mem[c], peak[c]: vectors over class c's strategies; edges[(c, d)]: |S_c|×|S_d| matrices.
     units[c]: bytes of ZeRO-3 units a strategy keeps gathered (a second transient, added to peak's; see
-    ``ilp_model``), or None when no class has any."""
+    ``ilp_model``), or None when no class has any. replay[r][c]: what strategies of class c add to the
+    replay of recomputed region r (None where nothing; ``ilp_model.replay_rows``), or None without recompute."""
 
     cost: list[np.ndarray]
     mem: list[np.ndarray]
@@ -32,6 +33,7 @@ class IlpProblem:
     budget: float | None = None
     peak: list[np.ndarray] | None = None
     units: list[np.ndarray] | None = None
+    replay: list[list[np.ndarray | None]] | None = None
 
     @property
     def n_classes(self) -> int:
@@ -92,7 +94,15 @@ def evaluate(problem: IlpProblem, choice: list[int]) -> float:
 def memory_of(problem: IlpProblem, choice: list[int]) -> float:
     """Peak bytes per device of a choice: allocated state plus the largest transient."""
     state = sum(float(problem.mem[c][choice[c]]) for c in range(problem.n_classes))
-    return state + transient_of(problem, choice) + units_of(problem, choice)
+    return state + transient_of(problem, choice) + units_of(problem, choice) + replay_of(problem, choice)
+
+
+def replay_of(problem: IlpProblem, choice: list[int]) -> float:
+    """The largest replay of a recomputed region a choice makes (0 without recompute)."""
+    if not problem.replay:
+        return 0.0
+    return max(0.0, max(sum(float(v[choice[c]]) for c, v in enumerate(row) if v is not None)
+                        for row in problem.replay))
 
 
 def units_of(problem: IlpProblem, choice: list[int]) -> float:

@@ -10,8 +10,9 @@ classes, a resharding matrix R_{cd} (seconds):
                 Σ_a y_{cd}[a,b] = Σ_{j ∈ b} x_d[j]      ∀(c,d),b   (edge ↔ destination)  edge_marginals
                 T ≥ Σ_i p_c[i] · x_c[i]                 ∀c         (peak transient)      memory_rows
                 U ≥ Σ_i u_c[i] · x_c[i]                 ∀c         (gathered units)      memory_rows
-                Σ_c m_c · x_c + T + U ≤ M                           (memory)              memory_rows
-                x_c ∈ {0,1},  y_{cd} ∈ [0,1],  T, U ≥ 0
+                W ≥ Σ_c Σ_i w_{rc}[i] · x_c[i]          ∀r         (recompute replay)    replay_rows
+                Σ_c m_c · x_c + T + U + W ≤ M                       (memory)              memory_rows
+                x_c ∈ {0,1},  y_{cd} ∈ [0,1],  T, U, W ≥ 0
 
 R̃_{cd} is R_{cd} with equal rows merged into row groups a and equal columns into column groups b: exact,
 since with x one-hot the grouped sums are one-hot too, and it shrinks y by the strategies sharing a
@@ -19,20 +20,24 @@ layout. m_c is what stays allocated (parameter state, activations saved for back
 transient (its largest local output and that output's gradient, alive together in backward), so T is the
 chosen plan's largest transient and the memory row bounds the peak. u_c (``problem.units``, only when some
 class has ZeRO-3 columns: ``intra_op_zero``) is what a column keeps gathered of level-3 parameters; units
-are alive across other classes' ops, so U adds to T instead of competing with it. y needs no integrality:
-with x one-hot, the marginals leave one feasible y (the product of the two one-hot vectors).
+are alive across other classes' ops, so U adds to T instead of competing with it. w_{rc}
+(``problem.replay``, only with recompute: ``intra_op._class_replay``) is what class c adds to the replay of
+recomputed region r: backward re-creates the region's saved tensors while the groups after it have freed
+theirs, so W, the largest replay, adds to T as well (a region's backward has its own transients). y needs
+no integrality: with x one-hot, the marginals leave one feasible y (the product of the two one-hot vectors).
 
 Folding (exact): a class with one strategy gets no column; its cost and its edges' costs become the
 objective's constant or linear terms on the other side; its memory moves to the row's right-hand side
 and its transient to T's lower bound. An edge whose merged matrix has one row or one column depends on
 one side only and becomes linear terms there. The least-memory model (``min_memory_model``) keeps only
-one_strategy and memory_rows, with objective Σ_c m_c·x_c + T.
+one_strategy and memory_rows (with replay_rows), with objective Σ_c m_c·x_c + T + U + W.
 
 Units: the objective in ms (``MS``); memory rows in units of the budget M (or of the largest class memory
 when there is none), so a solver's absolute tolerance is relative to the budget.
 
 Column layout: x (one block per class with several strategies, binary), then y (one block per edge
-between two such classes, continuous), then T when memory rows are built, then U when there are units. Row
+between two such classes, continuous), then T when memory rows are built, then U when there are units,
+then W when there are replay rows. Row
 order follows the build order. Both orders are fixed: a MIP solver's path depends on them, and plans must
 not change by accident.
 
@@ -222,8 +227,29 @@ def memory_rows(builder: ModelBuilder, problem, x: list, budget: float | None, o
             elif problem.units[c].any():
                 builder.row(np.concatenate([x[c], [units]]), np.concatenate([problem.units[c] / unit, [-1.0]]),
                             -np.inf, 0.0)
+    gathered += replay_rows(builder, problem, x, unit, objective_weight)
     if budget is not None:
         builder.row(cols + gathered, vals + [1.0] * len(gathered), -np.inf, 1.0 - fixed)
     if objective_weight:
         builder.add_cost(cols[1:], [objective_weight * v for v in vals[1:]])
         builder.offset += objective_weight * fixed
+
+
+def replay_rows(builder: ModelBuilder, problem, x: list, unit: float, objective_weight: float) -> list:
+    """The W column and one row W ≥ Σ_c w_rc·x_c per recomputed region r (a fixed class's entry is a
+    constant); [W], or [] without recompute."""
+    if not getattr(problem, "replay", None):
+        return []
+    replay = builder.columns([objective_weight], 0.0, np.inf, False)[0]
+    for row in problem.replay:
+        cols, vals, constant = [replay], [-1.0], 0.0
+        for c, vector in enumerate(row):
+            if vector is None:
+                continue
+            if x[c] is None:
+                constant += float(vector[0]) / unit
+            else:
+                cols += x[c].tolist()
+                vals += (vector / unit).tolist()
+        builder.row(cols, vals, -np.inf, -constant)
+    return [replay]

@@ -6,11 +6,11 @@ keeps n - s microbatches' activations in flight. Solving each costs about as muc
 
 Claim: let S be optimal for problem P1 over its feasible set F1, and let P2 have the same objective
 with F2 ⊆ F1. If S ∈ F2, then S is optimal for P2 (no point of F2 beats S, since none of F1 does).
-F2 ⊆ F1 holds when P2's budget is at most P1's (P1 unbounded counts as infinite) and every memory and
-transient coefficient of P2 is at least P1's, element by element. Membership S ∈ F2 is checked by
-evaluating S's peak memory under P2. With a relative MIP gap g, S is within g of P1's optimum, which is
-no larger than P2's, so the guarantee carries over. Only solutions the solver proved (status
-"Optimal") are kept.
+F2 ⊆ F1 holds when P2's budget is at most P1's (P1 unbounded counts as infinite), every memory and
+transient coefficient of P2 is at least P1's, element by element, and their replay rows are equal.
+Membership S ∈ F2 is checked by evaluating S's peak memory under P2. With a relative MIP gap g, S is
+within g of P1's optimum, which is no larger than P2's, so the guarantee carries over. Only solutions
+the solver proved (status "Optimal") are kept.
 
 So the driver solves identical stages in order of growing memory (fewest microbatches in flight
 first) and each later stage is either answered here or solved afresh and remembered.
@@ -46,7 +46,18 @@ def _tighter_or_equal(new: IlpProblem, old: IlpProblem) -> bool:
         return False
     if any(a.shape != b.shape or np.any(a < b) for a, b in zip(new.mem, old.mem)):
         return False
+    if not _same_replay(new.replay, old.replay):
+        return False
     return old.peak is None or all(np.all(a >= b) for a, b in zip(new.peak, old.peak))
+
+
+def _same_replay(new, old) -> bool:
+    """Replay rows equal (identical stages' are: they count one microbatch); anything else is not reused."""
+    if new is None or old is None:
+        return new is None and old is None
+    return len(new) == len(old) and all(
+        len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y))
+                                 for x, y in zip(a, b)) for a, b in zip(new, old))
 
 
 class SolutionMemo:

@@ -42,8 +42,9 @@ class CostEnv:
     microbatches: B, the number of microbatches per step (1 without pipelining);
     inflight: how many microbatches' activations are alive at once (1F1B stage s of S: S - s).
     devices_per_node: width of the physical submesh (defaults to the cluster's node width).
-    recomputed: names of the ops whose activations backward recomputes (they save nothing; see
-    ``intra_op_groups.recompute_saved``).
+    recomputed: {op name: region key} of the ops whose activations backward recomputes (they save
+    nothing, ``intra_op_groups.recompute_saved``; each region's replay is a row of the ILP's memory,
+    ``_class_replay``).
     """
 
     cluster: Cluster
@@ -52,7 +53,7 @@ class CostEnv:
     microbatches: int = 1
     inflight: int = 1
     devices_per_node: int | None = None
-    recomputed: frozenset[str] = frozenset()
+    recomputed: dict[str, object] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.links = axis_links(self.cluster, self.mesh_shape, self.devices_per_node)
@@ -139,8 +140,39 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None,
             cost[cu] = cost[cu] + np.diag(m)
         else:
             class_edges[(cu, cv)] = class_edges.get((cu, cv), 0) + m
-    return BuiltProblem(b, IlpProblem(cost, mem, class_edges, budget, peak, _class_units(b.groups, class_of)),
+    replay = _class_replay(b, class_of, n_classes) if env.recomputed else None
+    return BuiltProblem(b, IlpProblem(cost, mem, class_edges, budget, peak, _class_units(b.groups, class_of), replay),
                         class_of, edges)
+
+
+def _class_replay(b, class_of: list[int], n_classes: int) -> list[list[np.ndarray | None]] | None:
+    """One row per recomputed region (``ilp_model.replay_rows``), per class the bytes a strategy adds:
+
+        w_{r,c} = Σ_{ops of c in r} saved bytes without recompute   −   Σ_{groups of c after r} act / inflight
+
+    Backward re-creates what the region's ops would have saved while it replays them, and by then every
+    group after the region has freed what it keeps of this microbatch (``passes.recompute``'s replay, per
+    op). A region of a truncated block's instance 1 stands for its later instances: the groups after it
+    are those after the whole block, as for the last instance (whose replay is the largest)."""
+    position = {n.name: i for i, n in enumerate(b.graph.gm.graph.nodes)}
+    regions: dict[object, list[tuple[int, str]]] = {}
+    for g, group in enumerate(b.groups):
+        for name in group.members:
+            if name in b.env.recomputed and name not in b.boundary:
+                regions.setdefault(b.env.recomputed[name], []).append((g, name))
+    rows = []
+    for members in regions.values():
+        row: list[np.ndarray | None] = [None] * n_classes
+        for g, name in members:
+            vec = np.array([b.replay_bytes(name, b.strategies[name][pick[name]]) for pick in b.groups[g].pick])
+            row[class_of[g]] = vec if row[class_of[g]] is None else row[class_of[g]] + vec
+        last = max(position[name] for _, name in members)
+        for g, group in enumerate(b.groups):
+            if position[group.leader] > last and group.mem_act.any():
+                vec = -b.weight(g) * group.mem_act / b.env.inflight
+                row[class_of[g]] = vec if row[class_of[g]] is None else row[class_of[g]] + vec
+        rows.append(row)
+    return rows or None
 
 
 def _class_units(groups, class_of: list[int]) -> list[np.ndarray] | None:

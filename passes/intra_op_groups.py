@@ -136,6 +136,7 @@ class GroupBuilder:
             needs = requires_grad_nodes(graph.gm, self.params)
             graph._grad_info = info = (device_type, needs, saved_nodes(graph.gm, needs, device_type))
         _, self.requires_grad, self.saved = info
+        self.saved_without_recompute = self.saved
         if env.recomputed:
             self.saved = recompute_saved(graph, self.saved, env.recomputed)
         self.order, self.boundary, self.sends = self._scope()
@@ -340,6 +341,15 @@ class GroupBuilder:
         if arg.name in self.params:
             return self.env.microbatches * fwd, bwd
         return self.env.microbatches * (fwd + bwd), 0.0
+
+    def replay_bytes(self, name: str, strat: Strategy) -> float:
+        """Bytes a recomputed op's replay re-creates: what it would save of one microbatch without recompute."""
+        share = self.saved_without_recompute.get(name, 0.0)
+        if not share:
+            return 0.0
+        val = self.nodes[name].meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        return share * sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in vals)
 
     def node_memory(self, name: str, strat: Strategy) -> tuple[float, float]:
         """(parameter-state bytes, saved-activation bytes × in-flight microbatches) of one node."""

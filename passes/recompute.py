@@ -11,7 +11,6 @@ Pricing of a fully recomputed layer l at the reference microbatch b₀ of a mesh
 
     act'_l   = keep_l = bytes of the tensors live at the cut before l, / batch split  (its boundary input)
     t'_l     = t_l + fwd_l,   fwd_l = φ_l · compute_l + ½ · (comm_l − sync_l)
-    peak'    = max(peak, act_l)            (backward re-creates one layer's activations at a time)
 
 with t_l the layer's per-microbatch time (compute and communication, gradient sync excluded), comm_l its
 communication (sync_l, the once-per-step gradient sync, included), compute_l = t_l + sync_l − comm_l,
@@ -19,12 +18,23 @@ communication (sync_l, the once-per-step gradient sync, included), compute_l = t
 of the layer's non-gradient-sync communication (tensor parallelism's collectives come in forward/backward
 pairs of equal size; the once-per-step gradient sync is not repeated).
 
+The replay. Backward re-creates a recomputed layer's activations (save_l = act_l − keep_l more bytes)
+while it runs that layer's backward; by then the layers after it in the stage have run theirs and freed
+what they kept, m_l (keep_l if recomputed, else act_l), and the other in-flight microbatches keep all of
+theirs. So the stage's peak is its no-replay peak (f microbatches' Σ m, the transient, the state) plus
+
+    replay(P) = max(0, max_{j ∈ P} (save_j − Σ_{l ∈ (j, i]} m_l))
+
+for recomputed layers P of stage k..i: recomputing every layer costs the last one's save_i on top of
+f · Σ keep; recomputing only early layers costs nothing when what the later layers keep exceeds it.
+(Measured on the GPT example recomputing every layer: the peak comes in the replay of the last layer.)
+
 Choice per table entry (stage k..i, option m, f in flight, microbatch scale s = b/b₀): layers marked
 "full" are always recomputed, "none" never; the "auto" layers are taken in one order, most bytes saved
 per second of extra forward first (ties: lower layer first), and the entry uses the shortest prefix of
 that order, restricted to k..i, whose memory
 
-    mem_p = mem − f · s · Σ_{l ∈ prefix} (act_l − keep_l) + s · max(0, max_{l ∈ prefix} act_l − peak)
+    mem_p = mem − f · s · Σ_{l ∈ prefix} (act_l − keep_l) + s · replay(prefix)
 
 fits the device; its latency is lat + s · Σ_{l ∈ prefix} fwd_l. Extra time grows with the prefix, so the
 first fitting prefix is the fastest; with identical layers this is exactly "the fewest recomputed layers
@@ -101,10 +111,11 @@ def extra_forward(costs, share: np.ndarray) -> np.ndarray:
     return share * compute + 0.5 * np.maximum(costs.comm - costs.sync, 0.0)
 
 
-def recomputed_ops(layers, recompute: dict[int, str], graph) -> frozenset[str]:
-    """Names of the ops whose activations backward recomputes under ``recompute`` ({layer: mode})."""
+def recomputed_ops(layers, recompute: dict[int, str], graph) -> dict[str, object]:
+    """{op name: its region key} for the ops whose activations backward recomputes under ``recompute``
+    ({layer: mode}); a region is what one checkpoint call replays (``ir.recompute.region_keys``)."""
     node_layers = {name: layer for layer, names in enumerate(layers.nodes) for name in names}
-    return frozenset(region_keys(graph, node_layers, recompute))
+    return region_keys(graph, node_layers, recompute)
 
 
 class LayerRecompute:
@@ -114,56 +125,59 @@ class LayerRecompute:
         self.act = costs.act
         self.save = np.maximum(costs.act - keep, 0.0)
         self.fwd = extra_forward(costs, share)
-        self.peak = costs.peak
         self.forced = np.array([m == "full" for m in modes])
         auto = [layer for layer, m in enumerate(modes) if m == "auto" and self.save[layer] > 0]
         self.order = sorted(auto, key=lambda n: (-self.save[n] / max(self.fwd[n], 1e-12), n))
         self._prefixes: dict[tuple[int, int], list] = {}
         self._arrays: tuple[np.ndarray, ...] | None = None
-        self._peak_max = np.array([np.maximum.accumulate(np.concatenate([np.zeros(k0), self.peak[k0:]]))
-                                   for k0 in range(len(self.peak))])  # [k, i] = max peak[k..i] (0 for i < k)
 
-    def _forced(self, k: int, i: int) -> tuple[float, float, float]:
+    def replay(self, chosen, k: int, i: int) -> float:
+        """replay(P) of stage k..i with layers ``chosen`` recomputed (module docstring), by its definition."""
+        kept = [self.act[n] - (self.save[n] if n in chosen else 0.0) for n in range(k, i + 1)]
+        out = 0.0
+        for j in chosen:
+            out = max(out, self.save[j] - sum(kept[j - k + 1:]))
+        return float(out)
+
+    def _forced(self, k: int, i: int) -> tuple[float, float]:
         rng = slice(k, i + 1)
         on = self.forced[rng]
-        return (float(self.save[rng][on].sum()), float(self.fwd[rng][on].sum()),
-                float(self.act[rng][on].max(initial=0.0)))
+        return float(self.save[rng][on].sum()), float(self.fwd[rng][on].sum())
 
     def prefixes(self, k: int, i: int) -> list[tuple[tuple[int, ...], float, float, float]]:
-        """[(recomputed layers, Σ save, Σ fwd, max act)] for the forced layers of k..i plus each prefix of
+        """[(recomputed layers, Σ save, Σ fwd, replay)] for the forced layers of k..i plus each prefix of
         the auto order restricted to k..i, shortest first."""
         if (k, i) not in self._prefixes:
             self._prefixes[k, i] = self._build_prefixes(k, i)
         return self._prefixes[k, i]
 
     def _build_prefixes(self, k: int, i: int) -> list:
-        save, fwd, top = self._forced(k, i)
+        save, fwd = self._forced(k, i)
         chosen = tuple(layer for layer in range(k, i + 1) if self.forced[layer])
-        out = [(chosen, save, fwd, top)]
+        out = [(chosen, save, fwd, self.replay(chosen, k, i))]
         for layer in self.order:
             if k <= layer <= i:
-                save, fwd, top = save + self.save[layer], fwd + self.fwd[layer], max(top, self.act[layer])
+                save, fwd = save + self.save[layer], fwd + self.fwd[layer]
                 chosen = tuple(sorted(chosen + (layer,)))
-                out.append((chosen, save, fwd, top))
+                out.append((chosen, save, fwd, self.replay(chosen, k, i)))
         return out
 
     def tables(self, latency: np.ndarray, memory: np.ndarray, scale: float, budget: float):
         """(latency [k, i, f], fits [k, i, f], prefix index [k, i, f]) with the first fitting prefix.
 
         Vectorized over (k, i, prefix, f), in blocks of first layers k that bound the temporaries; the
-        arithmetic is the same, operation for operation, as evaluating ``prefixes(k, i)`` one by one, so the
-        chosen entries are bit-identical."""
+        arithmetic is that of evaluating ``prefixes(k, i)`` one by one (the replay term's sums grouped
+        differently), so the chosen entries agree."""
         L, _, F = memory.shape
         f_scaled = np.arange(1, F + 1) * scale
-        save, fwd, top, index = self._prefix_arrays()
+        save, fwd, replay, index = self._prefix_arrays()
         best_lat = np.full(memory.shape, np.inf)
         best_p = np.full(memory.shape, -1, dtype=int)
         block = max(1, TABLE_CHUNK // (L * save.shape[2] * F))
         rows = np.arange(L)[None, :, None]
         for lo in range(0, L, block):
             ks = slice(lo, min(L, lo + block))
-            peak = np.maximum(0.0, top[ks] - self._peak_max[ks][:, :, None])                # [k, i, q]
-            mem = memory[ks][:, :, None, :] - f_scaled * save[ks][:, :, :, None] + scale * peak[:, :, :, None]
+            mem = memory[ks][:, :, None, :] - f_scaled * save[ks][:, :, :, None] + scale * replay[ks][:, :, :, None]
             fits = mem <= budget                                                            # [k, i, q, f]
             first = fits.argmax(axis=2)                                                     # [k, i, f]
             any_fit = fits.any(axis=2)
@@ -173,14 +187,14 @@ class LayerRecompute:
         return best_lat, best_p >= 0, best_p
 
     def _prefix_arrays(self) -> tuple[np.ndarray, ...]:
-        """[k, i, q] for q = 0..P over the auto order: Σ save, Σ fwd, max act of the forced layers of k..i
+        """[k, i, q] for q = 0..P over the auto order: Σ save, Σ fwd and replay of the forced layers of k..i
         plus the order's first q layers that lie in k..i, and that prefix's index in ``prefixes(k, i)``.
         A q whose layer lies outside k..i repeats q - 1, so the first fitting q is always a distinct prefix.
         Sums run in the order ``_build_prefixes`` adds them (cumsum is sequential)."""
         if self._arrays is not None:
             return self._arrays
         L = len(self.act)
-        forced = np.zeros((3, L, L))
+        forced = np.zeros((2, L, L))
         if self.forced.any():
             for k in range(L):
                 for i in range(k, L):
@@ -190,11 +204,25 @@ class LayerRecompute:
         inside = (k <= order) & (order <= i)                                            # [k, i, P]
         save = np.cumsum(np.concatenate([forced[0][..., None], np.where(inside, self.save[order], 0.0)], 2), 2)
         fwd = np.cumsum(np.concatenate([forced[1][..., None], np.where(inside, self.fwd[order], 0.0)], 2), 2)
-        top = np.maximum.accumulate(
-            np.concatenate([forced[2][..., None], np.where(inside, self.act[order], -np.inf)], 2), 2)
         index = np.concatenate([np.zeros((L, L, 1), dtype=int), np.cumsum(inside, 2)], 2)
-        self._arrays = (save, fwd, top, index)
+        self._arrays = (save, fwd, self._replay_arrays(len(order)), index)
         return self._arrays
+
+    def _replay_arrays(self, n_order: int) -> np.ndarray:
+        """replay [k, i, q] (module docstring). With member[q, l] = l forced or among the order's first q,
+        m[q, l] = act_l − save_l · member and C[q, j] = Σ_{l ≤ j} m[q, l]: replay = max(0, max over recomputed
+        j in k..i of (save_j + C[q, j]) − C[q, i]), the inner max a running max from k."""
+        L = len(self.act)
+        rank = np.full(L, np.inf)
+        rank[np.array(self.order, dtype=int)] = np.arange(len(self.order))
+        member = self.forced[None, :] | (rank[None, :] < np.arange(n_order + 1)[:, None])   # [q, l]
+        running = np.cumsum(self.act[None, :] - self.save[None, :] * member, axis=1)        # C[q, j]
+        value = np.where(member, self.save[None, :] + running, -np.inf)
+        out = np.zeros((L, L, n_order + 1))
+        for k in range(L):
+            top = np.maximum.accumulate(value[:, k:], axis=1)                               # [q, i - k]
+            out[k, k:, :] = np.maximum(0.0, top - running[:, k:]).T
+        return out
 
     def choice(self, k: int, i: int, p: int) -> tuple[int, ...]:
         return self.prefixes(k, i)[p][0]

@@ -150,3 +150,15 @@ def test_training_matmul_factor_is_curve_time_over_kernel_time():
     overhead = 1e-4
     measured = [2 * 3 * 2.0 * math.prod(s) / 1e10 + 2 * overhead for s in shapes]  # half the curve's speed
     assert training_matmul_factor(cluster, "float32", shapes, measured, overhead) == pytest.approx(0.5)
+
+
+def test_single_step_release_counts_gradients_made_after_later_activations_are_freed():
+    from autopar.cost_models.memory import single_step_release
+
+    # layers at positions 0, 1, 2 keep 10, 10, 4 bytes; gradients of 3 (read at 0) and 6 (read at 2)
+    acts, grads = [(0, 10.0), (1, 10.0), (2, 4.0)], [(0, 3.0), (2, 6.0)]
+    # live at x = 0: 10 + 3 + 6; x = 1: 20 + 6; x = 2: 24 + 6: the peak 30 is 3 under A + G = 33
+    assert single_step_release(acts, grads) == 3.0
+    assert single_step_release(acts, []) == 0.0
+    # negative control: a gradient read only at the end exists while everything is still kept
+    assert single_step_release(acts, [(2, 9.0)]) == 0.0

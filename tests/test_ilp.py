@@ -157,3 +157,32 @@ def test_a_forked_child_solves_after_its_parent_did():
         child.kill()
     assert not alive, "the forked child's HiGHS solve did not return within 60 s"
     assert answer.get(timeout=5) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replay_rows_agree_with_brute_force(seed):
+    """Recompute's replay rows (one per region, coefficients of either sign, some on fixed classes) are
+    charged on top of T by both back ends as ``memory_of`` charges them; a budget the replay breaks for the
+    cheapest choice moves it (negative control: the same problem without replay keeps that choice)."""
+    rng = np.random.default_rng(100 + seed)
+    problem = random_problem(rng)
+    problem.cost[0] = problem.cost[0][:1]  # a fixed class: its replay entry is a constant of the row
+    problem.mem[0], problem.peak[0] = problem.mem[0][:1], problem.peak[0][:1]
+    problem.edges = {k: (m[:1] if k[0] == 0 else m) for k, m in problem.edges.items()}
+    n = problem.n_classes
+    problem.replay = [[rng.uniform(-1, 3, len(problem.cost[c])) * 2**30 if rng.random() < 0.6 else None
+                       for c in range(n)] for _ in range(3)]
+    free = solve_ilp(IlpProblem(problem.cost, problem.mem, problem.edges, None, problem.peak), 30).choice
+    problem.budget = memory_of(problem, free) - 0.5 * 2**30
+    plain = IlpProblem(problem.cost, problem.mem, problem.edges, problem.budget, problem.peak)
+    if min_memory(problem, which="pulp") > problem.budget:
+        pytest.skip("no choice fits this random budget")
+    want = brute(problem)
+    for which in ("pulp", "highs"):
+        if which == "highs" and backend() != "highs":
+            continue
+        result = solve_ilp(problem, 30, which=which)
+        assert result.objective == pytest.approx(want, rel=1e-6), which
+        assert memory_of(problem, result.choice) <= problem.budget * (1 + 1e-9)
+    if memory_of(plain, free) <= plain.budget:
+        assert solve_ilp(plain, 30).choice == free, "without replay rows the cheapest choice fits"

@@ -19,9 +19,8 @@ def _reference_tables(rec: LayerRecompute, latency, memory, scale: float, budget
     best_lat, best_p = np.full(memory.shape, np.inf), np.full(memory.shape, -1)
     for k in range(L):
         for i in range(k, L):
-            for p, (_, save, fwd, top) in enumerate(rec.prefixes(k, i)):
-                peak = max(0.0, top - rec.peak[k:i + 1].max())
-                mem = memory[k, i] - f * scale * save + scale * peak
+            for p, (_, save, fwd, replay) in enumerate(rec.prefixes(k, i)):
+                mem = memory[k, i] - f * scale * save + scale * replay
                 take = (best_p[k, i] < 0) & (mem <= budget)
                 best_lat[k, i][take] = latency[k, i] + scale * fwd
                 best_p[k, i][take] = p

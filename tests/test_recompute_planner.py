@@ -90,7 +90,20 @@ class _Costs:
     t = [3.0, 3.0, 3.0]
     comm = sync = [0.0, 0.0, 0.0]
     act = [10.0, 10.0, 1.0]
-    peak = [10.0, 10.0, 10.0]  # a transient as large as a layer's activations: replay adds no peak
+    peak = [10.0, 10.0, 10.0]
+
+
+def test_replay_counts_what_later_layers_no_longer_keep():
+    import numpy as np
+
+    costs = _Costs()
+    for field in ("t", "comm", "sync", "act", "peak"):
+        setattr(costs, field, np.array(getattr(costs, field)))
+    rec = LayerRecompute(costs, np.full(3, 1 / 3), keep=np.ones(3), modes=["auto"] * 3)
+    assert rec.replay((0,), 0, 2) == 0.0    # layer 0's 9 bytes come back after layers 1-2 freed 10 + 1
+    assert rec.replay((1,), 0, 2) == 8.0    # layer 1 re-creates 9 after layer 2 freed its 1
+    assert rec.replay((0, 1), 0, 2) == 8.0  # layer 0's replay then sees 1 + 1 freed: 7 < 8
+    assert rec.replay((0, 1), 0, 1) == 9.0  # a stage ending at layer 1: nothing after it
 
 
 def test_fewest_recomputed_layers_that_fit():
@@ -106,8 +119,11 @@ def test_fewest_recomputed_layers_that_fit():
     memory[0, 2, 0] = 21.0
     lat, fits, prefix = rec.tables(latency, memory, 1.0, 13.0)  # one layer saves 9 bytes
     assert fits[0, 2, 0] and rec.choice(0, 2, prefix[0, 2, 0]) == (0,) and lat[0, 2, 0] == 10.0
-    lat, fits, prefix = rec.tables(latency, memory, 1.0, 5.0)
+    # Both: 21 − 18 + replay 8 (layer 1's 9 re-created while layer 2 keeps its 1) = 11; (0,) alone is 12.
+    lat, fits, prefix = rec.tables(latency, memory, 1.0, 11.0)
     assert fits[0, 2, 0] and rec.choice(0, 2, prefix[0, 2, 0]) == (0, 1)
+    lat, fits, prefix = rec.tables(latency, memory, 1.0, 10.9)
+    assert not fits[0, 2, 0], "negative control: without the replay's 8 bytes both layers would fit in 3"
     forced = LayerRecompute(costs, np.full(3, 1 / 3), keep=np.ones(3), modes=["none", "full", "none"])
     assert forced.choice(0, 2, 0) == (1,)
 

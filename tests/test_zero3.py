@@ -22,7 +22,7 @@ def test_param_bytes_at_level_3_shard_weight_gradient_and_state():
 
 def test_held_state_bytes_at_level_3_keep_only_the_shard():
     held = held_state_bytes([{"numel": 10, "ways": 4, "level": 3, "count": 3}], [5], "adamw")
-    assert held == {"params": (3 + 5) * 4, "grads": (3 + 5) * 4, "optimizer": 3 * 8 + 4 + 5 * 8 + 4}
+    assert held == {"params": (3 + 5) * 4, "grads": 3 * 4, "optimizer": 3 * 8 + 4 + 5 * 8 + 4}
 
 
 def test_peak_gathered_sums_units_whose_spans_overlap():

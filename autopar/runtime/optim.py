@@ -90,13 +90,20 @@ class PlanOptimizer:
         self.runner.gradsync.gather_params()
         return True
 
-    def zero_grad(self) -> None:
-        """Zero every gradient in place (the flat bucket buffers stay where the gradients point)."""
-        for p in self.targets:
-            if p.grad is not None:
-                p.grad.zero_()
-        for p in self.runner.gm.parameters():
-            if p.grad is not None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``: gradients set to None (or zeroed in place with
+        ``set_to_none=False``), except those that are views of the sync buckets' flat buffers (parameters
+        of level-0/1 buckets, and every ZeRO shard), which are zeroed in place: their buffers persist
+        between steps whatever happens to the views, and the inner optimizer steps a shard only while it
+        has a gradient. What a rank holds between steps is then ``cost_models.memory.held_state_bytes``."""
+        in_place = {id(b.shard) for b in self.runner.gradsync.buckets if b.level >= 1}
+        in_place |= {id(p) for b in self.runner.gradsync.buckets if b.level <= 1 for p in b.params}
+        for p in {id(p): p for p in (*self.targets, *self.runner.gm.parameters())}.values():
+            if p.grad is None:
+                continue
+            if set_to_none and id(p) not in in_place:
+                p.grad = None
+            else:
                 p.grad.zero_()
 
     def state_dict(self) -> dict:

@@ -1,13 +1,17 @@
 """Cost-model fidelity: the planner's predicted step time and peak memory vs measured, plan by plan.
 
-    python benchmarks/fidelity/cost_model_fidelity.py                         # profiles 4 local ranks first
+    python benchmarks/fidelity/cost_model_fidelity.py                         # profiles the local ranks first
     python benchmarks/fidelity/cost_model_fidelity.py --cluster cluster.json  # a saved `autopar profile` result
     python benchmarks/fidelity/cost_model_fidelity.py --split                 # also time compute without collectives
+    python benchmarks/fidelity/cost_model_fidelity.py --nprocs 4 --cluster local4.json   # the second figure
 
-On 4 local gloo ranks (``Cluster.local(4)`` semantics, numbers from the profiled cluster file), the GPT
-example (CONFIG, global batch BATCH) is planned under every layout of ``benchmarks.fidelity.fidelity_plans.PLANS``
-(forced data parallel, Megatron tensor parallel, 2-D mixes, the planner's own choices) and each plan is
-compiled on every rank. Measured, in one launch with all plans interleaved round by round (so load drift
+On N local gloo ranks (``--nprocs``, default one per core, at most 4; ``Cluster.local(N)`` semantics, numbers
+from the profiled cluster file), the GPT example (CONFIG, global batch BATCH) is planned under every layout of
+``benchmarks.fidelity.fidelity_plans.plans_for(N)`` (forced data and Megatron tensor parallel, the same with
+recompute or ZeRO, 2-D mixes on 4 ranks, pipelines, the planner's own choices) and each plan is compiled on
+every rank. One rank per core is the main figure: the cost model describes devices that each run their own
+rank; with more ranks than cores the processes time-share, so an idle rank's core goes to a busy one.
+Measured, in one launch with all plans interleaved round by round (so load drift
 from other jobs hits every plan alike):
 
   * step time: median over ``--steps`` timed rounds, after ``--warmup`` untimed ones, of
@@ -57,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.fidelity import peak_allocated_bytes, relative_error, spearman  # noqa: E402
-from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS, make_plans  # noqa: E402
+from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS_BY_WORLD, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 GOALS = {"time_err": 0.10, "spearman": 0.9, "mem_err": 0.10}
@@ -70,7 +74,8 @@ def _state_bytes(pm, opt) -> int:
     once (parameters and gradients may be views of one flat buffer)."""
     held = list(pm.parameters()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     for bucket in getattr(getattr(pm.runner, "gradsync", None), "buckets", ()):
-        held += [t for t in (getattr(bucket, "grad_flat", None), getattr(bucket, "grad_shard", None)) if t is not None]
+        held += [t for t in (getattr(bucket, "grad_flat", None), getattr(bucket, "grad_shard", None),
+                             getattr(bucket, "shard", None)) if t is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
     return sum(storages.values())
 
@@ -115,7 +120,7 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
     for name, text in plans:
         plan = autopar.Plan.from_json(text)
         pm = autopar.compile(model, autopar.Cluster.from_dict(plan.cluster), batch, plan=plan)
-        built.append((name, pm, torch.optim.AdamW(pm.parameters(), lr=1e-4)))
+        built.append((name, pm, pm.optimizer(torch.optim.AdamW, lr=1e-4)))  # ZeRO plans step their shards
     out = {name: {"times": [], "compute": []} for name, _, _ in built}
     out["reference_rate"] = []
     for name, pm, opt in built:
@@ -141,36 +146,56 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
 def _local_collectives():
     """Diagnostic only (``--split``): torch.distributed's SPMD collectives become local copies of the right
     shapes, so a step times its computation alone (the results are wrong; the timing is what is wanted)."""
-    def gather(out, inp, group=None):
-        out.copy_(inp.repeat((out.shape[0] // inp.shape[0],) + (1,) * (inp.dim() - 1)))
+    class Done:  # what an async collective returns: the gradient sync waits on it
+        def wait(self, *args, **kwargs):
+            return True
 
-    fakes = {"all_reduce": lambda t, *a, **k: None, "all_gather_single": gather,
-             "reduce_scatter_single": lambda out, inp, group=None: out.copy_(inp[:out.shape[0]]),
-             "all_to_all_single": lambda out, inp, group=None: out.copy_(inp)}
-    saved = {k: getattr(dist, k) for k in fakes}
+    def gather(out, inp, group=None, async_op=False):
+        out.copy_(inp.repeat((out.shape[0] // inp.shape[0],) + (1,) * (inp.dim() - 1)))
+        return Done()
+
+    def scatter(out, inp, group=None, async_op=False):
+        out.copy_(inp[:out.shape[0]])
+        return Done()
+
+    def copy(out, inp, group=None, async_op=False):
+        out.copy_(inp)
+        return Done()
+
+    fakes = {"all_reduce": lambda t, *a, **k: Done(), "all_gather_single": gather, "all_gather_into_tensor": gather,
+             "reduce_scatter_single": scatter, "reduce_scatter_tensor": scatter, "all_to_all_single": copy}
+    from autopar.runtime import gradsync, zero3
+
+    # (module, name, fake): torch.distributed's functions, and the runtime's module-level references to them
+    patches = [(dist, k, f) for k, f in fakes.items() if hasattr(dist, k)]
+    patches += [(m, k, f) for m, k, f in ((gradsync, "_REDUCE_SCATTER", scatter), (gradsync, "_ALL_GATHER", gather),
+                                          (zero3, "_ALL_GATHER", gather)) if hasattr(m, k)]
+    saved = [(m, k, getattr(m, k)) for m, k, _ in patches]
     try:
-        for k, f in fakes.items():
-            setattr(dist, k, f)
+        for m, k, f in patches:
+            setattr(m, k, f)
         yield
     finally:
-        for k, f in saved.items():
-            setattr(dist, k, f)
+        for m, k, f in saved:
+            setattr(m, k, f)
 
 
 # ---- in the caller --------------------------------------------------------------------------------
-def load_or_profile(path: str | None, out: str) -> tuple[autopar.Cluster, str]:
-    """The cluster file given, else a fresh 4-rank ``autopar profile`` (written to ``out``), which measures
+def load_or_profile(path: str | None, out: str, world: int) -> tuple[autopar.Cluster, str]:
+    """The cluster file given, else a fresh ``world``-rank ``autopar profile`` (written to ``out``), which measures
     everything the cost model reads: isolated probes, in-mesh collective fits, op_overhead, and the
     training-matmul factor (``autopar.profiler_training``). A file without in-mesh fits predates that
     profiler: re-profile rather than plan with half the measurements."""
     if path:
         cluster = autopar.Cluster.from_json(path)
-        if not any("@" in key for key in cluster.intra_node.fits):
+        from autopar.profiler_training import meshes_of
+
+        if meshes_of(world) and not any("@" in key for key in cluster.intra_node.fits):
             print(f"# warning: {path} has no in-mesh collective fits (profiled before autopar.profiler_training); "
-                  f"re-run `autopar profile 4 --out {path}` for the full measurement", flush=True)
+                  f"re-run `autopar profile --nprocs {world} --out {path}` for the full measurement", flush=True)
         return cluster, path
-    print(f"# no --cluster given: profiling 4 local ranks first (writes {out})", flush=True)
-    cluster = autopar.Cluster.profile(nprocs=4, progress=False)
+    print(f"# no --cluster given: profiling {world} local ranks first (writes {out})", flush=True)
+    cluster = autopar.Cluster.profile(nprocs=world, progress=False)
     cluster.to_json(out)
     return cluster, out
 
@@ -185,8 +210,10 @@ def drift(cluster, measured: list[dict]) -> float:
 
 def drift_corrected(plan, q: float) -> float:
     """The plan's predicted step with its compute priced at the launch's speed: step + (q − 1) · c, c the
-    busiest stage's predicted compute (kernels and host overhead; communication is left as profiled)."""
-    busiest = max(float(s.predicted.get("compute", 0.0)) for s in plan.stages)
+    busiest stage's predicted compute (kernels and host overhead, and the extra forward of recomputed layers
+    over all microbatches; communication is left as profiled)."""
+    busiest = max(float(s.predicted.get("compute", 0.0))
+                  + plan.microbatches * float(s.predicted.get("recompute", 0.0)) for s in plan.stages)
     return float(plan.predicted["step_time"]) + (q - 1.0) * busiest
 
 
@@ -289,16 +316,21 @@ def _versus(auto: dict, best: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", help="profiled cluster JSON (default: profile 4 local ranks first)")
+    parser.add_argument("--nprocs", type=int, default=min(4, os.cpu_count() or 2),
+                        help="local ranks (default: one per core, at most 4); plan sets exist for 2 and 4")
+    parser.add_argument("--cluster", help="profiled cluster JSON of --nprocs ranks (default: profile them first)")
     parser.add_argument("--profile-out", default="cluster.json", help="where a fresh profile is written")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
     parser.add_argument("--steps", type=int, default=7, help="timed rounds (the median is reported)")
     parser.add_argument("--split", action="store_true", help="also time every step with local stand-ins for "
                         "collectives (compute alone; diagnostic)")
-    parser.add_argument("--plans", nargs="+", default=None, help=f"a subset of {[p.name for p in PLANS]}")
+    parser.add_argument("--plans", nargs="+", default=None,
+                        help=f"a subset of {({w: [p.name for p in ps] for w, ps in PLANS_BY_WORLD.items()})}")
     parser.add_argument("--repeats", type=int, default=3, help="launches; figures are medians over them")
     args = parser.parse_args(argv)
-    cluster, source = load_or_profile(args.cluster, args.profile_out)
+    cluster, source = load_or_profile(args.cluster, args.profile_out, args.nprocs)
+    if cluster.num_devices != args.nprocs:
+        parser.error(f"{source} describes {cluster.num_devices} ranks; pass --nprocs {cluster.num_devices}")
     plans = make_plans(cluster, args.plans)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")

@@ -1,24 +1,26 @@
 """The plans ``cost_model_fidelity.py`` measures: hand-forced layouts of the GPT example and the planner's own.
 
-Each ``PlanSpec`` is a 2-D mesh of the 4 local ranks plus pins (``PlanOptions.pin``: node-name glob ->
-spec text) that force a layout; the planner fills in everything not pinned. Layouts:
+Each ``PlanSpec`` is a 2-D mesh of the local ranks plus pins (``PlanOptions.pin``: node-name glob -> spec
+text) that force a layout, and further options; the planner fills in everything not pinned. There is one set
+per world size: ``PLANS_2`` (one rank per core on this 2-core machine: the main figure) and ``PLANS_4`` (4
+ranks time-sharing 2 cores: the second figure). Layouts:
 
-  dp-*        data parallel: the batch split on every mesh axis, every parameter replicated;
-  tp-1x4      Megatron tensor parallel: q, k, v, fc column-parallel (weight and bias Shard(0)), o and
+  dp*         data parallel: the batch split on every mesh axis, every parameter replicated;
+  tp*         Megatron tensor parallel: q, k, v, fc column-parallel (weight and bias Shard(0)), o and
               proj row-parallel (weight Shard(1)); embeddings, norms and lm_head replicated;
-  tpv-1x4     the same with a vocabulary-parallel wte (Shard(0)); lm_head stays replicated: pinned
-              vocabulary-parallel too, it failed in cross_entropy ("Target ... out of bounds") on commit
-              c72070f; the working tree of 2026-11-22 trains it correctly on a small GPT, so it can
-              join once that is committed;
+  tpv*        the same with a vocabulary-parallel wte (Shard(0)); lm_head stays replicated;
   dp2-tp2     2-D: batch split on mesh axis 0, Megatron on axis 1 (Megatron's DP x TP);
   tp2-dp2     the transpose: Megatron on axis 0, batch on axis 1;
-  rep-1x4     every node replicated: each rank runs the whole step alone (no communication at all);
+  rep*        every node replicated: each rank runs the whole step alone (no communication at all);
+  *-rc        the same layout with every layer recomputed in backward (recompute="full");
+  dp-z2/z3    data parallel with the optimizer state and gradients (z2), and the parameters too (z3),
+              sharded over the ranks (ZeRO);
   auto-RxC    no pins, one stage on that mesh: the planner's intra-op choice;
   auto        no pins, no stage count: everything the planner chooses (stages, submeshes, microbatches);
-  pp2-auto    pipeline hook: ``autopar.plan(..., stages=2)``.
+  pp2-*       ``autopar.plan(..., stages=2)``, the planner's microbatches or 8 (pp2-B8).
 
-Forced layouts and auto-RxC pass ``stages=1`` (one stage on the cluster's mesh). ``auto`` and ``pp2-auto``
-are skipped, with a note, by a planner whose ``PlanOptions`` has no ``stages`` (there ``auto`` is auto-1x4).
+Forced layouts and auto-RxC pass ``stages=1`` (one stage on the cluster's mesh). ``auto`` and ``pp2-*``
+are skipped, with a note, by a planner whose ``PlanOptions`` has no ``stages`` (there ``auto`` is auto-1xN).
 """
 from __future__ import annotations
 
@@ -39,13 +41,14 @@ INPUTS = ("idx", "targets")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSpec:
-    """name: row label; mesh: logical mesh of the 4 ranks; pin: PlanOptions.pin or None (auto);
-    stages: PlanOptions.stages (1: one stage on ``mesh``; None: the planner chooses)."""
+    """name: row label; mesh: logical mesh of the ranks; pin: PlanOptions.pin or None (auto);
+    stages: PlanOptions.stages (1: one stage on ``mesh``; None: the planner chooses); options: the rest."""
 
     name: str
     mesh: tuple[int, int]
     pin: dict[str, str] | None = None
     stages: int | None = 1
+    options: dict = dataclasses.field(default_factory=dict)  # more PlanOptions (recompute, zero, microbatches)
 
 
 def _spec(mesh, **dims_by_axis) -> str:
@@ -77,7 +80,8 @@ def megatron(mesh, tp_axis: int, dp_axis: int | None, vocab: bool = False) -> di
     return pins
 
 
-PLANS = [
+# The 4-rank set: layouts of 4 processes sharing 2 cores (the second figure, see cost_model_fidelity).
+PLANS_4 = [
     PlanSpec(name="dp-1x4", mesh=(1, 4), pin=data_parallel((1, 4))),
     PlanSpec(name="dp-2x2", mesh=(2, 2), pin=data_parallel((2, 2))),
     PlanSpec(name="tp-1x4", mesh=(1, 4), pin=megatron((1, 4), tp_axis=1, dp_axis=None)),
@@ -91,6 +95,33 @@ PLANS = [
     PlanSpec(name="pp2-auto", mesh=(1, 4), stages=2),
 ]
 
+# The 2-rank set (one rank per core: the main figure): every layout of 2 devices and the memory levers a
+# user turns on the same layouts (recompute, ZeRO 2 and 3), pipelines at two microbatch counts.
+_MESH_2 = (1, 2)
+PLANS_2 = [
+    PlanSpec(name="dp", mesh=_MESH_2, pin=data_parallel(_MESH_2)),
+    PlanSpec(name="tp", mesh=_MESH_2, pin=megatron(_MESH_2, tp_axis=1, dp_axis=None)),
+    PlanSpec(name="tpv", mesh=_MESH_2, pin=megatron(_MESH_2, tp_axis=1, dp_axis=None, vocab=True)),
+    PlanSpec(name="rep", mesh=_MESH_2, pin={"*": "RR"}),
+    PlanSpec(name="dp-rc", mesh=_MESH_2, pin=data_parallel(_MESH_2), options={"recompute": "full"}),
+    PlanSpec(name="tp-rc", mesh=_MESH_2, pin=megatron(_MESH_2, tp_axis=1, dp_axis=None),
+             options={"recompute": "full"}),
+    PlanSpec(name="dp-z2", mesh=_MESH_2, pin=data_parallel(_MESH_2), options={"zero": 2}),
+    PlanSpec(name="dp-z3", mesh=_MESH_2, pin=data_parallel(_MESH_2), options={"zero": 3}),
+    PlanSpec(name="auto-1x2", mesh=_MESH_2),
+    PlanSpec(name="auto", mesh=_MESH_2, stages=None),
+    PlanSpec(name="pp2-auto", mesh=_MESH_2, stages=2),
+    PlanSpec(name="pp2-B8", mesh=_MESH_2, stages=2, options={"microbatches": 8}),
+]
+PLANS_BY_WORLD = {2: PLANS_2, 4: PLANS_4}
+PLANS = PLANS_4  # the set of earlier results (4 ranks)
+
+
+def plans_for(world: int) -> list[PlanSpec]:
+    if world not in PLANS_BY_WORLD:
+        raise SystemExit(f"no fidelity plan set for {world} ranks; use one of {sorted(PLANS_BY_WORLD)}")
+    return PLANS_BY_WORLD[world]
+
 
 def takes_stages() -> bool:
     """Whether this planner's PlanOptions has ``stages`` (the pipeline planner)."""
@@ -100,17 +131,18 @@ def takes_stages() -> bool:
 
 
 def make_plans(cluster: autopar.Cluster, names: list[str] | None = None) -> dict[str, autopar.Plan]:
-    """{name: Plan} for the chosen specs (all by default) on ``cluster`` viewed as each spec's mesh."""
+    """{name: Plan} for the chosen specs (all of the cluster's world size by default) on ``cluster`` viewed
+    as each spec's mesh."""
     model, batch = make_gpt(CONFIG, batch_size=BATCH)
     staged = takes_stages()
     plans = {}
-    for spec in PLANS:
+    for spec in plans_for(cluster.num_devices):
         if names is not None and spec.name not in names:
             continue
         if not staged and spec.stages != 1:
             print(f"# {spec.name}: skipped, this planner's PlanOptions has no stages")
             continue
-        options = {"pin": spec.pin} if spec.pin else {}
+        options = ({"pin": spec.pin} if spec.pin else {}) | spec.options
         if staged:
             options["stages"] = spec.stages
         plans[spec.name] = autopar.plan(model, cluster.with_mesh(spec.mesh), batch, **options)
