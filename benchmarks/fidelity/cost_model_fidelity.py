@@ -32,12 +32,13 @@ Printed: one row per plan, the median absolute time error, the Spearman rank cor
 and measured time, the memory error per plan, and whether each auto plan measured no slower than the
 best forced plan. Goals: median time error <= 10 %, Spearman >= 0.9, worst memory error <= 10 %.
 
-Same machine conditions: the profile and the measurement are minutes apart, and other jobs' load drifts in
-between. Every timed round also runs the profiler's own reference probe (fp32 mm of 256, all ranks busy), so
-each launch knows how fast the machine computed while it timed the plans; each plan's prediction is then
-re-priced at that speed (``drift_corrected``: its compute scaled by q = profiled rate / rate during the
-launch; communication is left as profiled). The table's errors are against the corrected prediction; the
-median error as profiled is printed beside it.
+Predictions: the table and the first verdict line are the cost model's predictions from the cluster file,
+as profiled. The profile and the measurement are minutes apart, and on a shared machine other jobs' load
+drifts in between: every timed round also runs the profiler's own reference probe (fp32 mm of 256, all
+ranks busy), so each launch knows how fast the machine computed while it timed the plans, and a second line
+re-prices every plan at that speed (``drift_corrected``: its compute scaled by q = profiled rate / rate
+during the launch; communication is left as profiled). On a quiet machine q is the probe's own noise
+(a few per cent); under other jobs' load it is what keeps the comparison meaningful.
 
 ``--repeats N`` measures N launches one after another (the plans are compiled afresh in each): the table
 shows each plan's median over launches, and each of the three figures is computed per launch and reported
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -240,12 +242,6 @@ def summarize(plans: dict, measured: list[dict], q: float = 1.0) -> list[dict]:
     return rows
 
 
-def _profile_errors(per_launch: list[list[dict]]) -> list[float]:
-    """Every plan's median over launches of its time error without the drift correction."""
-    return [statistics.median(relative_error(r["pred_profile"], r["meas_t"]) for r in same)
-            for same in zip(*per_launch)]
-
-
 def print_table(rows: list[dict], split: bool) -> None:
     head = f"{'plan':<14}{'mesh':>12}{'pred ms':>9}{'meas ms':>9}{'iqr':>6}{'t err':>8}{'pred MiB':>10}" \
            f"{'meas MiB':>10}{'m err':>8}"
@@ -279,20 +275,24 @@ def median_rows(per_launch: list[list[dict]]) -> list[dict]:
     return out
 
 
-def print_verdict(rows: list[dict], per_launch: list[list[dict]] | None = None) -> dict:
-    """The three fidelity figures against their goals (medians over launches), and auto vs the best forced
-    plan (on the per-plan medians)."""
-    launches = [figures(r) for r in (per_launch or [rows])]
+def print_figures(label: str, per_launch: list[list[dict]]) -> dict:
+    """The three fidelity figures against their goals: per launch, then their median over launches."""
+    launches = [figures(r) for r in per_launch]
     fig = {k: statistics.median(f[k] for f in launches) for k in launches[0]}
     spread = {k: f" [{min(f[k] for f in launches):.3g}..{max(f[k] for f in launches):.3g}]" if len(launches) > 1
               else "" for k in fig}
     ok = lambda good: "ok" if good else "MISSED"  # noqa: E731
-    print(f"over {len(launches)} launch(es): median |time error| {fig['time_err'] * 100:.1f} %{spread['time_err']} "
-          f"(goal <= {GOALS['time_err'] * 100:.0f} %: {ok(fig['time_err'] <= GOALS['time_err'])});  Spearman rho "
-          f"{fig['spearman']:.3f}{spread['spearman']} (goal >= {GOALS['spearman']}: "
+    print(f"{label}, over {len(launches)} launch(es): median |time error| {fig['time_err'] * 100:.1f} %"
+          f"{spread['time_err']} (goal <= {GOALS['time_err'] * 100:.0f} %: {ok(fig['time_err'] <= GOALS['time_err'])});"
+          f"  Spearman rho {fig['spearman']:.3f}{spread['spearman']} (goal >= {GOALS['spearman']}: "
           f"{ok(fig['spearman'] >= GOALS['spearman'])});  worst |memory error| {fig['worst_mem_err'] * 100:.1f} %"
           f"{spread['worst_mem_err']} (goal <= {GOALS['mem_err'] * 100:.0f} %: "
           f"{ok(fig['worst_mem_err'] <= GOALS['mem_err'])})")
+    return fig
+
+
+def print_auto_versus_forced(rows: list[dict]) -> None:
+    """Each auto plan against the best forced plan (on the per-plan medians), same mesh and any mesh."""
     forced = [r for r in rows if not r["plan"].startswith(("auto", "pp"))]
     for r in (r for r in rows if r["plan"].startswith("auto")):
         same_mesh = [f for f in forced if f["mesh"] == r["mesh"]]
@@ -300,7 +300,6 @@ def print_verdict(rows: list[dict], per_launch: list[list[dict]] | None = None) 
             if pool:
                 best = min(pool, key=lambda f: f["meas_t"])
                 print(f"{r['plan']} vs the best forced plan ({label}): {_versus(r, best)}")
-    return fig
 
 
 def _versus(auto: dict, best: dict) -> str:
@@ -327,6 +326,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plans", nargs="+", default=None,
                         help=f"a subset of {({w: [p.name for p in ps] for w, ps in PLANS_BY_WORLD.items()})}")
     parser.add_argument("--repeats", type=int, default=3, help="launches; figures are medians over them")
+    parser.add_argument("--json", help="also write every launch's rows (as profiled and drift-corrected) here")
     args = parser.parse_args(argv)
     cluster, source = load_or_profile(args.cluster, args.profile_out, args.nprocs)
     if cluster.num_devices != args.nprocs:
@@ -346,12 +346,18 @@ def main(argv=None) -> int:
     during = statistics.median(x for measured in launches for r in measured for x in r["reference_rate"])
     print(f"# machine speed: fp32 mm 256^3 with all ranks busy ran at {during / 1e9:.1f} GFLOP/s per rank during "
           f"the measurement; the cluster file says {cluster.matmul_flops('float32', 2 * 256**3) / 1e9:.1f}")
-    per_launch = [summarize(plans, measured, drift(cluster, measured)) for measured in launches]
-    print("# predictions drift-corrected per launch: compute x " + ", ".join(f"{r[0]['drift']:.3f}" for r in per_launch)
-          + f" (as profiled, median |time error| {statistics.median(abs(x) for x in _profile_errors(per_launch)):.1%})")
-    rows = median_rows(per_launch)
+    profiled = [summarize(plans, measured) for measured in launches]
+    qs = [drift(cluster, measured) for measured in launches]
+    corrected = [summarize(plans, measured, q) for measured, q in zip(launches, qs)]
+    rows = median_rows(profiled)
     print_table(rows, args.split)
-    print_verdict(rows, per_launch)
+    print_figures("as profiled", profiled)
+    print_figures("drift-corrected (compute x " + ", ".join(f"{q:.3f}" for q in qs) + " per launch)", corrected)
+    print_auto_versus_forced(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"profiled": profiled, "corrected": corrected, "drift": qs, "cluster": source,
+                       "load_before": load_before, "load_after": os.getloadavg()}, f, indent=1)
     return 0
 
 
