@@ -41,7 +41,9 @@ Invariants and formulas:
   * ``keep_needed_zero``: with a relative MIP gap the solver may return a twin whose price is within the gap;
     every twin whose base column also fits the budget is reverted (cheaper, same edges), smallest memory
     increase first, and a level-3 twin whose base does not fit falls back to its level-2 sibling where that
-    fits, so a plan shards weight updates (and parameters) only as far as memory asks.
+    fits and is priced no higher, so a plan shards weight updates only as far as memory asks, and between
+    levels 2 and 3 takes the one the cost model prices faster: level 3 where compute hides its prefetched
+    gathers better than level 2 hides nothing of its after-step all-gather.
 """
 from __future__ import annotations
 
@@ -175,7 +177,8 @@ def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) ->
         base, level = twins_of[c]
         fallbacks = [int(base[choice[c]])]
         if level[choice[c]] == 3:
-            fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2]
+            fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2
+                          and problem.cost[c][j] <= problem.cost[c][choice[c]]]
         for column in fallbacks:
             trial = list(choice)
             trial[c] = column
