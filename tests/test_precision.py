@@ -179,6 +179,17 @@ def test_unknown_precision_is_one_clear_error():
         PlanOptions(precision="fp8")
 
 
+@pytest.mark.parametrize("field, dtype, match", [("compute_dtype", "int8", "compute_dtype=torch.int8.*bfloat16"),
+                                                 ("reduce_dtype", "int32", "reduce_dtype=torch.int32.*float32")])
+def test_policy_zero3_cannot_gather_or_reduce_in_is_one_clear_error(field, dtype, match):
+    import torch
+
+    from autopar.ir.precision import PrecisionPolicy
+
+    with pytest.raises(PrecisionError, match=match):
+        PrecisionPolicy("mine", **{field: getattr(torch, dtype)})
+
+
 @pytest.mark.parametrize("zero", [4, "yes", {"blocks.*": 5}])
 def test_unknown_zero_level_is_one_clear_error(zero):
     with pytest.raises(PlanError, match="ZeRO setting"):
