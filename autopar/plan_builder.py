@@ -22,10 +22,10 @@ from autopar.cluster import Cluster
 from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import held_state_bytes, single_step_release
-from autopar.ir.buckets import deferrable_syncs, padded_numel, peak_gathered, sync_buckets, unit_spans
+from autopar.cost_models.zero3 import exposed_gather, zero3_units
+from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
-from autopar.ir.recompute import region_keys
 from autopar.ir.schedule import simulate_schedule
 from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, send_spec, wire_spec
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
@@ -133,11 +133,13 @@ def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
     return sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
 
 
-def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers=None) -> dict[str, float]:
+def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers=None,
+                  compute_dtype=None) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state one rank of ``stage`` holds (``held_state_bytes``),
-    its number of gradient-sync buckets, the shares of their elements at ZeRO levels 1-2 and 3, and the
-    most bytes of ZeRO-3 units gathered at once (``zero3_transient``: ``ir.buckets.unit_spans``;
-    ``node_layers`` {op: layer} places the stage's recomputed regions)."""
+    its number of gradient-sync buckets, the shares of their elements at ZeRO levels 1-2 and 3, and, with
+    level-3 units, their count, gather scale and the most bytes of them held at once (``zero3_transient``:
+    ``cost_models.zero3.zero3_units``; ``node_layers`` {op: layer} places the stage's recomputed regions;
+    ``compute_dtype``: the precision policy's, which units are gathered in)."""
     buckets = stage_sync_buckets(graph, stage, bucket_bytes)
     in_bucket = {n for b in buckets for n in b["names"]}
     loose = [math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
@@ -148,44 +150,31 @@ def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers
     return {"state_params": held["params"], "state_grads": held["grads"], "state_optimizer": held["optimizer"],
             "sync_buckets": float(len(buckets)),
             "zero_gather_share": sum(b["numel"] for b in buckets if b["level"] in (1, 2)) / total,
-            "zero3_share": sum(b["numel"] for b in buckets if b["level"] == 3) / total,
-            "zero3_transient": _zero3_transient(graph, stage, buckets, node_layers or {})}
-
-
-def _zero3_transient(graph, stage, buckets: list[dict], node_layers: dict, itemsize: int = 4) -> float:
-    """Peak bytes of level-3 units gathered at once in forward (each unit: its padded flat buffer). A run of
-    consecutive ops of one recomputed region is one call in the generated module: it reads all their units
-    at once, so the run shares one position."""
-    units = [b for b in buckets if b["level"] == 3]
-    if not units:
-        return 0.0
-    unit_of = {name: k for k, b in enumerate(units) for name in b["names"]}
-    regions = region_keys(graph, node_layers, stage.recompute) if stage.recompute else {}
-    order, position, previous = {}, -1, None
-    for node in graph.gm.graph.nodes:
-        key = regions.get(node.name)
-        position += 0 if key is not None and key == previous else 1
-        order[node], previous = position, key
-    spans = {k: (order[a], order[b]) for k, (a, b) in unit_spans(graph.gm.graph, unit_of, "placeholder").items()}
-    return peak_gathered(spans, {k: padded_numel(b["numel"], b["ways"], 3) * itemsize for k, b in enumerate(units)})
+            "zero3_share": sum(b["numel"] for b in buckets if b["level"] == 3) / total, "zero3_transient": 0.0,
+            **zero3_units(graph, stage, buckets, compute_dtype, node_layers or {})}
 
 
 def charge_zero3(stage) -> None:
     """Add ZeRO-3's all-gathers and gathered units to ``stage.predicted`` (after ``predict_state``).
 
     Per microbatch, the level-3 share f3 of the stage's gradient-sync elements is all-gathered before its
-    forward use and again for backward; each all-gather moves what half a ring all-reduce does, so with
-    s = the stage's gradient all-reduce seconds (``grad_sync``), forward and backward each take
-    g3 = f3 · s / 2 more per microbatch, on the critical path (no prefetch). Per step the level-3
-    gradients are reduce-scattered (f3 · s / 2, in ``exposed_sync``) and nothing is gathered after the
-    optimizer step. Traffic per step: (2B + 1) · f3 · s / 2, i.e. 1.5 × ZeRO-2's (f3 · s) at B = 1.
-    Memory: the units gathered at once (``zero3_transient``) add to the stage's memory and peak."""
+    forward use and again for backward; each all-gather moves what half a ring all-reduce does, at the
+    gather dtype: g = f3 · s/2 · r per direction (s: the stage's gradient all-reduce seconds, ``grad_sync``;
+    r: ``zero3_gather_scale``). Prefetched over U units (``zero3_units``), forward and backward each gain
+    only what their compute c does not hide, ``cost_models.zero3.exposed_gather``:
+    max(g/U, g − c·(U − 1)/U) (``zero3_exposed``: both, per microbatch). Per step the level-3 gradients
+    are reduce-scattered (f3 · s / 2, in ``exposed_sync``) and nothing is gathered after the optimizer step.
+    Memory: the units held at once (``zero3_transient``) add to the stage's memory and peak."""
     p = stage.predicted
-    g3 = p.get("zero3_share", 0.0) * p.get("grad_sync", 0.0) / 2
+    g3 = p.get("zero3_share", 0.0) * p.get("grad_sync", 0.0) / 2 * p.get("zero3_gather_scale", 1.0)
     p["zero3_gather"] = g3
-    for key in ("forward", "backward"):
-        p[key] = p.get(key, 0.0) + g3
-    p["latency"] = p.get("latency", 0.0) + 2 * g3
+    if g3 > 0:
+        units = p.get("zero3_units", 1.0)
+        exposed = {key: exposed_gather(g3, p.get(key, 0.0), units) for key in ("forward", "backward")}
+        for key, seconds in exposed.items():
+            p[key] = p.get(key, 0.0) + seconds
+        p["zero3_exposed"] = sum(exposed.values())
+        p["latency"] = p.get("latency", 0.0) + p["zero3_exposed"]
     for key in ("memory", "peak_memory"):
         p[key] = p.get(key, 0.0) + p.get("zero3_transient", 0.0)
 
@@ -343,7 +332,8 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
     _unshard_tied(sharded, stages)
     for stage in stages:
         stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer,
-                                             dict(layers.of_node) if layers is not None else None))
+                                             dict(layers.of_node) if layers is not None else None,
+                                             resolve_precision(options.precision).compute_dtype))
         charge_zero3(stage)
     return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
                 model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,

@@ -24,12 +24,14 @@ per parameter element, with n = the product of those axes' sizes:
     (state includes the fp32 master copy of a weight stored in fp16/bf16; with a precision policy the
     weights stay fp32 and autocast's compute-dtype copy of each, saved for backward, adds its itemsize)
     level 2: weight + (gradient + state) / n              level 3: (weight + gradient + state) / n
+    (at level 3 the ops read the gathered unit, in the compute dtype under a policy, and backward gathers it
+    again: no per-weight copy is kept; the units held at once are a transient, ``cost_models.zero3``)
 
 The runtime keeps the synced gradients of each bucket (``autopar.ir.buckets``) in one flat buffer, padded for
 levels ≥ 1 to n equal shards; ``held_state_bytes`` counts exactly what a rank then holds between steps. At
 level 3 a bucket is a unit gathered whole around its uses (``runtime.zero3``); the units gathered at once add
-transiently (``plan_builder.charge_zero3``: the peak over the forward of the units whose first-to-last
-reads overlap, each its padded flat buffer, ``ir.buckets.peak_gathered``).
+transiently (``cost_models.zero3.zero3_transient``: the peak over the forward of the units whose prefetch-to-
+last-read spans overlap, each its padded flat buffer at the gather itemsize, ``ir.buckets.peak_gathered``).
 
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
 All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
@@ -88,7 +90,8 @@ class TrainingSpec:
         grad = item / n if level >= 2 else item
         master = 4 if dtype in (torch.float16, torch.bfloat16) else 0  # fp32 copy of a low-precision weight
         state = (OPTIMIZER_STATE_BYTES[self.optimizer] + master) / (n if level >= 1 else 1)
-        return numel * (weight + grad + state + self.compute_itemsize)
+        copy = self.compute_itemsize if level < 3 or n == 1 else 0  # level 3 saves its gathered unit instead
+        return numel * (weight + grad + state + copy)
 
     def param_state_bytes_per_element(self, dtype: torch.dtype) -> float:
         item = torch.empty((), dtype=dtype).element_size()

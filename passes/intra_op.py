@@ -96,7 +96,7 @@ class IntraOpSolution:
     weights: list[float] = dataclasses.field(default_factory=list)      # per group: instances it stands for
     zero: dict[str, int] = dataclasses.field(default_factory=dict)      # parameter -> ZeRO level the ILP chose
     zero_gather: float = 0.0                                            # seconds of level 2's after-step gathers
-    zero3_gather: float = 0.0       # seconds per step of level 3's forward and backward gathers (in comm_time)
+    zero3_gather: float = 0.0       # seconds per step of level 3's gathers compute does not hide (in comm_time)
     zero3_unit: float = 0.0         # bytes of gathered level-3 units the ILP's memory row estimated (in memory)
 
 

@@ -73,7 +73,7 @@ class Group:
     zero_base: np.ndarray = None        # ZeRO twins (``intra_op_zero``): the column each column copies
     zero_gather: np.ndarray = None      # seconds of the twins' after-step all-gather (0 for base columns)
     zero_level: np.ndarray = None       # the ZeRO level each column puts its searched parameters at (0: base)
-    zero3_gather: np.ndarray = None     # seconds per step of level 3's forward and backward all-gathers
+    zero3_gather: np.ndarray = None     # seconds per step of level 3's all-gathers compute does not hide
     zero3_unit: np.ndarray = None       # bytes of gathered level-3 units a column adds to its peak
 
     @property

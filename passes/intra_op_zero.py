@@ -10,17 +10,22 @@ Invariants and formulas:
         level 2: mem_param' = mem_param − Σ_p [param_bytes(p, 0) − param_bytes(p, 2)]
                  cost' = cost + g,  comm' = comm + g,  sync' = sync + g          (after-step all-gather)
         level 3: mem_param' = mem_param − Σ_p [param_bytes(p, 0) − param_bytes(p, 3)]
-                 cost' = cost + 2B·g,  comm' = comm + 2B·g,  sync' = sync       (gathers in every forward
-                 and backward, on the critical path: the runtime does not prefetch)
-                 units' = U = 2 · max(largest local bytes of p, min(bucket_bytes, Σ parameter bytes))
+                 cost' = cost + B·e,  comm' = comm + B·e,  sync' = sync        (gathers in every forward
+                 and backward, prefetched: e = max(0, g3 − c/3) + max(0, g3 − 2c/3), the part of them the
+                 column's own compute c per microbatch does not hide, ``cost_models.zero3.group_exposed``)
+                 units' = U = 2 · max(largest local elements of p, min(bucket_bytes / 4, Σ parameter elements))
+                              · gather itemsize
 
-    The reduce-scatter both levels sync gradients with is priced as the all-reduce it replaces (the ILP charges
-    the whole sync, hidden or not), so level 3 − level 2 = (2B − 1)·g ≥ g: level 3 wins only where its memory
-    is needed. U is the gathered units: the runtime gathers a whole sync bucket (``ir.buckets``, at least
-    ``bucket_bytes`` unless the parameters are fewer, at most that plus its last parameter) from its first to
-    its last read, and buckets run in reverse order of first use, so at a bucket boundary the next unit is
-    gathered before the last read of the one before: two units are whole. Units stay gathered across other
-    groups' ops, so the ILP adds the largest chosen U to its memory row beside the largest transient
+    g3 is g at the gather dtype (the policy's compute dtype when it has one: half g for fp32 weights in
+    bf16). Summed over groups, e bounds from above the stage's exposed gathers less the first unit's
+    (``cost_models.zero3``: the sound per-group approximation; the plan charges the exact formula). The
+    reduce-scatter both levels sync gradients with is priced as the all-reduce it replaces (the ILP charges
+    the whole sync, hidden or not), so level 3 − level 2 = B·e − g: where compute hides the gathers level 3
+    prices below level 2, and ``keep_needed_zero`` keeps it only where level 2's memory does not fit. U is
+    the gathered units: the runtime gathers a whole sync bucket (``ir.buckets``, at least ``bucket_bytes``
+    at 4 bytes an element unless the parameters are fewer, at most that plus its last parameter) and holds
+    it from its prefetch to its last read, at most two at once. Units stay gathered across other groups'
+    ops, so the ILP adds the largest chosen U to its memory row beside the largest transient
     (``ilp_model``: the U column), an upper bound; the tests measure the runtime's peak.
     ``plan_builder.charge_zero3`` replaces the estimate by the exact peak of the stage's buckets after the
     solve (``IntraOpSolution.zero3_unit`` is what it takes out), so the plan predicts what ranks hold and the
@@ -36,7 +41,9 @@ Invariants and formulas:
   * ``keep_needed_zero``: with a relative MIP gap the solver may return a twin whose price is within the gap;
     every twin whose base column also fits the budget is reverted (cheaper, same edges), smallest memory
     increase first, and a level-3 twin whose base does not fit falls back to its level-2 sibling where that
-    fits, so a plan shards weight updates (and parameters) only as far as memory asks.
+    fits and is priced no higher, so a plan shards weight updates only as far as memory asks, and between
+    levels 2 and 3 takes the one the cost model prices faster: level 3 where compute hides its prefetched
+    gathers better than level 2 hides nothing of its after-step all-gather.
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from autopar.cost_models.zero3 import bucket_numel, group_exposed, unit_bytes
 from autopar.passes.ilp import memory_of
 from autopar.placement import local_shape
 
@@ -53,10 +61,12 @@ class _Effect(NamedTuple):
     saved2: float     # bytes a level-2 twin saves
     saved3: float     # bytes a level-3 twin saves
     gather: float     # seconds of one all-gather of the parameter's local tensor over its replicated axes
-    nbytes: float     # local bytes of the parameter (what a level-3 unit gathers of it)
+    gather3: float    # the same at the gather dtype (what a level-3 unit moves)
+    numel: float      # local elements of the parameter (what a level-3 unit gathers of it)
+    itemsize: int     # bytes per element a level-3 unit gathers
 
 
-_NONE = _Effect(0.0, 0.0, 0.0, 0.0)
+_NONE = _Effect(0.0, 0.0, 0.0, 0.0, 0.0, 0)
 
 
 def add_zero_columns(b) -> None:
@@ -75,18 +85,23 @@ def add_zero_columns(b) -> None:
         for i, pick in enumerate(group.pick):
             found = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in params]
             if sum(e.saved2 for e in found) > 0:
-                gather, largest = sum(e.gather for e in found), max(e.nbytes for e in found)
-                twins.append((i, 2, sum(e.saved2 for e in found), gather, 0.0))
-                twins.append((i, 3, sum(e.saved3 for e in found), gather, 2 * max(largest, unit_floor)))
+                twins.append((i, 2, sum(e.saved2 for e in found), sum(e.gather for e in found), 0.0))
+                twins.append((i, 3, sum(e.saved3 for e in found), sum(e.gather3 for e in found),
+                              _units(found, unit_floor)))
         if twins:
             _append_twins(group, twins, b.env.microbatches)
 
 
 def _unit_floor(b) -> float:
-    """The smallest a gathered unit is: a bucket of ``bucket_bytes``, or every parameter in scope if less."""
-    total = sum(float(b.nodes[n].meta["val"].numel() * b.nodes[n].meta["val"].element_size())
-                for n in b.params if n not in b.boundary)
-    return min(float(b.env.training.bucket_bytes), total)
+    """The fewest elements a gathered unit has: a bucket's, or every parameter in scope if fewer."""
+    total = sum(float(b.nodes[n].meta["val"].numel()) for n in b.params if n not in b.boundary)
+    return bucket_numel(float(b.env.training.bucket_bytes), total)
+
+
+def _units(found: list[_Effect], unit_floor: float) -> float:
+    """Bytes of the two units a level-3 column keeps gathered (module docstring)."""
+    largest = max(found, key=lambda e: e.numel)
+    return unit_bytes(largest.numel, unit_floor, largest.itemsize)
 
 
 def _charge_forced_units(b, group, params: list[str], unit_floor: float, effects: dict) -> None:
@@ -95,8 +110,8 @@ def _charge_forced_units(b, group, params: list[str], unit_floor: float, effects
         return
     units = np.zeros(len(group.pick))
     for i, pick in enumerate(group.pick):
-        sizes = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects).nbytes for name in forced]
-        units[i] = 2 * max(max(sizes), unit_floor) if max(sizes) > 0 else 0.0
+        units[i] = _units([_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in forced],
+                          unit_floor)
     group.zero3_unit = units
 
 
@@ -115,10 +130,11 @@ def _effect(b, name: str, spec, cache: dict) -> _Effect:
             ways = math.prod(mesh[a] for a in axes)
             price = b.env.training.param_bytes
             level0 = price(name, numel, val.dtype, ways, level=0)
-            nbytes = numel * val.element_size()
+            item = b.env.training.compute_itemsize or val.element_size()  # the gather dtype's
+            gather = [sum(b.env.links[a].bandwidth_time("all_gather", numel * size) for a in axes)
+                      for size in (val.element_size(), item)]
             cache[key] = _Effect(level0 - price(name, numel, val.dtype, ways, level=2),
-                                 level0 - price(name, numel, val.dtype, ways, level=3),
-                                 sum(b.env.links[a].bandwidth_time("all_gather", nbytes) for a in axes), nbytes)
+                                 level0 - price(name, numel, val.dtype, ways, level=3), *gather, numel, item)
     return cache[key]
 
 
@@ -129,7 +145,8 @@ def _append_twins(group, twins: list[tuple[int, int, float, float, float]], micr
     level = np.array([t[1] for t in twins])
     gather = np.array([t[3] for t in twins])
     after_step = np.where(level == 2, gather, 0.0)
-    per_microbatch = np.where(level == 3, 2 * microbatches * gather, 0.0)
+    compute = (group.cost[base] - group.comm[base]) / microbatches  # forward + backward per microbatch
+    per_microbatch = np.where(level == 3, microbatches * group_exposed(gather, compute), 0.0)
     unit = np.array([t[4] for t in twins])
     prior_unit = group.zero3_unit if group.zero3_unit is not None else np.zeros(n)
     group.pick.extend(dict(group.pick[i]) for i in base)
@@ -160,7 +177,8 @@ def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) ->
         base, level = twins_of[c]
         fallbacks = [int(base[choice[c]])]
         if level[choice[c]] == 3:
-            fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2]
+            fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2
+                          and problem.cost[c][j] <= problem.cost[c][choice[c]]]
         for column in fallbacks:
             trial = list(choice)
             trial[c] = column

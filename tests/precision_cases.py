@@ -13,7 +13,8 @@ storages), the plan's prediction of them, and the gradient sync's events.
 Sabotage "sync": every bucket's all-reduce runs on a copy of its buffer, and every reduce-scatter on
 zeros, so no rank gets the reduced gradients (the negative control of the bucketed, overlapped sync).
 Sabotage "gather": every ZeRO-3 unit all-gather fills only this rank's shard, the rest stays zero (the
-negative control of parameters sharded between uses).
+negative control of parameters sharded between uses). Sabotage "prefetch": every all-gather issued ahead of
+its use sends another unit's shard (the negative control of the prefetch: the ops read what it gathered).
 """
 import copy
 import os
@@ -104,6 +105,7 @@ def run_case(case) -> dict:
     held = held_bytes(pm, opt)  # before full_state_dict, which allocates nothing it keeps
     units = pm.runner.gradsync.units.units
     gathers = sum(u.gathers for u in units)  # ZeRO-3: all-gathers of units in 3 steps
+    prefetched = dict(pm.runner.gradsync.units.prefetched)  # of them, issued ahead of their use
     peaks = {"step": pm.runner.gradsync.units.peak_bytes, "forward": _forward_peak(pm, batch)}
     full = pm.full_state_dict()
     ref_state = {k: r.model.state_dict() for k, r in refs.items()}
@@ -113,8 +115,14 @@ def run_case(case) -> dict:
             "held": held, "predicted": {k: mine.predicted[f"state_{k}"] for k in held},
             "events": list(pm.runner.gradsync.events), "zero": sorted(set(mine.zero.values())),
             "buckets": len(pm.runner.gradsync.buckets), "units": len(units), "gathers": gathers,
+            "prefetched": prefetched, "prefetch_nodes": _count_children(pm, "zero3_prefetch_"),
+            "leaf_dtypes": sorted({str(t.dtype) for u in units for t in u.leaves}),
             "gathered_peak": peaks, "predicted_transient": mine.predicted.get("zero3_transient", 0.0),
-            "regions": sum(1 for name, _ in pm.runner.gm.named_children() if name.startswith("recompute_"))}
+            "regions": _count_children(pm, "recompute_")}
+
+
+def _count_children(pm, prefix: str) -> int:
+    return sum(1 for name, _ in pm.runner.gm.named_children() if name.startswith(prefix))
 
 
 def _forward_peak(pm, batch) -> float:
@@ -218,6 +226,8 @@ def _one_fresh_step(pm, batch) -> dict:
 def _sabotage(kind):
     if kind == "gather":
         return _sabotage_gather()
+    if kind == "prefetch":
+        return _sabotage_prefetch()
     if kind != "sync":
         return lambda: None
     original = gradsync._start
@@ -234,10 +244,39 @@ def _sabotage_gather():
     """ZeRO-3's negative control: every unit all-gather leaves the other ranks' shards zero."""
     original = zero3._ALL_GATHER
 
-    def own_shard_only(out, shard, group=None):
+    def own_shard_only(out, shard, group=None, async_op=False):
         out.zero_()
         lo = torch.distributed.get_rank(group) * shard.numel()
         out[lo:lo + shard.numel()].copy_(shard)
+        return _Done() if async_op else None
 
     zero3._ALL_GATHER = own_shard_only
     return lambda: setattr(zero3, "_ALL_GATHER", original)
+
+
+def _sabotage_prefetch():
+    """ZeRO-3's prefetch negative control: every all-gather issued ahead of its use (forward and backward
+    prefetch) sends the shard of the wrong unit (the next one, cut or zero-padded to this unit's shard)."""
+    original = zero3.Unit.prefetch
+
+    def wrong_unit(unit):
+        other = unit.registry.units[(unit.index + 1) % len(unit.registry.units)].bucket.shard.detach()
+        own = unit.bucket.shard
+        fake = torch.zeros_like(own.detach())
+        n = min(fake.numel(), other.numel())
+        fake[:n] = other[:n]
+        unit.bucket.shard = fake
+        try:
+            original(unit)
+        finally:
+            unit.bucket.shard = own
+
+    zero3.Unit.prefetch = wrong_unit
+    return lambda: setattr(zero3.Unit, "prefetch", original)
+
+
+class _Done:
+    """The work handle of a collective that completed when it was issued."""
+
+    def wait(self, timeout=None) -> bool:
+        return True

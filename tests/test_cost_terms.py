@@ -162,3 +162,58 @@ def test_single_step_release_counts_gradients_made_after_later_activations_are_f
     assert single_step_release(acts, []) == 0.0
     # negative control: a gradient read only at the end exists while everything is still kept
     assert single_step_release(acts, [(2, 9.0)]) == 0.0
+
+
+# ---- ZeRO-3: prefetched gathers -----------------------------------------------------------------
+def test_prefetched_gathers_hide_all_but_the_first_unit_behind_compute():
+    """4 units, 0.4 s of gathers: with 1.2 s of compute beside them only the first unit's 0.1 s shows; with
+    0.2 s of compute the gathers bind and 0.4 - 0.2 · 3/4 = 0.25 s shows; none to gather, none shown."""
+    from autopar.cost_models.zero3 import exposed_gather
+
+    assert exposed_gather(0.4, 1.2, 4) == pytest.approx(0.1)
+    assert exposed_gather(0.4, 0.2, 4) == pytest.approx(0.25)
+    assert exposed_gather(0.0, 1.0, 4) == 0.0
+    assert exposed_gather(0.4, 5.0, 1) == pytest.approx(0.4)  # one unit: nothing to overlap with
+
+
+def test_group_charge_bounds_the_stage_formula_less_the_first_unit():
+    """A column with 0.3 s of gathers and 0.6 s of compute per microbatch (forward 0.2, backward 0.4) shows
+    0.1 s in forward, none in backward. Summed over groups the charge is never below the stage's exposed
+    gathers less g/U per direction (``cost_models.zero3``: the per-group bound), on random groups."""
+    import numpy as np
+
+    from autopar.cost_models.zero3 import exposed_gather, group_exposed
+
+    assert group_exposed(0.3, 0.6) == pytest.approx(0.1)
+    assert group_exposed(np.array([0.3, 1.0]), np.array([0.6, 0.0])) == pytest.approx([0.1, 2.0])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        g, c = rng.exponential(1.0, 6), rng.exponential(1.0, 6) * rng.choice([0.1, 1.0, 10.0])
+        other = rng.exponential(1.0)  # compute of groups without level-3 parameters
+        units = int(rng.integers(1, 20))
+        stage = c.sum() + other
+        exact = exposed_gather(g.sum(), stage / 3, units) + exposed_gather(g.sum(), 2 * stage / 3, units)
+        assert group_exposed(g, c).sum() >= exact - 2 * g.sum() / units - 1e-12
+
+
+def test_charge_zero3_adds_each_direction_exposed_part_at_the_gather_dtype():
+    """Gradient all-reduce 0.8 s, every synced element at level 3, 4 units: g = 0.8 / 2 = 0.4 s per direction
+    in fp32; forward 1.2 s hides all but 0.1, backward 0.2 s leaves 0.25. Gathered in bf16 (scale 1/2),
+    g = 0.2: forward and backward each show one unit's 0.05 s. Memory adds the units held at once."""
+    from autopar.plan import Stage
+    from autopar.plan_builder import charge_zero3
+
+    def stage(scale):
+        predicted = {"forward": 1.2, "backward": 0.2, "latency": 1.4, "grad_sync": 0.8, "zero3_share": 1.0,
+                     "zero3_units": 4.0, "zero3_gather_scale": scale, "zero3_transient": 64.0, "memory": 100.0,
+                     "peak_memory": 100.0}
+        s = Stage(index=0, ranks=[0], mesh_shape=(1, 1), submesh=(1, 1), nodes=[], shardings={}, predicted=predicted)
+        charge_zero3(s)
+        return s.predicted
+
+    fp32, bf16 = stage(1.0), stage(0.5)
+    assert fp32["zero3_gather"] == pytest.approx(0.4) and bf16["zero3_gather"] == pytest.approx(0.2)
+    assert (fp32["forward"], fp32["backward"]) == pytest.approx((1.3, 0.45))
+    assert fp32["latency"] == pytest.approx(1.4 + 0.35) and fp32["zero3_exposed"] == pytest.approx(0.35)
+    assert (bf16["forward"], bf16["backward"]) == pytest.approx((1.25, 0.25))
+    assert fp32["memory"] == fp32["peak_memory"] == 164.0

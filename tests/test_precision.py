@@ -2,7 +2,7 @@
 
 One 4-rank launch runs every case of ``tests/precision_cases.py`` (2×2 mesh; the GPT example; the zoo's HF
 ``LlamaForCausalLM`` at ZeRO 1, 2 and 3: data parallel, pipelined, and at 1 and 2 Megatron tensor parallel
-with ZeRO on the data-parallel axis).
+with ZeRO on the data-parallel axis; ZeRO-3 prefetched, gathered in bf16 under the bf16 policy).
 
 Tolerances. fp32: as tests/test_parity.py (loss ≤ 1e-5 relative per step, parameters ≤ 1e-4 per tensor
 after 3 AdamW steps), at every ZeRO level, SPMD and pipelined. bf16/fp16: the parallel run is compared with
@@ -31,11 +31,12 @@ CASES = [
     ("zoo_llama", "tp", "fp32", 2, None),
     ("zoo_llama", "dp", "fp32", 2, "sync"), ("zoo_llama", "tp", "fp32", 2, "sync"),
     ("gpt", "dp", "fp32", 3, None), ("gpt", "pp", "fp32", 3, None), ("gpt", "dp", "bf16", 3, None),
-    ("gpt", "dp-rc", "fp32", 3, None),
-    ("zoo_llama", "dp", "fp32", 3, None), ("zoo_llama", "pp", "fp32", 3, None),
+    ("gpt", "dp-rc", "fp32", 3, None), ("gpt", "dp-rc", "bf16", 3, None),
+    ("zoo_llama", "dp", "fp32", 3, None), ("zoo_llama", "pp", "fp32", 3, None), ("zoo_llama", "pp", "bf16", 3, None),
     ("hf_gpt2", "pp", "fp32", 3, None),  # tied embedding on both stages: kept at level 0, the rest at 3
     ("gpt", "dp", "fp32", 3, "gather"),
     ("zoo_llama", "dp", "fp32", 3, "gather"), ("zoo_llama", "pp", "fp32", 3, "gather"),
+    ("gpt", "dp", "fp32", 3, "prefetch"), ("zoo_llama", "pp", "fp32", 3, "prefetch"),
 ]
 PARITY = [c for c in CASES if c[2] == "fp32" and not c[4]]
 MIXED = [c for c in CASES if c[2] != "fp32"]
@@ -110,6 +111,28 @@ def test_zero3_gathers_every_unit_in_each_microbatch_forward_and_backward(result
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3 and not c[4]], ids=_id)
+def test_zero3_prefetches_the_next_unit_in_forward_and_backward(results, case):
+    """Every ``prefetch`` node's unit is in flight when its ``gather`` node waits for it, in every microbatch's
+    forward; backward prefetches too (not into recomputed regions: their replay gathers all their units at
+    once); the ops read units of the gather dtype (bf16 under the bf16 policy)."""
+    microbatches = 1 if case[1].startswith("dp") else options(case[0], case[1])["microbatches"]
+    for per_rank in results:
+        r = per_rank[case]
+        assert r["prefetch_nodes"] >= 1, "no unit was prefetched in forward"
+        assert r["prefetched"]["forward"] == r["prefetch_nodes"] * microbatches * STEPS, r
+        if case[1] != "dp-rc":
+            assert r["prefetched"]["backward"] >= microbatches * STEPS, r
+        assert r["leaf_dtypes"] == ["torch.bfloat16" if case[2] == "bf16" else "torch.float32"], r
+
+
+@pytest.mark.distributed
+def test_zero3_gathers_in_bf16_hold_half_the_bytes(results):
+    fp32, bf16 = (results[0][("gpt", "dp", p, 3, None)]["gathered_peak"]["step"] for p in ("fp32", "bf16"))
+    assert bf16 * 2 == fp32 > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [c for c in CASES if c[3] == 3 and not c[4]], ids=_id)
 def test_zero3_units_gathered_at_once_equal_plan_prediction(results, case):
     """The most bytes of units gathered at once, in a forward and over whole training steps (backward's
     re-gathers included), equal the plan's ``zero3_transient``."""
@@ -154,6 +177,17 @@ def test_zero3_checkpoint_loads_into_level_3_and_level_0(results):
 def test_unknown_precision_is_one_clear_error():
     with pytest.raises(PrecisionError, match="precision='fp8'.*bf16"):
         PlanOptions(precision="fp8")
+
+
+@pytest.mark.parametrize("field, dtype, match", [("compute_dtype", "int8", "compute_dtype=torch.int8.*bfloat16"),
+                                                 ("reduce_dtype", "int32", "reduce_dtype=torch.int32.*float32")])
+def test_policy_zero3_cannot_gather_or_reduce_in_is_one_clear_error(field, dtype, match):
+    import torch
+
+    from autopar.ir.precision import PrecisionPolicy
+
+    with pytest.raises(PrecisionError, match=match):
+        PrecisionPolicy("mine", **{field: getattr(torch, dtype)})
 
 
 @pytest.mark.parametrize("zero", [4, "yes", {"blocks.*": 5}])

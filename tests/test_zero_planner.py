@@ -5,7 +5,7 @@ data parallelism moves less than tensor parallelism when memory allows). "fast" 
 the GPUs inside one node; "slow" gives the nodes a 25 Gbps link (p3.16xlarge's). Each test asserts the
 reason for its layout: the alternative the planner passed over is slower by the same cost model.
 The ZeRO-3 cases run at batch 512 (16384 tokens per device): tensor parallelism's activation traffic grows with
-the tokens, ZeRO-3's all-gathers of the weights do not.
+the tokens, ZeRO-3's all-gathers of the weights do not, and compute hides them (they are prefetched).
 """
 import dataclasses
 
@@ -53,18 +53,51 @@ def test_plenty_of_memory_plain_data_parallel_without_zero(roomy):
 
 
 def test_tight_memory_zero_before_tensor_parallel_on_fast_links(roomy):
+    """ZeRO buys the memory; between levels 2 and 3 the cheaper: compute hides ZeRO-3's prefetched gathers,
+    while ZeRO-2's all-gather after the step hides behind nothing, so ZeRO-3 is chosen (before the
+    prefetch, ZeRO-2 was)."""
     tight = FAST.with_memory(TIGHT * roomy.predicted["peak_memory"])
     chosen = plan(tight)
     assert layout(chosen) == {"RR"}, "ZeRO buys the memory: weights stay replicated, no tensor parallelism"
     levels = chosen.stages[0].zero
-    assert set(levels.values()) == {2} and any(n in levels for n in BLOCK_WEIGHTS), levels
+    assert 3 in set(levels.values()) <= {2, 3} and any(n in levels for n in BLOCK_WEIGHTS), levels
     for w in ("attn_q", "attn_k", "attn_v", "attn_o", "mlp_fc", "mlp_proj"):  # identical layers, one level
         assert len({levels.get(f"p_blocks_{i}_{w}_weight", 0) for i in range(1, CFG.n_layer)}) == 1, levels
     assert chosen.predicted["peak_memory"] <= tight.memory_per_device
     without = plan(tight, zero=0)
     assert layout(without) != {"RR"}, "without ZeRO the same budget needs tensor parallelism"
     assert without.predicted["step_time"] > chosen.predicted["step_time"], "the reason: ZeRO is faster here"
-    assert "ZeRO level(s) by stage: 0/2" in chosen.summary() or "ZeRO level(s) by stage: 2" in chosen.summary()
+    at2 = plan(tight, zero=2)
+    assert layout(at2) == {"RR"} and at2.predicted["step_time"] > chosen.predicted["step_time"], \
+        "ZeRO-3 is chosen over ZeRO-2 because it is priced faster"
+    assert "ZeRO level(s) by stage: 0/3" in chosen.summary() or "ZeRO level(s) by stage: 3" in chosen.summary()
+
+
+def test_prefetched_zero3_on_h100s_charges_only_the_gathers_compute_does_not_hide():
+    """Two DGX-H100 nodes, the GPT with fp32 weights under the bf16 policy, every weight at ZeRO-3, data
+    parallel: per microbatch and direction the plan charges exposed(g, c, U) = max(g/U, g − c·(U−1)/U) of
+    g = f3 · grad_sync / 2 · 1/2 (gathered in bf16), with c the direction's compute (backward = 2 × forward),
+    and its step replays the schedule over those times. Before, every fp32 gather (2g) sat on the critical
+    path in both directions: the step was B · 2 · (2g − exposed) longer."""
+    import copy
+
+    from autopar.cost_models.zero3 import exposed_gather
+    from autopar.plan_builder import predict
+
+    with torch.device("meta"):
+        model = GPT(CFG)
+    p = autopar.plan(model, autopar.Cluster.preset("dgx-h100", nodes=2), make_batch(CFG, 256, device="meta"),
+                     stages=1, recompute="none", zero=3, precision="bf16", pin={"p_*": "RR"})
+    s = p.stages[0].predicted
+    g, units, mb = s["grad_sync"] / 4, s["zero3_units"], p.microbatches
+    assert s["zero3_share"] == 1.0 and s["zero3_gather_scale"] == 0.5 and s["zero3_gather"] == pytest.approx(g)
+    forward = (s["forward"] + s["backward"] - s["zero3_exposed"]) / 3  # before the gathers
+    exposed = exposed_gather(g, forward, units) + exposed_gather(g, 2 * forward, units)
+    assert s["zero3_exposed"] == pytest.approx(exposed) and exposed < 2 * g, "compute hides part of the gathers"
+    before = copy.deepcopy(p.stages)
+    before[0].predicted.update(forward=forward + 2 * g, backward=2 * forward + 2 * g)
+    old = predict(before, p.microbatches, p.schedule, p.transfers)["step_time"]
+    assert old - p.predicted["step_time"] == pytest.approx(mb * (4 * g - exposed), rel=1e-6)
 
 
 @pytest.fixture(scope="module")

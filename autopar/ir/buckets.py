@@ -115,8 +115,43 @@ def unit_spans(graph: fx.Graph, unit_of: dict[str, int], param_op: str) -> dict[
     return spans
 
 
+def prefetch_spans(spans: dict[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """ZeRO-3's forward prefetch: {unit: (issue, last)} for ``spans`` {unit: (first, last) reader position}.
+
+    Units in order of first read u_1, u_2, ...: u_1's all-gather is issued at its first read (nothing runs
+    before it to hide it behind); u_{j+1}'s at u_j's first read, or later, just after the last position
+    where two earlier units are still gathered, so that from its issue to its first read at most one other
+    unit is gathered or in flight; at the latest at its own first read (then it is not prefetched). A unit
+    is held from its issue to its last read. The runtime issues the all-gather before the node at ``issue``
+    and waits for it before the node at ``first``; the planner sums the units held over these spans
+    (``peak_gathered``), so both see the same peak."""
+    order = sorted(spans, key=lambda u: (spans[u][0], u))
+    out: dict[int, tuple[int, int]] = {}
+    held: list[tuple[int, int]] = []
+    for j, unit in enumerate(order):
+        first, last = spans[unit]
+        issue = first
+        if j > 0:
+            start = spans[order[j - 1]][0]
+            held = [(a, b) for a, b in held if b >= start]
+            issue = _earliest_issue(held, start, first)
+        out[unit] = (issue, last)
+        held.append((issue, last))
+    return out
+
+
+def _earliest_issue(held: list[tuple[int, int]], start: int, first: int) -> int:
+    """The earliest t in [start, first] such that at most one interval of ``held`` covers any position of
+    [t, first − 1]: one past the last position before ``first`` that two of them cover, else ``start``."""
+    if start >= first:
+        return first
+    candidates = [first - 1] + [b for _, b in held if start <= b < first - 1]
+    blocked = [t for t in candidates if sum(a <= t <= b for a, b in held) >= 2]
+    return max(blocked) + 1 if blocked else start
+
+
 def peak_gathered(spans: dict[int, tuple[int, int]], nbytes: dict[int, float]) -> float:
-    """The most bytes of ZeRO-3 units gathered at once: ``spans`` {unit: (first, last) reader position}."""
+    """The most bytes of ZeRO-3 units gathered at once: ``spans`` {unit: (first, last) position it is held}."""
     events = sorted([(a, 0, nbytes[u]) for u, (a, _) in spans.items()]
                     + [(b, 1, -nbytes[u]) for u, (_, b) in spans.items()])
     peak = held = 0.0

@@ -17,7 +17,8 @@ Why autocast rather than bf16 parameter copies (FSDP2's ``param_dtype``): the ge
 aten graphs, and autocast applies to aten calls, so the same graph runs in every policy; the planner sees the
 dtypes the run will have by propagating fake tensors through the captured graph under the same autocast
 (``apply_to_graph``), so compute is priced at the dtype's peak and activations and in-graph collectives at
-their real bytes.
+their real bytes. The exception is ZeRO-3, whose units are gathered in the compute dtype, as FSDP2's
+(``runtime.zero3``): ops then read the rounded weights, upcast where autocast computes in fp32.
 """
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ from autopar.errors import PrecisionError
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
-    """name: "fp32" | "bf16" | "fp16"; compute_dtype: autocast's low dtype (None: no autocast);
-    reduce_dtype: gradient reduction dtype; loss_scaling: dynamic loss scaling (fp16)."""
+    """name: "fp32" | "bf16" | "fp16"; compute_dtype: autocast's low dtype (None: no autocast), which ZeRO-3
+    also gathers parameters in (FSDP2's ``param_dtype``); reduce_dtype: gradient reduction dtype;
+    loss_scaling: dynamic loss scaling (fp16)."""
 
     name: str
     compute_dtype: torch.dtype | None = None
@@ -45,6 +47,15 @@ class PrecisionPolicy:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+
+    def __post_init__(self):
+        if self.compute_dtype not in (None, torch.bfloat16, torch.float16):
+            raise PrecisionError(f"PrecisionPolicy {self.name!r}: compute_dtype={self.compute_dtype} is not one "
+                                 f"autocast computes in, and ZeRO-3 gathers parameters in it; use torch.bfloat16, "
+                                 f"torch.float16 or None (fp32)")
+        if not (self.reduce_dtype.is_floating_point and self.reduce_dtype.itemsize >= 2):
+            raise PrecisionError(f"PrecisionPolicy {self.name!r}: reduce_dtype={self.reduce_dtype} cannot hold "
+                                 f"gradients; use torch.float32 (or torch.bfloat16 / torch.float16)")
 
     @property
     def compute_dtype_name(self) -> str:

@@ -72,7 +72,7 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
     device_type = plan.cluster.get("device_type", "cpu")
     check_device(policy, device_type)
     sync = gradsync.GradSync(runner.gm, graph, stage, mesh_index, plan.microbatches, plan.bucket_bytes,
-                             policy.reduce_dtype, timeout)
+                             policy.reduce_dtype, timeout, gather_dtype=policy.compute_dtype)  # ZeRO-3's gathers
     runner.setup(policy, device_type, sync, LossScaler(policy) if policy.loss_scaling else None)
     reasons = (["scales the loss (fp16)"] if policy.loss_scaling else []) + \
         (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else [])

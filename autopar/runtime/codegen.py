@@ -13,7 +13,9 @@ Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the 
   * shape arguments (view, reshape, expand, unflatten) are rewritten to local shapes;
   * rule kernels are applied (bias scaled by 1/W, mean scaled by 1/W, vocab-parallel embedding and
     cross-entropy, expert-parallel grouped matmul replaced by ``autopar.runtime.kernels``).
-The generated code is plain Python (``gm.code``) and autograd differentiates it as usual.
+Each emitted op node records in ``meta["dtype"]`` the dtype its output has under the precision policy (the
+captured value's, relabelled by ``ir.precision.apply_to_graph``). The generated code is plain Python
+(``gm.code``) and autograd differentiates it as usual.
 """
 from __future__ import annotations
 
@@ -119,6 +121,7 @@ class _Emitter:
         target, args, kwargs = self._apply_kernels(node, view, ins, kernels, target=node.target, args=args,
                                                    kwargs=kwargs)
         out = self.new.call_function(target, tuple(args), kwargs)
+        out.meta["dtype"] = _first_dtype(node.meta.get("val"))  # under the precision policy (zero3_graph reads it)
         self.env[node.name] = self._post_kernels(out, kernels)
 
     def _input(self, node: fx.Node, arg: fx.Node, dst: Spec, out_spec: Spec) -> fx.Node:
@@ -294,6 +297,13 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[st
         outline_recompute(gm)
     gm.meta["deferred_syncs"] = em.deferred
     return gm
+
+
+def _first_dtype(val) -> torch.dtype | None:
+    """The dtype of a captured node's (first) tensor output, as the precision policy relabelled it."""
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 def _tag_since(graph: fx.Graph, mark: fx.Node | None, key) -> None:

@@ -15,7 +15,8 @@ its ZeRO level over its n-way group (the mesh axes it is synced over):
     gradient buffer (kept whole, as Megatron's distributed optimizer keeps its grad buffer);
   * 2: as 1, but the full gradients are freed after the reduce-scatter: only the shard's gradient is kept;
   * 3: as 2, and the shard is the only copy of the parameters between uses: the flat parameter buffer is
-    gathered and freed around each use (``runtime.zero3``: the bucket is an FSDP unit).
+    gathered (in the precision policy's compute dtype, when it has one) and freed around each use, the
+    next unit's all-gather prefetched (``runtime.zero3``: the bucket is an FSDP unit).
 After the optimizer steps the shards, ``gather_params`` all-gathers them into the flat parameter buffers
 (levels 1 and 2; level 3 gathers at the next use).
 Gradients are reduced in the precision policy's ``reduce_dtype`` (a temporary copy when it is not float32).
@@ -68,7 +69,7 @@ class Bucket:
         if self.shard is not None:
             self.shard.grad = self.grad_flat[self.lo:self.hi] if self.level == 1 else self.grad_shard
 
-    def _offsets(self):
+    def offsets(self):
         offset = 0
         for p in self.params:
             yield p, offset, offset + p.numel()
@@ -76,7 +77,7 @@ class Bucket:
 
     def _flatten_params(self) -> None:
         self.param_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
-        for p, a, b in self._offsets():
+        for p, a, b in self.offsets():
             self.param_flat[a:b].copy_(p.detach().reshape(-1))
             p.data = self.param_flat[a:b].view_as(p)
         own = self.param_flat[self.lo:self.hi]
@@ -84,7 +85,7 @@ class Bucket:
 
     def _grads_as_views(self) -> None:
         """Point every ``p.grad`` at its slice of the flat buffer (copying a gradient allocated elsewhere)."""
-        for p, a, b in self._offsets():
+        for p, a, b in self.offsets():
             view = self.grad_flat[a:b].view_as(p)
             if p.grad is None:
                 view.zero_()
@@ -99,7 +100,7 @@ class Bucket:
             flat = self.grad_flat
         else:
             flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
-            for p, a, b in self._offsets():
+            for p, a, b in self.offsets():
                 if p.grad is not None:
                     flat[a:b].copy_(p.grad.reshape(-1))
                 p.grad = None
@@ -134,20 +135,20 @@ class GradSync:
     """The buckets of one stage and the hooks that start them (see module docstring)."""
 
     def __init__(self, gm, graph, stage, mesh_index: int, microbatches: int, bucket_bytes: float,
-                 reduce_dtype: torch.dtype = torch.float32, timeout=None):
+                 reduce_dtype: torch.dtype = torch.float32, timeout=None, gather_dtype: torch.dtype | None = None):
         deferred = gm.meta.get("deferred_syncs", {})
         numel = {n: getattr(gm, n).numel() for n in deferred}
         specs = sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
         self.buckets = [Bucket(gm, spec, mesh_index, stage.mesh_shape) for spec in specs]
-        self.units = zero3.Units(gm, self.buckets)
-        self._args = (graph, stage, mesh_index, microbatches, bucket_bytes, reduce_dtype, timeout)
-        self.microbatches, self.reduce_dtype = microbatches, reduce_dtype
         self.timeout = timeout or datetime.timedelta(seconds=300)
+        self.units = zero3.Units(gm, self.buckets, gather_dtype, self.timeout)
+        self._args = (graph, stage, mesh_index, microbatches, bucket_bytes, reduce_dtype, timeout, gather_dtype)
+        self.microbatches, self.reduce_dtype = microbatches, reduce_dtype
         self.armed = False
         # (event, bucket, perf_counter, buckets whose gradients are not all in yet): for tests and traces
         self.events: list[tuple[str, int, float, int]] = []
-        for bucket in self.buckets:
-            for p in bucket.params:
+        for bucket in self.buckets:  # a compute-dtype ZeRO-3 unit's gradients arrive on its leaves
+            for p in self.units.leaves_of(bucket):
                 p.register_post_accumulate_grad_hook(lambda _, b=bucket: self._accumulated(b))
 
     def over(self, gm) -> "GradSync":

@@ -78,7 +78,7 @@ class ParallelModule(torch.nn.Module):
         storage is freed again at the next use (``runtime.zero3``)."""
         units = getattr(getattr(self.runner, "gradsync", None), "units", None)
         for unit in getattr(units, "units", ()):
-            unit.gather()
+            unit.materialize(writes=False)
         out = super().state_dict(*args, **kwargs)
         for unit in getattr(units, "units", ()):
             for name in unit.bucket.names:

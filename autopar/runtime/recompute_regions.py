@@ -21,6 +21,7 @@ for the replay (``preserve_rng_state=True``, CPU and the device's generator), so
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 
 import torch
@@ -29,14 +30,24 @@ from torch.utils.checkpoint import checkpoint
 
 
 class Recomputed(torch.nn.Module):
-    """Runs ``body`` so that its activations are recomputed in backward instead of kept."""
+    """Runs ``body`` so that its activations are recomputed in backward instead of kept. ``plain_inputs``
+    (set by ZeRO-3, ``runtime.zero3_graph``): the inputs checkpoint keeps for the replay are kept by
+    reference, outside the saved-tensor hooks the module runs under; the body's own ``ensure`` nodes
+    gather the units they belong to when backward replays it."""
+
+    plain_inputs = False
 
     def __init__(self, body: fx.GraphModule):
         super().__init__()
         self.body = body
 
     def forward(self, *args):
-        return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same) if self.plain_inputs else contextlib.nullcontext():
+            return checkpoint(self.body, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def _same(t):
+    return t
 
 
 def _runs(graph: fx.Graph) -> list[tuple[object, list[fx.Node]]]:

@@ -19,9 +19,9 @@ ratio = predicted / published throughput (above 1: the model is optimistic); the
 
 The plan's predicted step is then re-priced where the run's system differs from autopar's runtime
 (``published_schedule``: the gradient sync exposed after backward where the run used Megatron's local DDP,
-FSDP2's prefetched ZeRO-3 gathers, torchtitan's op-level selective recompute); the table's
-"predicted" is that step, "planner" the plan's own. Pipeline sends are the planner's own shard-to-shard
-transfers, which is Megatron-LM's scatter/gather.
+torchtitan's op-level selective recompute); the table's "predicted" is that step, "planner" the plan's own.
+FSDP2's prefetched ZeRO-3 gathers are the plan's own price: autopar's runtime prefetches them too. Pipeline
+sends are the planner's own shard-to-shard transfers, which is Megatron-LM's scatter/gather.
 
 Recompute and precision are passed as ``PlanOptions(recompute=..., precision=...)``: the published runs
 recompute every layer, and the planner prices that (one more forward per layer in backward, only the layer's

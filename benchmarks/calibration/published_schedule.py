@@ -1,23 +1,16 @@
-"""Price a published row's gradient sync, ZeRO-3 gathers and recompute the way that run performed them.
+"""Price a published row's gradient sync and recompute the way that run performed them.
 
-The planner prices what autopar's runtime does; three published runs' systems did otherwise, and each row
-says which (``published.Run``). Everything else is the plan's own prediction.
+The planner prices what autopar's runtime does; published runs' systems did otherwise in two ways, and each
+row says which (``published.Run``). Everything else is the plan's own prediction, ZeRO-3 included: autopar's
+runtime prefetches its all-gathers as FSDP2 does (unit k+1's all-gather in flight while unit k computes, in
+bf16 under a bf16 policy) and the plan charges only what compute does not hide
+(``cost_models.zero3.exposed_gather``, over autopar's units: its sync buckets, where FSDP2's are blocks).
 
 * Gradient sync (``grad_sync``): autopar buckets it and overlaps the last microbatch's backward
   (``plan_builder.exposed_sync``), as torch DDP, Alpa and FSDP do ("overlapped": the plan's own price).
   Megatron-LM's local DDP (``--DDP-impl local``: the Alpa artifact's benchmark_gpt_one_case.py always uses
   it; SC'21's run_table_1.sh from 39B on) all-reduces the whole buffer after the last backward
   ("after_backward"): all of it exposed, i.e. one sync bucket per stage.
-
-* ZeRO-3 gathers (``zero`` = 3): autopar's runtime gathers each unit just before its use, so the planner
-  puts every gather on the critical path (``plan_builder.charge_zero3``: g per microbatch, forward and
-  backward each). FSDP2 prefetches: unit u+1's all-gather runs while unit u computes. With U units of equal
-  size gathered in order and c the compute beside them, the gathers end at max(g/U + c, g + c/U), so
-
-      exposed(g, c, U) = max(g / U, g − c · (U − 1) / U)
-
-  (``prefetched_gather``; the same algebra as ``exposed_sync``), for forward (c = forward compute) and for
-  backward (c = backward compute) apart.
 
 * Recompute "op_sac" (torchtitan's selective activation checkpointing, option "op"): in every block the
   outputs of the 1st, 3rd, 5th, ... ``mm`` and of attention are saved, everything else is recomputed in
@@ -44,15 +37,6 @@ GRAD_SYNCS = ("overlapped", "after_backward")
 MATMULS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default")
 ATTENTION = "scaled_dot_product"
 BLOCK_PATH = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
-
-
-def prefetched_gather(gather: float, compute: float, units: int) -> float:
-    """Seconds of ``gather`` (all units' all-gathers) left exposed when each of ``units`` equal units is
-    gathered while the previous one computes (module docstring)."""
-    if gather <= 0:
-        return 0.0
-    u = max(int(units), 1)
-    return max(gather / u, gather - compute * (u - 1) / u)
 
 
 def op_sac_share(graph) -> float:
@@ -86,11 +70,11 @@ def _block_of(node) -> str | None:
 
 
 def published_prediction(plan, run, graph=None) -> dict:
-    """``plan.predicted`` with the run's gradient sync, ZeRO-3 gathers and recompute (module docstring).
-    ``graph``: the captured graph, needed for ``run.recompute == "op_sac"``."""
+    """``plan.predicted`` with the run's gradient sync and recompute (module docstring). ``graph``: the
+    captured graph, needed for ``run.recompute == "op_sac"``."""
     if run.grad_sync not in GRAD_SYNCS:
         raise ValueError(f"grad_sync {run.grad_sync!r}: expected one of {GRAD_SYNCS}")
-    if run.grad_sync == "overlapped" and run.zero != 3 and run.recompute != "op_sac":
+    if run.grad_sync == "overlapped" and run.recompute != "op_sac":
         return dict(plan.predicted)
     stages = copy.deepcopy(plan.stages)
     share = op_sac_share(graph) if run.recompute == "op_sac" else 1.0
@@ -100,10 +84,6 @@ def published_prediction(plan, run, graph=None) -> dict:
             p["sync_buckets"] = 1.0  # one buffer after backward: exposed_sync exposes all of it
         saved = (1.0 - share) * p.get("recompute", 0.0)
         _shift(p, "backward", -saved)
-        if run.zero == 3:
-            g = p.get("zero3_gather", 0.0)
-            for phase in ("forward", "backward"):
-                _shift(p, phase, prefetched_gather(g, p[phase] - g, run.layers + 1) - g)
     return predict(stages, plan.microbatches, plan.schedule, plan.transfers, plan.virtual_stages)
 
 
