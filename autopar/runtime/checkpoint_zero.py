@@ -104,7 +104,7 @@ def bucket_entries(bucket, state: dict, infos: dict, dtensor_of) -> dict[str, di
     the parameters to write; ``dtensor_of(name)``: the parameter's local tensor as a DTensor (its global
     offset under the plan's placements)."""
     out = {}
-    for name, (p, a, b) in zip(bucket.names, bucket._offsets()):
+    for name, (p, a, b) in zip(bucket.names, bucket.offsets()):
         if name not in infos:
             continue
         fqn, global_shape = infos[name]
