@@ -104,9 +104,11 @@ RUNS = [
         batch=1024, microbatches=256, tflops=58.24, layout="megatron", tp=4, pp=8, role="fit",
         grad_sync="after_backward"),
     # Alpa's own plans (manual_gpipe stages of the artifact; GPipe schedule, remat on).
+    # One stage, so the layer count only sets the recompute regions: one per transformer layer, as Alpa's
+    # GPT remats each layer (with one layer for the whole model, backward would replay all of it at once).
     Run(name="alpa 350M@1", source=ALPA, preset=P3, gpus=1, hidden=1024, layers=24, heads=16, **GPT_1024,
-        batch=1024, microbatches=64, tflops=45.07, layout="alpa", alpa_layers=1, schedule="gpipe",
-        stages=(_alpa_stage(0, 0, [1, 1], [1, 1]),)),
+        batch=1024, microbatches=64, tflops=45.07, layout="alpa", alpa_layers=24, schedule="gpipe",
+        stages=(_alpa_stage(0, 23, [1, 1], [1, 1]),)),
     Run(name="alpa 760M@2", source=ALPA, preset=P3, gpus=2, hidden=1536, layers=24, heads=16, **GPT_1024,
         batch=1024, microbatches=128, tflops=57.92, layout="alpa", alpa_layers=6, schedule="gpipe",
         stages=(_alpa_stage(0, 2, [1, 1], [1, 1]), _alpa_stage(3, 5, [1, 1], [1, 1]))),
