@@ -73,7 +73,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     else:
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         _check(options, lambda: invariants.check_layers(graph, layers))
-        costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
+        costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers))
@@ -206,9 +206,22 @@ def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGrap
 
 
 def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
-    generated = generate_strategies(graph, mesh)
-    _check(options, lambda: invariants.check_strategies(graph, generated))
-    return apply_pins(graph, generated, options.pin or {})
+    """Strategies of every node on ``mesh`` with the user's pins applied, kept on the graph per (mesh, pins):
+    both passes are pure functions of them, and their consumers copy what they change (``GroupBuilder``),
+    so plans that share a graph (a grid of configurations) share them too. The cache is tied to ``graph.gm``:
+    a copy of the graph (``rescale``) has its own module and starts afresh."""
+    owner, cache = getattr(graph, "_strategy_cache", (None, None))
+    if owner is not graph.gm:
+        cache = {}
+        graph._strategy_cache = (graph.gm, cache)
+    pins = tuple((options.pin or {}).items())
+    if (mesh, pins) not in cache:
+        if mesh not in cache:
+            cache[mesh] = generate_strategies(graph, mesh)
+        generated = cache[mesh]
+        _check(options, lambda: invariants.check_strategies(graph, generated))
+        cache[mesh, pins] = apply_pins(graph, generated, options.pin or {})
+    return cache[mesh, pins]
 
 
 def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:

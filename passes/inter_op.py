@@ -21,6 +21,7 @@ The chosen stages are then re-solved exactly, stage by stage, by the driver.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -172,24 +173,41 @@ def _edge_layers(u: str, v: str, u_layers: list[int], v_layers: list[int], block
 class StageCosts:
     """Per-mesh-option layer costs (with memory-saving variants), turned into DP tables for any B.
 
-    ``graphs`` maps a reference microbatch size b₀ to the graph rescaled to it; each mesh option is solved
-    at every b₀ (a small b₀ keeps batch splits that divide small microbatches, the whole batch allows wide
-    data parallelism), and each table entry takes the cheapest variant valid at its b.
+    ``graphs`` maps a reference microbatch size b₀ to the graph rescaled to it (or is a function returning
+    that map, called on first use: a plan on the user's stages never prices mesh options, so it never
+    rescales); each mesh option is solved at every b₀ (a small b₀ keeps batch splits that divide small
+    microbatches, the whole batch allows wide data parallelism), and each table entry takes the cheapest
+    variant valid at its b. ``graphs``, ``cut_bytes`` and ``share`` are computed once, when first read.
     """
 
-    def __init__(self, graphs: dict, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
+    def __init__(self, graphs, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
                  strategies_for=generate_strategies, recompute_modes: list[str] | None = None):
-        self.graphs, self.layers, self.blocks, self.cluster = graphs, layers, blocks, cluster
+        self._graphs = graphs
+        self.layers, self.blocks, self.cluster = layers, blocks, cluster
         self.strategies_for = strategies_for
         self.training, self.batch_dims, self.time_limit = training, batch_dims, time_limit
         self.options = mesh_options(cluster)
         self.variants: dict[int, list[LayerCosts]] = {}
-        self.cut_bytes = {b0: _cut_bytes(g, layers) / b0 for b0, g in graphs.items()}  # per sample
         self.solves = 0
         self.modes = recompute_modes or ["none"] * layers.count
-        self.share = forward_share(next(iter(graphs.values())), layers) if set(self.modes) - {"none"} else None
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
         self._recompute: dict[int, LayerRecompute] = {}  # id of a LayerCosts in ``variants`` -> its prices
+
+    @functools.cached_property
+    def graphs(self) -> dict:
+        return self._graphs() if callable(self._graphs) else self._graphs
+
+    @functools.cached_property
+    def cut_bytes(self) -> dict[int, np.ndarray]:
+        """{b₀: bytes per sample live at the cut before each layer}."""
+        return {b0: _cut_bytes(g, self.layers) / b0 for b0, g in self.graphs.items()}
+
+    @functools.cached_property
+    def share(self) -> np.ndarray | None:
+        """Each layer's share of the forward (``recompute.forward_share``); None when nothing may recompute."""
+        if not set(self.modes) - {"none"}:
+            return None
+        return forward_share(next(iter(self.graphs.values())), self.layers)
 
     def _env(self, option: MeshOption) -> CostEnv:
         return CostEnv(self.cluster, option.logical, self.training, devices_per_node=option.physical[1])

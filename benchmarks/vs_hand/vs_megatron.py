@@ -15,10 +15,12 @@ Megatron's FLOP count, 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), for both s
 captured graph's forward + backward FLOPs (torch.utils.flop_counter). The ratio autopar/hand is a
 throughput ratio (higher is better; = hand step time / autopar step time).
 
-Memory binds at a point when it changes the hand grid's answer: a hand configuration that does not fit
-beats the fastest one that does once memory is ignored (the configs that did not fit, without recompute,
-planned again at an unbounded budget until one wins), or nothing fits (``megatron_configs.HandSearch``).
-The summary line's geometric mean is over those points. Every point is written as soon as it is done
+Memory ignored: every hand configuration without recompute is planned again at a budget no device binds
+(``hand_search.search_hand``). The fastest of them is the ceiling: (best hand layout that fits) / (fastest
+with memory ignored), as a throughput ratio, is the most any planner that shares the cost model can gain
+over the hand grid from memory levers alone. Memory binds at a point when it changes the hand grid's
+answer: a configuration that does not fit beats the fastest one that does once memory is ignored, or
+nothing fits. The summary line's geometric mean is over those points. Every point is written as soon as it is done
 (``--merge`` keeps the saved points it does not run).
 
 Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
@@ -143,7 +145,7 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
     start = time.perf_counter()
     search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
                                                              f"{r.status} {r.step_time or ''}"), precision=policy)
-    best, scored, unbounded = search.best, search.scored, search.unbounded
+    best, unbounded = search.best, search.unbounded
     grid_s = time.perf_counter() - start
     start = time.perf_counter()
     try:
@@ -156,9 +158,10 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
             "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
-            "hand_unbounded_step": unbounded.step_time if unbounded else None,
-            "autopar_options": autopar_options or {},
-            "grid_s": grid_s, "plan_s": plan_s, "scored": [(str(s.config), s.status, s.step_time) for s in scored]}
+            "hand_unbounded_step": unbounded.step_time if unbounded else None, "ceiling": search.ceiling,
+            "autopar_options": autopar_options or {}, "grid_s": grid_s, "plan_s": plan_s,
+            "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
+            "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
 
 
 def ratio(row: dict) -> float | None:
@@ -172,8 +175,8 @@ def pflops(row: dict, key: str) -> float:
 
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
-           "autopar / hand", "memory binds (a faster hand layout that does not fit)", "configs scored (OOM)", "grid s",
-           "autopar plan s"]
+           "autopar / hand", "memory binds", "ceiling (fastest hand layout, memory ignored)",
+           "configs scored (OOM) + memory ignored", "grid s", "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
@@ -182,7 +185,15 @@ def table_row(row: dict) -> list:
     label = {"gpt": "GPT", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
-            f"{len(row['scored'])} ({oom})", f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+            ceiling_cell(row), f"{len(row['scored'])} ({oom}) + {len(row.get('memory_ignored', []))}",
+            f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+
+
+def ceiling_cell(row: dict) -> str:
+    """'1.084 (dp4·tp1·pp1·B2)': best hand that fits / fastest with memory ignored, and that layout."""
+    if row.get("ceiling") is None:
+        return "n/a"
+    return f"{row['ceiling']:.3f} ({row['hand_unbounded']})"
 
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
@@ -228,8 +239,6 @@ def render_simulation(header: str, rows: list[dict], name: str = "simulate") -> 
 def binds_cell(row: dict) -> str:
     if not memory_binds(row):
         return "no"
-    if row.get("hand_unbounded"):
-        return f"yes ({row['hand_unbounded']}, {pflops(row, 'hand_unbounded_step'):.3f} PFLOP/s)"
     return "yes" if "memory_binds" in row else "yes (some config OOM)"
 
 
@@ -248,7 +257,9 @@ def _notes() -> str:
             "evenly; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP (FLOP- "
             "or parameter-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's "
             "cost model under the same precision policy. Memory binds: a hand layout that does not fit would "
-            "beat the best one that does. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs "
+            "beat the best one that does. Ceiling: best hand layout that fits / fastest hand layout without "
+            "recompute with memory ignored (throughput ratio): what memory levers alone can gain. PFLOP/s: "
+            "Megatron's FLOP formula for GPT, the graph's counted FLOPs "
             "otherwise.")
 
 
