@@ -25,8 +25,10 @@ nothing fits. The summary line's geometric mean is over those points. Every poin
 
 Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
 vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
-"dgx-a100"; Wide-ResNet (examples/wide_resnet.py, fp32, batch 1536) and GShard MoE (examples/moe.py,
-fp16, batch 1024) at Alpa's 8- and 16-GPU weak-scaling points on p3.16xlarge.
+"dgx-a100"; Megatron-LM SC'21 Table 1 rows (examples.gpt.SC21_TABLE1, family "sc21": seq 2048, their
+published global batch and GPU count, DGX A100), by default the two that plan within about 15 minutes each
+(1.7B on 32 GPUs, 3.6B on 64); Wide-ResNet (examples/wide_resnet.py, fp32, batch 1536) and GShard MoE
+(examples/moe.py, fp16, batch 1024) at Alpa's 8- and 16-GPU weak-scaling points on p3.16xlarge.
 
 --precision fp16|bf16: the models stay float32 (master weights and optimizer state in fp32, as Megatron and
 Alpa train) and both sides plan under that mixed-precision policy; without it GPT and MoE are cast to fp16
@@ -56,8 +58,9 @@ from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
 PRESETS = ("p3.16xlarge", "dgx-a100")
+SC21_POINTS = ["sc21:1.7B:32:dgx-a100", "sc21:3.6B:64:dgx-a100"]
 OTHER_POINTS = ["wrn:2B:8:p3.16xlarge", "wrn:4B:16:p3.16xlarge", "moe:2.4B:8:p3.16xlarge", "moe:10B:16:p3.16xlarge"]
-DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + OTHER_POINTS
+DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + SC21_POINTS + OTHER_POINTS
 GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024}
 
 
@@ -74,16 +77,17 @@ class Workload:
 
 def build_workload(family: str, name: str, precision: str | None = None) -> Workload:
     """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring)."""
-    batch_size = GLOBAL_BATCH[family]
     cast = (lambda m: m.half()) if precision is None else (lambda m: m)
-    if family == "gpt":
-        from examples.gpt import GPT, make_batch, suite_config
+    if family in ("gpt", "sc21"):
+        from examples.gpt import GPT, SC21_TABLE1, make_batch, sc21_config, suite_config
 
-        cfg = suite_config(name)
+        cfg = suite_config(name) if family == "gpt" else sc21_config(name)
+        batch_size = GLOBAL_BATCH["gpt"] if family == "gpt" else SC21_TABLE1[name][3]
         with torch.device("meta"):
             model = cast(GPT(cfg))
         return Workload(family, name, model, make_batch(cfg, batch_size, device="meta"),
                         megatron_configs.gpt_flops(cfg, batch_size))
+    batch_size = GLOBAL_BATCH[family]
     if family == "wrn":
         from examples.wide_resnet import WideResNet, make_batch, suite_config
 
@@ -97,7 +101,7 @@ def build_workload(family: str, name: str, precision: str | None = None) -> Work
         with torch.device("meta"):
             model = cast(MoETransformer(cfg))
     else:
-        raise ValueError(f"unknown model family {family!r}; use gpt, wrn or moe")
+        raise ValueError(f"unknown model family {family!r}; use gpt, sc21, wrn or moe")
     batch = make_batch(cfg, batch_size, device="meta")
     return Workload(family, name, model, batch, graph_flops(model, batch))
 
@@ -112,7 +116,7 @@ def graph_flops(model, batch) -> float:
 
 def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> megatron_configs.HandSearch:
     """The family's hand grid searched (best that fits, every config scored, best with memory ignored)."""
-    if work.family == "gpt":
+    if work.family in ("gpt", "sc21"):
         cfg = work.model.cfg
         return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log,
                                               precision=precision)
@@ -182,7 +186,7 @@ HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "auto
 def table_row(row: dict) -> list:
     r = ratio(row)
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
-    label = {"gpt": "GPT", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
+    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
             ceiling_cell(row), f"{len(row['scored'])} ({oom}) + {len(row.get('memory_ignored', []))}",
