@@ -39,10 +39,9 @@ from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
 from autopar.passes.interleave import choose_virtual, dp_schedule, recorded_schedule
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
-from autopar.passes.pins import apply_pins
+from autopar.passes.pins import pinned_strategies
 from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
-from autopar.passes.strategies import generate_strategies
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
 
@@ -206,22 +205,8 @@ def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGrap
 
 
 def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
-    """Strategies of every node on ``mesh`` with the user's pins applied, kept on the graph per (mesh, pins):
-    both passes are pure functions of them, and their consumers copy what they change (``GroupBuilder``),
-    so plans that share a graph (a grid of configurations) share them too. The cache is tied to ``graph.gm``:
-    a copy of the graph (``rescale``) has its own module and starts afresh."""
-    owner, cache = getattr(graph, "_strategy_cache", (None, None))
-    if owner is not graph.gm:
-        cache = {}
-        graph._strategy_cache = (graph.gm, cache)
-    pins = tuple((options.pin or {}).items())
-    if (mesh, pins) not in cache:
-        if mesh not in cache:
-            cache[mesh] = generate_strategies(graph, mesh)
-        generated = cache[mesh]
-        _check(options, lambda: invariants.check_strategies(graph, generated))
-        cache[mesh, pins] = apply_pins(graph, generated, options.pin or {})
-    return cache[mesh, pins]
+    check = (lambda generated: invariants.check_strategies(graph, generated)) if options.debug else None
+    return pinned_strategies(graph, mesh, options.pin or {}, check)
 
 
 def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
@@ -367,7 +352,21 @@ def _record_recompute(stage, solution, graph, layers, blocks, recompute: dict[in
 
 def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
     """(least memory any plan needs, memory of the fully replicated plan) per device, in bytes, with the
-    layers that ``options.recompute`` forces to recompute ("full", "selective") recomputing."""
+    layers that ``options.recompute`` forces to recompute ("full", "selective") recomputing. Kept on the
+    graph for its module per (cluster, pins, recompute, layers, training spec), all it depends on: an
+    infeasible plan's error message quotes it, and a grid of plans on one graph fails that way often."""
+    key = (cluster.to_json(), tuple((options.pin or {}).items()), repr(options.recompute), options.layers,
+           training_spec(graph, options))
+    owner, cache = getattr(graph, "_memory_bounds", (None, None))
+    if owner is not graph.gm:
+        cache = {}
+        graph._memory_bounds = (graph.gm, cache)
+    if key not in cache:
+        cache[key] = _memory_bounds(graph, cluster, options)
+    return cache[key]
+
+
+def _memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
     from autopar.passes.ilp import memory_of, min_memory
     from autopar.passes.intra_op import build_problem
 
