@@ -41,6 +41,7 @@ from autopar.passes.strategies import generate_strategies, strategy_signature
 
 INF = float("inf")
 LEAN_MARGIN = 1.25  # a lean solution may use this much more than the least memory any plan needs
+TIE = 1e-9  # DP costs this close (relative) are equal: the smaller B wins (``choose_stages``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +265,9 @@ class StageChoice:
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
                   stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
-    """Run the DP for every candidate B and keep the cheapest (the smallest B among equal costs);
-    InfeasibleError when nothing fits.
+    """Run the DP for every candidate B and keep the cheapest, the smallest B among costs equal within a
+    relative ``TIE`` (rounding: a single stage costs B·t = (N/b₀)·t₀ + sync at every B, so the linear prices
+    tie, and the larger microbatch is the one whose matmuls run faster); InfeasibleError when nothing fits.
 
     The largest B is tried first and each DP gets the best cost so far as its ``bound`` (``stage_dp``): a
     pipeline's cost grows with (B − 1) times its slowest stage, so a good plan found at a large B cuts
@@ -283,9 +285,10 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
         for b, k, i, option, f in excluded:
             if b == B:
                 table[k, i, costs.options.index(option), min(f, max_f) - 1] = INF
+        bound = best[0].cost * (1 + TIE) if best is not None else INF
         found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
-                         hops=costs.hops_at(global_batch // B), bound=best[0].cost if best is not None else INF)
-        if found is not None and (best is None or (found.cost, B) < (best[0].cost, best[1])):
+                         hops=costs.hops_at(global_batch // B), bound=bound)
+        if found is not None and (best is None or found.cost <= bound):
             best = (found, B, table)
     if best is None:
         budget = costs.cluster.memory_per_device
