@@ -212,10 +212,11 @@ def score_config(graph, cluster, config: MegatronConfig, n_blocks: int, recaptur
 
 
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
-                  log=None, precision: str = "fp32") -> HandSearch:
+                  log=None, precision: str = "fp32", time_limit: float = 60.0) -> HandSearch:
     """``search_hand`` of ``megatron_grid`` scored by ``score_config``; with memory ignored only the configs
     without recompute are searched again (recompute adds a forward and saves only memory). A config's
-    planning cost grows with its pipeline chunks (pp·v stage ILPs), which orders the layouts on the cores."""
+    planning cost grows with its pipeline chunks (pp·v stage ILPs), which orders the layouts on the cores.
+    ``time_limit``: each ILP solve's, in seconds (a solve that hits it scores the config "OOM")."""
     grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
                               precision=precision))
     graph, recapture = capture_once(model, batch, precision)
@@ -223,7 +224,7 @@ def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: 
     roomy = cluster.with_memory(UNBOUNDED_MEMORY)
 
     def score(config: MegatronConfig, unbounded: bool = False) -> Scored:
-        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture)
+        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture, time_limit)
 
     return search_hand(grid, score,
                        lambda c: (c.dp, c.tp, c.pp, c.virtual_stages, c.recompute, c.distributed_optimizer),

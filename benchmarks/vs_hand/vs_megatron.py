@@ -114,17 +114,17 @@ def graph_flops(model, batch) -> float:
     return sum(sum(node_flops(n)) for n in capture(model, batch).gm.graph.nodes)
 
 
-def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> megatron_configs.HandSearch:
+def best_hand(work: Workload, cluster, log, precision: str = "fp32",
+              time_limit: float = 60.0) -> megatron_configs.HandSearch:
     """The family's hand grid searched (best that fits, every config scored, best with memory ignored)."""
+    common = dict(log=log, precision=precision, time_limit=time_limit)
     if work.family in ("gpt", "sc21"):
         cfg = work.model.cfg
-        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log,
-                                              precision=precision)
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, **common)
     if work.family == "wrn":
-        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, log=log,
-                                    precision=precision)
+        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, **common)
     return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.moe_pins,
-                                n_experts=work.model.cfg.n_expert, log=log, precision=precision)
+                                n_experts=work.model.cfg.n_expert, **common)
 
 
 def describe_plan(plan) -> str:
@@ -140,20 +140,24 @@ def describe_plan(plan) -> str:
     return " + ".join(parts) + f", B={plan.microbatches}"
 
 
-def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None) -> dict:
-    """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none)."""
+def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
+              time_limit: float = 60.0) -> dict:
+    """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
+    ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
     cluster = preset_gpus(preset, int(gpus))
     work = build_workload(family, name, precision)
     policy = precision or "fp32"
     start = time.perf_counter()
     search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
-                                                             f"{r.status} {r.step_time or ''}"), precision=policy)
+                                                             f"{r.status} {r.step_time or ''}"), precision=policy,
+                       time_limit=time_limit)
     best, unbounded = search.best, search.unbounded
     grid_s = time.perf_counter() - start
     start = time.perf_counter()
+    options = {"time_limit": time_limit, **(autopar_options or {})}
     try:
-        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **(autopar_options or {}))
+        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **options)
         auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
@@ -163,7 +167,7 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
             "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
             "hand_unbounded_step": unbounded.step_time if unbounded else None, "ceiling": search.ceiling,
-            "autopar_options": autopar_options or {}, "grid_s": grid_s, "plan_s": plan_s,
+            "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s,
             "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
             "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
 
@@ -201,17 +205,19 @@ def ceiling_cell(row: dict) -> str:
 
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
-             autopar_options: dict | None = None, name: str = "simulate") -> int:
+             autopar_options: dict | None = None, name: str = "simulate", time_limit: float = 60.0) -> int:
     """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
     ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
-    header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy})")
+    extra = "".join(f", autopar {k}={v!r}" for k, v in (autopar_options or {}).items())
+    header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy}{extra}, "
+                                 f"ILP time limit {time_limit:.0f} s)")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
     rows = saved_rows(name) if merge else []
     for point in points:
         row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
-                        autopar_options=autopar_options)
+                        autopar_options=autopar_options, time_limit=time_limit)
         rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
         render_simulation(header, rows, name)
@@ -281,6 +287,10 @@ def main(argv=None) -> int:
                         "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
     parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
                         help="--simulate: autopar's schedule option (default: autopar.plan's default)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="--simulate: every ILP solve's time limit "
+                        "in seconds, both sides (default 300: no solve takes a minute on an idle machine, but a "
+                        "loaded one can slow one past the planner's default of 60, which would score a hand "
+                        "config out of memory)")
     parser.add_argument("--precision", choices=("fp16", "bf16"), help="--simulate: keep the models float32 and "
                         "plan both sides under this mixed-precision policy (default: models cast to fp16 whole)")
     parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
@@ -301,7 +311,7 @@ def main(argv=None) -> int:
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
         extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
-        return simulate(args.points, args.precision, args.merge, extra, args.name)
+        return simulate(args.points, args.precision, args.merge, extra, args.name, args.time_limit)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)
