@@ -39,10 +39,9 @@ from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
 from autopar.passes.interleave import choose_virtual, dp_schedule, recorded_schedule
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
-from autopar.passes.pins import apply_pins
+from autopar.passes.pins import pinned_strategies
 from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
-from autopar.passes.strategies import generate_strategies
 from autopar.plan import Plan
 from autopar.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
 
@@ -73,7 +72,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     else:
         layers = cluster_layers(graph, blocks, options.layers, is_light)
         _check(options, lambda: invariants.check_layers(graph, layers))
-        costs = StageCosts(_reference_graphs(graph, candidates), layers, blocks, cluster,
+        costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers))
@@ -206,9 +205,8 @@ def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGrap
 
 
 def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
-    generated = generate_strategies(graph, mesh)
-    _check(options, lambda: invariants.check_strategies(graph, generated))
-    return apply_pins(graph, generated, options.pin or {})
+    check = (lambda generated: invariants.check_strategies(graph, generated)) if options.debug else None
+    return pinned_strategies(graph, mesh, options.pin or {}, check)
 
 
 def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
@@ -354,7 +352,21 @@ def _record_recompute(stage, solution, graph, layers, blocks, recompute: dict[in
 
 def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
     """(least memory any plan needs, memory of the fully replicated plan) per device, in bytes, with the
-    layers that ``options.recompute`` forces to recompute ("full", "selective") recomputing."""
+    layers that ``options.recompute`` forces to recompute ("full", "selective") recomputing. Kept on the
+    graph for its module per (cluster, pins, recompute, layers, training spec), all it depends on: an
+    infeasible plan's error message quotes it, and a grid of plans on one graph fails that way often."""
+    key = (cluster.to_json(), tuple((options.pin or {}).items()), repr(options.recompute), options.layers,
+           training_spec(graph, options))
+    owner, cache = getattr(graph, "_memory_bounds", (None, None))
+    if owner is not graph.gm:
+        cache = {}
+        graph._memory_bounds = (graph.gm, cache)
+    if key not in cache:
+        cache[key] = _memory_bounds(graph, cluster, options)
+    return cache[key]
+
+
+def _memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
     from autopar.passes.ilp import memory_of, min_memory
     from autopar.passes.intra_op import build_problem
 

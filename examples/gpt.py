@@ -64,6 +64,23 @@ GPT_SUITE = {
 }
 
 
+# Megatron-LM SC'21 Table 1 (Narayanan et al. 2021; NVIDIA/Megatron-LM examples/sc21/run_table_1.sh), the rows
+# that use plain 1F1B: name -> (hidden, layers, heads, global batch, GPUs); seq 2048, vocab 51200, DGX A100.
+SC21_TABLE1 = {
+    "1.7B": (2304, 24, 24, 512, 32),
+    "3.6B": (3072, 30, 32, 512, 64),
+    "7.5B": (4096, 36, 32, 512, 128),
+    "18B": (6144, 40, 48, 1024, 256),
+    "39B": (8192, 48, 64, 1536, 512),
+}
+
+
+def sc21_config(name: str) -> GPTConfig:
+    """The GPTConfig of one row of ``SC21_TABLE1`` (sequence 2048, vocabulary 51200)."""
+    hidden, layers, heads, _, _ = SC21_TABLE1[name]
+    return GPTConfig(vocab_size=51200, seq_len=2048, n_layer=layers, n_head=heads, n_embd=hidden)
+
+
 # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, hidden 12288, 96 heads, context 2048.
 GPT3_175B = GPTConfig(vocab_size=51200, seq_len=2048, n_layer=96, n_head=96, n_embd=12288)
 

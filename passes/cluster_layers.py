@@ -49,7 +49,16 @@ def instance_key(node: fx.Node) -> str | None:
 
 
 def find_repeated_blocks(graph) -> RepeatedBlocks:
-    """Group nodes into module instances, then instances with equal signatures into classes."""
+    """Group nodes into module instances, then instances with equal signatures into classes. Kept on the
+    graph for its module (``graph.gm``): a pure function of it, read by every plan of the graph."""
+    owner, blocks = getattr(graph, "_repeated_blocks", (None, None))
+    if owner is not graph.gm:
+        blocks = _find_repeated_blocks(graph)
+        graph._repeated_blocks = (graph.gm, blocks)
+    return blocks
+
+
+def _find_repeated_blocks(graph) -> RepeatedBlocks:
     members: dict[str, list[fx.Node]] = {}
     for node in graph.gm.graph.nodes:
         if node.op == "call_function":

@@ -2,9 +2,10 @@
 
 Planning is CPU-bound Python and HiGHS, so threads do not help; forked processes do. A fork inherits the
 graphs and caches for free, and only results (plain data) travel back by pickle. Forking is used only when
-it is safe: Linux, more than one core, and no torch.distributed process group (forking a process whose
-communication threads are live is not). Otherwise everything runs in this process, in the same order, so
-the results never depend on how they were computed.
+it is safe: Linux, more than one core, not inside a pool's worker already (which may not start workers),
+and no torch.distributed process group (forking a process whose communication threads are live is not).
+Otherwise everything runs in this process, in the same order, so the results never depend on how they
+were computed.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def can_fork() -> bool:
     import torch.distributed as dist
 
     return ((os.cpu_count() or 1) > 1 and sys.platform.startswith("linux")
+            and not multiprocessing.current_process().daemon
             and not (dist.is_available() and dist.is_initialized()))
 
 

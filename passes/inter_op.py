@@ -15,12 +15,14 @@ its once-per-step gradient sync (spread over the B microbatches for the DP), tra
 tensors live at the cut before layer k (forward and backward; it overlaps compute, so it bounds the
 stage's cycle and enters the DP's sum once as h_k, see ``stage_dp``), f the microbatches in flight. A mesh
 option whose batch split does not divide b is not offered at that B. Where the unconstrained solution
-is unlikely to fit, a lean one (near the least memory any plan needs) is priced too.
+is unlikely to fit, the same layouts at ZeRO level 2 (``layer_costs.zero2_variant``) and a lean solution
+(near the least memory any plan needs) are priced too.
 The chosen stages are then re-solved exactly, stage by stage, by the driver.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -31,14 +33,15 @@ from autopar.errors import InfeasibleError
 from autopar.ir.units import fmt_bytes
 from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
-from autopar.passes.intra_op import CostEnv, IntraOpSolution, build_problem, solve_built
+from autopar.passes.intra_op import CostEnv, build_problem, solve_built
+from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 from autopar.passes.strategies import generate_strategies, strategy_signature
-from autopar.placement import shard_factor
 
 INF = float("inf")
 LEAN_MARGIN = 1.25  # a lean solution may use this much more than the least memory any plan needs
+TIE = 1e-9  # DP costs this close (relative) are equal: the smaller B wins (``choose_stages``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,125 +74,44 @@ def mesh_options(cluster: Cluster) -> list[MeshOption]:
     return out
 
 
-@dataclasses.dataclass
-class LayerCosts:
-    """Per-layer prices of one whole-model solution at reference microbatch b₀ (see module docstring)."""
-
-    t: np.ndarray
-    edges: np.ndarray
-    sync: np.ndarray
-    param: np.ndarray
-    act: np.ndarray
-    peak: np.ndarray
-    batch_split: int
-    reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
-    comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
-
-    def __post_init__(self):
-        self.ranges = _range_matrices(self)
-
-    def stage_tables(self, scale: float, microbatches: int, max_f: int) -> tuple[np.ndarray, np.ndarray]:
-        """(latency [k, i], memory [k, i, f-1]) of every stage k..i (i < k entries are ∞), transfer excluded."""
-        t, sync, param, act, peak = self.ranges
-        latency = scale * t + sync / microbatches
-        f = np.arange(1, max_f + 1)[None, None, :]
-        memory = param[:, :, None] + f * scale * act[:, :, None] + scale * peak[:, :, None]
-        return latency, memory
-
-
-def _range_matrices(c: "LayerCosts") -> tuple[np.ndarray, ...]:
-    """[k, i] over layers k..i (∞ below the diagonal): time with the edges inside the range, sync,
-    parameter and activation bytes, and the largest transient. Prefix sums keep each O(L²)."""
-    L = len(c.t)
-    lower = np.tril(np.ones((L, L), dtype=bool), -1)
-
-    def span(v):
-        p = np.concatenate([[0.0], np.cumsum(v)])
-        return p[None, 1:] - p[:-1, None]  # [k, i] = Σ v[k..i]
-
-    P = np.zeros((L + 1, L + 1))
-    P[1:, 1:] = np.cumsum(np.cumsum(c.edges, axis=0), axis=1)  # P[a, b] = Σ_{l < a, l' < b} edges
-    k, i = np.meshgrid(np.arange(L), np.arange(L), indexing="ij")
-    inner = P[i + 1, i + 1] - P[k, i + 1] - P[i + 1, k] + P[k, k]
-    peak = np.array([np.maximum.accumulate(np.concatenate([np.zeros(k0), c.peak[k0:]])) for k0 in range(L)])
-    out = [span(c.t) + inner, span(c.sync), span(c.param), span(c.act), peak]
-    return tuple(np.where(lower, INF, m) for m in out)
-
-
-def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape, reference_batch: int,
-                blocks=None) -> LayerCosts:
-    """Split a whole-model solution's group prices by layer. A group of a truncated instance 1 stands for
-    instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``)."""
-    L = layers.count
-    t, sync, param, act, peak, comm = (np.zeros(L) for _ in range(6))
-    spread = [_instance_layers(group.leader, layers, blocks, weight)
-              for group, weight in zip(solution.groups, solution.weights)]
-    for group, i, where in zip(solution.groups, solution.choice, spread):
-        for layer in where:
-            t[layer] += group.cost[i] - group.sync[i]
-            sync[layer] += group.sync[i]
-            comm[layer] += group.comm[i]
-            param[layer] += group.mem_param[i]
-            act[layer] += group.mem_act[i]
-            unit = group.zero3_unit[i] if group.zero3_unit is not None else 0.0  # ZeRO-3's gathered units
-            peak[layer] = max(peak[layer], group.peak[i] + unit)
-    edges = np.zeros((L, L))
-    for (gu, gv), cost in solution.edge_costs.items():
-        per_instance = cost / solution.weights[gv]
-        for lu, lv in _edge_layers(solution.groups[gu].leader, solution.groups[gv].leader, spread[gu], spread[gv],
-                                   blocks, layers):
-            edges[lu, lv] += per_instance
-    split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
-                 if batch_dims.get(n) is not None] or [1])
-    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm)
-
-
-def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:
-    """The layers a group contributes to: its own, or those of instances 1..n-1 when truncated."""
-    if weight == 1 or blocks is None:
-        return [layers.of_node.get(leader, 0)]
-    cid, inst, pos = blocks.where[leader]
-    return [layers.of_node[instance[pos]] for instance in blocks.instances[cid][1:]]
-
-
-def _edge_layers(u: str, v: str, u_layers: list[int], v_layers: list[int], blocks, layers) -> list[tuple[int, int]]:
-    """(producer layer, reader layer) for each instance an edge stands for."""
-    if len(v_layers) == 1 and len(u_layers) == 1:
-        return [(u_layers[0], v_layers[0])]
-    if len(v_layers) == 1:  # read outside the blocks from the last instance
-        return [(u_layers[-1], v_layers[0])]
-    if len(u_layers) > 1:  # inside instance j
-        return list(zip(u_layers, v_layers))
-    cid_v = blocks.where[v][0]
-    where_u = blocks.where.get(u)
-    if where_u is not None and where_u[0] == cid_v and where_u[1] == 0:  # crossing j-1 -> j
-        pos = where_u[2]
-        previous = [layers.of_node[instance[pos]] for instance in blocks.instances[cid_v][:-1]]
-        return list(zip(previous, v_layers))
-    return [(u_layers[0], lv) for lv in v_layers]  # from outside the blocks into every instance
-
-
 class StageCosts:
     """Per-mesh-option layer costs (with memory-saving variants), turned into DP tables for any B.
 
-    ``graphs`` maps a reference microbatch size b₀ to the graph rescaled to it; each mesh option is solved
-    at every b₀ (a small b₀ keeps batch splits that divide small microbatches, the whole batch allows wide
-    data parallelism), and each table entry takes the cheapest variant valid at its b.
+    ``graphs`` maps a reference microbatch size b₀ to the graph rescaled to it (or is a function returning
+    that map, called on first use: a plan on the user's stages never prices mesh options, so it never
+    rescales); each mesh option is solved at every b₀ (a small b₀ keeps batch splits that divide small
+    microbatches, the whole batch allows wide data parallelism), and each table entry takes the cheapest
+    variant valid at its b. ``graphs``, ``cut_bytes`` and ``share`` are computed once, when first read.
     """
 
-    def __init__(self, graphs: dict, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
+    def __init__(self, graphs, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
                  strategies_for=generate_strategies, recompute_modes: list[str] | None = None):
-        self.graphs, self.layers, self.blocks, self.cluster = graphs, layers, blocks, cluster
+        self._graphs = graphs
+        self.layers, self.blocks, self.cluster = layers, blocks, cluster
         self.strategies_for = strategies_for
         self.training, self.batch_dims, self.time_limit = training, batch_dims, time_limit
         self.options = mesh_options(cluster)
         self.variants: dict[int, list[LayerCosts]] = {}
-        self.cut_bytes = {b0: _cut_bytes(g, layers) / b0 for b0, g in graphs.items()}  # per sample
         self.solves = 0
         self.modes = recompute_modes or ["none"] * layers.count
-        self.share = forward_share(next(iter(graphs.values())), layers) if set(self.modes) - {"none"} else None
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
         self._recompute: dict[int, LayerRecompute] = {}  # id of a LayerCosts in ``variants`` -> its prices
+
+    @functools.cached_property
+    def graphs(self) -> dict:
+        return self._graphs() if callable(self._graphs) else self._graphs
+
+    @functools.cached_property
+    def cut_bytes(self) -> dict[int, np.ndarray]:
+        """{b₀: bytes per sample live at the cut before each layer}."""
+        return {b0: _cut_bytes(g, self.layers) / b0 for b0, g in self.graphs.items()}
+
+    @functools.cached_property
+    def share(self) -> np.ndarray | None:
+        """Each layer's share of the forward (``recompute.forward_share``); None when nothing may recompute."""
+        if not set(self.modes) - {"none"}:
+            return None
+        return forward_share(next(iter(self.graphs.values())), self.layers)
 
     def _env(self, option: MeshOption) -> CostEnv:
         return CostEnv(self.cluster, option.logical, self.training, devices_per_node=option.physical[1])
@@ -204,20 +126,21 @@ class StageCosts:
                     strategy_signature(node)
         for m, variants in zip(todo, parallel_map(self._solve_all, todo, "autopar: pricing submeshes")):
             self.variants[m] = variants
-        self.solves += sum(len(self.variants[m]) for m in todo)
+        self.solves += sum(c.solved for m in todo for c in self.variants[m])
 
     def _solve_all(self, m: int) -> list[LayerCosts]:
         return [c for b0 in self.graphs for c in self._solve(m, b0)]
 
     def costs(self, m: int) -> list[LayerCosts]:
         """Option m's solutions at every reference microbatch (solved on first use): the unconstrained
-        one, plus, at the smallest reference microbatch, a lean one (memory budget 1.25 × the least any plan
-        needs) when a stage on this option may need it: when the unconstrained solution's memory, spread
-        over the layers a stage of this size would hold if every stage were this size, exceeds half a
-        device."""
+        one, and, when a stage on this option may need less memory (the unconstrained solution's memory,
+        spread over the layers a stage of this size would hold if every stage were this size, exceeds half
+        a device), the same layouts with their parameters at ZeRO level 2 (``layer_costs.zero2_variant``,
+        no solve) and, at the smallest reference microbatch, a lean solution (memory budget 1.25 × the least
+        any plan needs)."""
         if m not in self.variants:
             self.variants[m] = self._solve_all(m)
-            self.solves += len(self.variants[m])
+            self.solves += sum(c.solved for c in self.variants[m])
         return self.variants[m]
 
     def _solve(self, m: int, b0: int) -> list[LayerCosts]:
@@ -227,8 +150,13 @@ class StageCosts:
         first = solve_built(built, env, self.time_limit)
         out = [layer_costs(first, self.layers, self.batch_dims, option.logical, b0, self.blocks)]
         share = option.size / self.cluster.num_devices
+        pressed = first.memory * share > 0.5 * self.cluster.memory_per_device
+        sharded = zero2_variant(first, built.edges) if pressed else None
+        if sharded is not None:
+            out.append(layer_costs(sharded, self.layers, self.batch_dims, option.logical, b0, self.blocks,
+                                   solved=False))
         smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
-        if smallest and first.memory * share > 0.5 * self.cluster.memory_per_device:
+        if smallest and pressed:
             try:
                 lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built.problem))
                 out.append(layer_costs(lean, self.layers, self.batch_dims, option.logical, b0, self.blocks))
@@ -337,8 +265,9 @@ class StageChoice:
 
 def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
                   stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
-    """Run the DP for every candidate B and keep the cheapest (the smallest B among equal costs);
-    InfeasibleError when nothing fits.
+    """Run the DP for every candidate B and keep the cheapest, the smallest B among costs equal within a
+    relative ``TIE`` (rounding: a single stage costs B·t = (N/b₀)·t₀ + sync at every B, so the linear prices
+    tie, and the larger microbatch is the one whose matmuls run faster); InfeasibleError when nothing fits.
 
     The largest B is tried first and each DP gets the best cost so far as its ``bound`` (``stage_dp``): a
     pipeline's cost grows with (B − 1) times its slowest stage, so a good plan found at a large B cuts
@@ -356,9 +285,10 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
         for b, k, i, option, f in excluded:
             if b == B:
                 table[k, i, costs.options.index(option), min(f, max_f) - 1] = INF
+        bound = best[0].cost * (1 + TIE) if best is not None else INF
         found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
-                         hops=costs.hops_at(global_batch // B), bound=best[0].cost if best is not None else INF)
-        if found is not None and (best is None or (found.cost, B) < (best[0].cost, best[1])):
+                         hops=costs.hops_at(global_batch // B), bound=bound)
+        if found is not None and (best is None or found.cost <= bound):
             best = (found, B, table)
     if best is None:
         budget = costs.cluster.memory_per_device

@@ -13,6 +13,7 @@ import fnmatch
 from autopar.errors import PlanError
 from autopar.ir.graph import ModelGraph
 from autopar.ir.ops import OpView
+from autopar.passes.strategies import generate_strategies
 from autopar.placement import R, parse_spec, spec_str
 
 
@@ -43,3 +44,23 @@ def apply_pins(graph: ModelGraph, strategies: dict, pin: dict[str, str]) -> dict
                 raise PlanError(f"pin {spec_str(want)} for {node.name} leaves its reader {user.name} no strategy")
             out[user.name] = fits
     return out
+
+
+def pinned_strategies(graph: ModelGraph, mesh, pin: dict[str, str], check=None) -> dict:
+    """``apply_pins(graph, generate_strategies(graph, mesh), pin)``, kept on the graph per (mesh, pins): both are
+    pure functions of them, and their consumers copy what they change (``GroupBuilder``), so plans that share
+    a graph (a grid of configurations) share them too. ``check(generated)`` runs on each new generation (the
+    driver's debug invariants). The cache is tied to ``graph.gm``: a copy of the graph (``rescale``) has its
+    own module and starts afresh."""
+    owner, cache = getattr(graph, "_strategy_cache", (None, None))
+    if owner is not graph.gm:
+        cache = {}
+        graph._strategy_cache = (graph.gm, cache)
+    key = (mesh, tuple(pin.items()))
+    if key not in cache:
+        if mesh not in cache:
+            cache[mesh] = generate_strategies(graph, mesh)
+        if check is not None:
+            check(cache[mesh])
+        cache[key] = apply_pins(graph, cache[mesh], pin)
+    return cache[key]

@@ -260,7 +260,7 @@ def recompute_seconds(solution, graph, layers, blocks, mesh_shape, recompute: di
     """Seconds per step the stage's ``solution`` spends recomputing: Σ fwd_l over its "full" layers, and
     the attention core's share of fwd_l for its "selective" ones (module docstring)."""
     from autopar.passes.batch_dims import batch_dims
-    from autopar.passes.inter_op import layer_costs
+    from autopar.passes.layer_costs import layer_costs
 
     costs = layer_costs(solution, layers, batch_dims(graph), mesh_shape, 1, blocks)
     fwd = extra_forward(costs, forward_share(graph, layers))

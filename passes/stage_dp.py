@@ -26,9 +26,14 @@ already the fastest recompute choice of that stage that fits memory (``passes.re
 with R running over L + 1 nested prefixes only (the "auto" layers ordered by bytes saved per second of
 extra forward), so recompute widens the table's pricing, never the DP's search.
 
-t_max runs over the distinct table values in ascending order and stops once B · t_max ≥ the best T found
-(no plan capped at t_max can beat it). ``bucket`` > 0 skips caps within that relative distance of the
-last one tried (Alpa's ε); 0 makes the search exact. ``brute_force`` enumerates every partition for tests.
+t_max runs over the distinct table values in ascending order and stops once B · t_low ≥ the best T found,
+t_low the smallest cap not tried yet: every plan still to be found has its slowest stage at t_low or
+above, so T ≥ B · t_low. ``bucket`` > 0 skips caps within that relative distance of the last one tried
+(Alpa's ε), never the largest; 0 makes the search exact. A plan found under cap t_max is reported at its own
+slowest stage, T = F + (B − 1) · max_s t_s ≤ F + (B − 1) · t_max: the cost of the plan itself, so a cap
+that bucketing placed above the plan's slowest stage does not inflate it (by up to ε · (B − 1) · t_max,
+enough to rank one microbatch count above another that ties with it). ``brute_force`` enumerates every
+partition for tests.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ class DPStage(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class DPResult:
-    """stages: in pipeline order; cost: T; t_max: max_s t_s."""
+    """stages: in pipeline order; cost: T; t_max: max_s t_s (the plan's slowest stage)."""
 
     stages: tuple[DPStage, ...]
     cost: float
@@ -71,9 +76,10 @@ def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: in
     """Best stages for ``table`` [L, L, M, F] (see module docstring); None when nothing fits.
 
     stages: force exactly this many stages; max_stages: at most this many (default L).
-    bound: a cost the caller already has (another B's plan). Caps with (B − 1) · t_max > bound are not
-    tried: a plan found under cap t_max is reported at F + (B − 1) · t_max > bound, and larger caps only
-    add to that, so nothing skipped could cost as little as ``bound`` (ties are kept). The result may then
+    bound: a cost the caller already has (another B's plan). The search stops once (B − 1) · t_low > bound
+    (t_low: the smallest cap not tried yet): a plan found from there on has its slowest stage at t_low or
+    above and costs F + (B − 1) · t_low > bound, so nothing skipped could cost as little as ``bound`` (ties
+    are kept). The result may then
     cost more than bound (or be None) where the unbounded search would have found a plan; either way it
     does not beat or tie ``bound``.
     """
@@ -82,13 +88,15 @@ def stage_dp(table: np.ndarray, sizes: list[int], devices: int, microbatches: in
     hops = np.zeros(L) if hops is None else np.asarray(hops, dtype=float)
     by_size = _cheapest_per_size(table, sizes)
     best: DPResult | None = None
-    last = -INF
-    for t_max in np.unique(by_size[np.isfinite(by_size)]):
-        if (best is not None and microbatches * t_max >= best.cost) or (microbatches - 1) * t_max > bound:
+    last, low = -INF, None  # low: the smallest cap not tried yet (a skipped one, or this one)
+    caps = np.unique(by_size[np.isfinite(by_size)])
+    for n, t_max in enumerate(caps):
+        low = t_max if low is None else low
+        if (best is not None and microbatches * low >= best.cost) or (microbatches - 1) * low > bound:
             break
-        if bucket and t_max <= last * (1 + bucket):
+        if bucket and t_max <= last * (1 + bucket) and n < len(caps) - 1:
             continue
-        last = t_max
+        last, low = t_max, None
         found = _solve_capped(by_size, sizes, devices, microbatches, schedule, S, stages, t_max, hops)
         if found is not None and (best is None or found.cost < best.cost):
             best = found
@@ -133,7 +141,10 @@ def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) 
     sigma = min(candidates, key=lambda s: F[s, 0, D] if s <= S else INF)
     if sigma > S or not np.isfinite(F[sigma, 0, D]):
         return None
-    return DPResult(_unwind(arg, sigma, D, distinct, sizes, by_size), F[sigma, 0, D] + (B - 1) * t_max, t_max)
+    stages = _unwind(arg, sigma, D, distinct, sizes, by_size)
+    slowest = max(by_size[st.first, st.last, st.size_index, min(inflight(sigma - s, B, schedule), by_size.shape[3]) - 1]
+                  for s, st in enumerate(stages))
+    return DPResult(stages, F[sigma, 0, D] + (B - 1) * slowest, slowest)
 
 
 def _unwind(arg, sigma, D, distinct, sizes, by_size) -> tuple[DPStage, ...]:

@@ -58,3 +58,44 @@ def test_forcing_the_number_of_stages():
 def test_nothing_fits():
     table = np.full((2, 2, 1, 2), np.inf)
     assert stage_dp(table, [1], 1, 2) is None
+
+
+def test_a_bucketed_cap_reports_the_plans_own_cost_and_the_largest_cap_is_tried():
+    """Caps within ε of the last one tried are skipped, but never the largest, and a plan found under a cap
+    above its slowest stage costs F + (B − 1) · (its slowest stage), not · cap (which ranked microbatch
+    counts apart that tie); a ``bound`` equal to that cost still finds it (ties are kept)."""
+    table = np.full((2, 2, 1, 1), np.inf)
+    table[0, 0, 0, 0], table[1, 1, 0, 0], table[0, 1, 0, 0] = 1.0, 0.5, 1.005  # one device: one stage, 0..1
+    got = stage_dp(table, [1], 1, 4, bucket=0.01)
+    assert got is not None and got.cost == pytest.approx(4 * 1.005) and got.t_max == 1.005
+    assert stage_dp(table, [1], 1, 4, bucket=0.01, bound=4 * 1.005) is not None
+    two = np.full((2, 2, 1, 2), np.inf)
+    two[0, 0, 0, :], two[1, 1, 0, :], two[0, 1, 0, :] = 1.0, 0.996, 3.0  # two devices: 1.0 + 0.996 + 3 · 1.0
+    found = stage_dp(two, [1], 2, 4, bucket=0.01)
+    assert found.cost == pytest.approx(brute_force(two, [1], 2, 4)) == pytest.approx(1.996 + 3 * 1.0)
+
+
+def test_microbatch_counts_that_tie_keep_the_smallest():
+    """choose_stages: DP costs equal up to rounding (one stage: B · t(N/B) = (N/b₀) · t₀ at every B) pick the
+    smallest B, the largest microbatch."""
+    from autopar.passes import inter_op
+
+    class Costs:
+        options = [inter_op.MeshOption((1, 1), (1, 1))]
+        cluster = type("C", (), {"num_devices": 1, "memory_per_device": 1.0})()
+        layers = type("L", (), {"count": 1})()
+
+        def prepare(self):
+            pass
+
+        def table(self, batch, B, max_f):  # latency per microbatch ∝ its size, with rounding noise
+            return np.full((1, 1, 1, max_f), (batch / B) * 0.1 * (1 + 1e-12 * (B % 3)))
+
+        def hops_at(self, microbatch):
+            return np.zeros(1)
+
+        def recompute_of(self, B, k, i, m, f):
+            return ()
+
+    choice = inter_op.choose_stages(Costs(), 64, [1, 2, 4, 8], "1f1b", None)
+    assert choice.microbatches == 1 and choice.cost == pytest.approx(6.4)

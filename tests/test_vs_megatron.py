@@ -146,37 +146,47 @@ def test_an_interleaved_grid_point_is_scored_with_the_interleaved_schedule():
     assert scored[1].plan.schedule == "1f1b" and scored[2].step_time != scored[1].step_time
 
 
-def _scorer(times: dict, out_of_memory: set):
-    """score(name, unbounded) of search_hand: ``times`` with memory ignored, names in ``out_of_memory`` OOM."""
-    from autopar.baselines.megatron_configs import Scored
+def _scorer(times: dict, out_of_memory: set, fitting: dict | None = None):
+    """score(name, unbounded) of search_hand: ``times`` with memory ignored, names in ``out_of_memory`` OOM,
+    ``fitting`` the times of configs whose layout memory slows where it fits (default: ``times``)."""
+    from autopar.baselines.hand_search import Scored
 
     def score(name, unbounded=False):
-        fits = unbounded or name not in out_of_memory
-        return Scored(name, times[name] if fits else None, "ok" if fits else "OOM")
+        if unbounded:
+            return Scored(name, times[name])
+        if name in out_of_memory:
+            return Scored(name, None, "OOM")
+        return Scored(name, (fitting or times).get(name, times[name]))
     return score
 
 
 def test_memory_binds_only_where_a_layout_that_does_not_fit_would_win():
-    """search_hand: the configs that did not fit are scored again with memory ignored (those ``memory_free``
-    admits); memory binds when one of them beats the best that fits, and not when all of them are slower."""
-    from autopar.baselines.megatron_configs import search_hand
+    """search_hand: every config ``memory_free`` admits is scored again with memory ignored; the fastest is the
+    ceiling, and memory binds when one that did not fit beats the best that fits."""
+    from autopar.baselines.hand_search import search_hand
 
     times = {"a": 1.0, "b": 2.0, "c": 3.0}
-    bound = search_hand(list(times), _scorer(times, {"a"}), lambda name: name)
+    bound = search_hand(list(times), _scorer(times, {"a"}), lambda name: name, parallel=False)
     assert bound.best.config == "b" and bound.unbounded.config == "a" and bound.memory_binds
-    assert [r.config for r in bound.scored] == ["a", "b", "c"], "the retry is not mixed into the grid's scores"
-    slow_oom = search_hand(list(times), _scorer(times, {"c"}), lambda name: name)
-    assert slow_oom.best.config == "a" and slow_oom.unbounded is None and not slow_oom.memory_binds
-    skipped = search_hand(list(times), _scorer(times, {"a"}), lambda name: name, memory_free=lambda n: n != "a")
+    assert bound.ceiling == 2.0, "best that fits / fastest with memory ignored"
+    assert [r.config for r in bound.scored] == ["a", "b", "c"], "the memory-ignored scores are kept apart"
+    assert [r.config for r in bound.free] == ["a", "b", "c"], "all of them, not the first that wins"
+    slow_oom = search_hand(list(times), _scorer(times, {"c"}), lambda name: name, parallel=False)
+    assert slow_oom.best.config == "a" and slow_oom.unbounded.config == "a" and not slow_oom.memory_binds
+    assert slow_oom.ceiling == 1.0
+    skipped = search_hand(list(times), _scorer(times, {"a"}), lambda name: name, memory_free=lambda n: n != "a",
+                          parallel=False)
     assert not skipped.memory_binds, "a config memory_free rules out (e.g. recompute) is not retried"
-    nothing_fits = search_hand(list(times), _scorer(times, set(times)), lambda name: name)
-    assert nothing_fits.best is None and nothing_fits.memory_binds
+    squeezed = search_hand(list(times), _scorer(times, set(), {"a": 1.5}), lambda name: name, parallel=False)
+    assert not squeezed.memory_binds and squeezed.ceiling == 1.5, "a config that fits, faster with memory ignored"
+    nothing_fits = search_hand(list(times), _scorer(times, set(times)), lambda name: name, parallel=False)
+    assert nothing_fits.best is None and nothing_fits.memory_binds and nothing_fits.ceiling is None
 
 
 def test_grid_search_stops_a_layout_at_its_first_config_that_does_not_fit():
     """Most microbatches first: fewer microbatches (bigger ones) cannot fit where more did not, so they are
     recorded OOM unplanned; fitting ones stop after ``patience`` slower in a row."""
-    from autopar.baselines.megatron_configs import grid_search
+    from autopar.baselines.hand_search import grid_search
 
     configs = [("x", b) for b in (1, 2, 4, 8, 16)] + [("y", b) for b in (1, 2, 4, 8, 16)]
     times = {("x", 16): 5.0, ("x", 8): 4.0, ("x", 4): 4.5, ("x", 2): 4.6, ("x", 1): 3.0, ("y", 16): 6.0}
@@ -186,10 +196,56 @@ def test_grid_search_stops_a_layout_at_its_first_config_that_does_not_fit():
         planned.append(config)
         return _scorer(times, set(configs) - set(times))(config)
 
-    best, scored = grid_search(configs, score, lambda c: c[0])
+    best, scored = grid_search(configs, score, lambda c: c[0], parallel=False)
     assert best.config == ("x", 8) and [r.config for r in scored if r.config[0] == "x"] == planned[:4]
     assert planned == [("x", 16), ("x", 8), ("x", 4), ("x", 2), ("y", 16), ("y", 8)]
     assert [r.status for r in scored if r.config[0] == "y"] == ["ok"] + ["OOM"] * 4
+
+
+def test_grid_search_on_both_cores_returns_the_serial_answer_ties_included():
+    """Layouts in forked workers, the costliest first, merged in grid order: the same best config (the first
+    of equal times, as the serial search keeps it) and the same scores in the same order."""
+    from autopar.baselines.hand_search import grid_search
+
+    configs = [(layout, b) for layout in "pqrs" for b in (1, 2, 4, 8)]
+    times = {c: 1.0 + (c[1] % 3) * 0.5 + (0.0 if c[0] in "qs" else 0.25) for c in configs}
+    out_of_memory = {("r", 1), ("r", 2), ("p", 1)}
+    score = _scorer(times, out_of_memory)
+    serial = grid_search(configs, score, lambda c: c[0], parallel=False)
+    forked = grid_search(configs, score, lambda c: c[0], cost=lambda c: 4 if c[0] == "s" else 1, parallel=True)
+    assert serial[0].config == forked[0].config == ("q", 4), "q and s tie: q comes first in the grid"
+    assert [(r.config, r.status, r.step_time) for r in serial[1]] == \
+        [(r.config, r.status, r.step_time) for r in forked[1]]
+
+
+def test_shared_captures_score_each_config_as_a_fresh_capture_does():
+    """capture_once: one capture per microbatch count, shared by every config planned at it, with caches
+    (strategies per mesh and pins) carried over from config to config. A batch equal to the sequence
+    length makes rescaling inexact, so the driver plans on these captures (as on Alpa's GPT suite)."""
+    from autopar.baselines.hand_search import capture_once, precapture
+    from autopar.baselines.megatron_configs import score_config
+    from autopar.passes.batch_dims import rescale_is_exact
+    from autopar.presets import preset_gpus
+
+    with torch.device("meta"):
+        model = GPT(TINY_GPT)
+    batch, cluster = make_batch(TINY_GPT, TINY_GPT.seq_len, device="meta"), preset_gpus("p3.16xlarge", 8)
+    configs = [MegatronConfig(dp=2, tp=2, pp=2, microbatches=4, precision="fp16"),
+               MegatronConfig(dp=2, tp=2, pp=2, microbatches=4, recompute="selective", precision="fp16"),
+               MegatronConfig(dp=2, tp=2, pp=2, microbatches=16, distributed_optimizer=True, precision="fp16"),
+               MegatronConfig(dp=2, tp=2, pp=2, microbatches=4, virtual_stages=2, precision="fp16")]
+    graph, recapture = capture_once(model, batch, "fp16")
+    assert not rescale_is_exact(graph)
+    precapture(graph, recapture, {c.microbatches for c in configs})
+    assert recapture(4) is recapture(4)
+    shared = [score_config(graph, cluster, c, 4, recapture).step_time for c in configs + configs]
+
+    def on_fresh_capture(config):
+        new_graph, new_recapture = capture_once(model, batch, "fp16")
+        return score_config(new_graph, cluster, config, 4, new_recapture).step_time
+
+    fresh = [on_fresh_capture(c) for c in configs]
+    assert shared == fresh + fresh and all(t is not None for t in fresh)
 
 
 def test_stages_span_whole_nodes_beyond_one_node():

@@ -27,16 +27,16 @@ import dataclasses
 import math
 from typing import Iterator
 
-from autopar.baselines.megatron_configs import (
-    MAX_MICROBATCHES,
+from autopar.baselines.hand_search import (
     UNBOUNDED_MEMORY,
     HandSearch,
     Scored,
     capture_once,
+    precapture,
     score_options,
     search_hand,
-    stage_submesh,
 )
+from autopar.baselines.megatron_configs import MAX_MICROBATCHES, stage_submesh
 
 EP_DEGREES = (1, 2, 4, 8)
 
@@ -162,7 +162,7 @@ def hand_options(layout: HandLayout, ranges: list[tuple[int, int]], devices_per_
 
 
 def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int = 2,
-              log=None, precision: str = "fp32") -> HandSearch:
+              log=None, precision: str = "fp32", time_limit: float = 60.0) -> HandSearch:
     """``search_hand`` over ``hand_grid`` (pins from ``pins_for(layout)``) scored by autopar's cost model,
     every layout under the same ``precision`` policy as the autopar plan it is compared with.
 
@@ -174,6 +174,7 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
     moe = n_experts > 1
     grid = list(hand_grid(cluster.num_devices, n_layers, cluster.devices_per_node, batch[0].shape[0],
                           n_experts, pp_must_divide_layers=moe, splits=("flops",) if moe else ("flops", "params")))
+    precapture(graph, recapture, {c.microbatches for c in grid})
 
     def ranges(layout: HandLayout) -> list[tuple[int, int]]:
         if moe:
@@ -186,7 +187,7 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
     def score(layout: HandLayout, unbounded: bool = False) -> Scored:
         options = hand_options(layout, ranges(layout), cluster.devices_per_node, pins_for(layout))
         options["precision"] = precision
-        return score_options(graph, roomy if unbounded else cluster, layout, options, recapture,
+        return score_options(graph, roomy if unbounded else cluster, layout, options, recapture, time_limit,
                              model_name=type(model).__name__)
 
-    return search_hand(grid, score, lambda c: (c.dp, c.ep, c.pp, c.split), patience, log)
+    return search_hand(grid, score, lambda c: (c.dp, c.ep, c.pp, c.split), patience, log, cost=lambda c: c.pp)

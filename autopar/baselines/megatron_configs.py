@@ -39,15 +39,18 @@ hidden h, vocabulary V; throughput = F / step time.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
 from typing import Iterator
 
-from autopar import driver
-from autopar.driver import plan_graph
-from autopar.errors import InfeasibleError
-from autopar.options import PlanOptions, first_microbatch
+from autopar.baselines.hand_search import (
+    UNBOUNDED_MEMORY,
+    HandSearch,
+    Scored,
+    capture_once,
+    precapture,
+    score_options,
+    search_hand,
+)
 
 TP_DEGREES = (1, 2, 4, 8)
 # Megatron's --recompute-granularity: none, selective (attention core of every block), full (every block);
@@ -201,31 +204,6 @@ def _microbatch_configs(dp: int, tp: int, pp: int, global_batch: int, max_microb
         microbatches *= 2
 
 
-@dataclasses.dataclass
-class Scored:
-    """One config's predicted step time (seconds), or None with ``status`` "OOM" when it does not fit."""
-
-    config: object
-    step_time: float | None
-    status: str = "ok"
-    plan: object = None
-
-
-def score_options(graph, cluster, config, options: dict, recapture=None, time_limit: float = 60.0,
-                  model_name: str = "GPT") -> Scored:
-    """Plan with ``options`` on an already captured graph (``plan_graph``: what ``autopar.plan`` runs after
-    capture); a plan that does not fit ``cluster.memory_per_device`` scores "OOM"."""
-    try:
-        with _reference_batch_workaround():
-            plan = plan_graph(graph, cluster, PlanOptions(time_limit=time_limit, **options),
-                              model_name=model_name, recapture=recapture)
-    except InfeasibleError:
-        return Scored(config, None, "OOM")
-    if plan.predicted["peak_memory"] > cluster.memory_per_device:
-        return Scored(config, None, "OOM")
-    return Scored(config, float(plan.predicted["step_time"]), plan=plan)
-
-
 def score_config(graph, cluster, config: MegatronConfig, n_blocks: int, recapture=None,
                  time_limit: float = 60.0) -> Scored:
     """``score_options`` of a Megatron config (``megatron_options``)."""
@@ -233,119 +211,22 @@ def score_config(graph, cluster, config: MegatronConfig, n_blocks: int, recaptur
     return score_options(graph, cluster, config, options, recapture, time_limit)
 
 
-@contextlib.contextmanager
-def _reference_batch_workaround():
-    """autopar.driver._reference_graphs fails (max of an empty list) when the only microbatch candidate
-    exceeds 8, as a manual ``microbatches=16`` gives. Manual stages never read those reference graphs, so
-    offering B=1 as well changes nothing in the plan. Remove once the driver handles it."""
-    original = driver._reference_graphs
-    driver._reference_graphs = lambda graph, candidates: original(graph, sorted({1, *candidates}))
-    try:
-        yield
-    finally:
-        driver._reference_graphs = original
-
-
-def grid_search(configs: list, score, layout_of, patience: int = 2, log=None,
-                stop_below: float | None = None) -> tuple[Scored | None, list[Scored]]:
-    """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one),
-    or, given ``stop_below``, the first config that fits in under ``stop_below`` seconds as soon as it is found.
-
-    Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)); within a layout the given order
-    is microbatches ascending, and they are visited in reverse, most microbatches first. Two rules prune:
-
-    * memory per device does not grow with the microbatch count (the global batch is fixed, so a microbatch
-      shrinks as 1/B while the microbatches in flight stay at most pp·v chunk-sized ones), so once a config
-      does not fit, the layout's configs with fewer microbatches do not either: they are recorded "OOM"
-      without planning;
-    * step time against the microbatch count is unimodal under the cost model (the pipeline bubble shrinks
-      as 1/B while per-microbatch latencies add up as B grows), so a layout is left after ``patience``
-      fitting configs in a row slower than its best."""
-    scored, best = [], None
-    for layout in dict.fromkeys(layout_of(c) for c in configs):
-        layout_best, worse = math.inf, 0
-        ordered = [c for c in configs if layout_of(c) == layout][::-1]
-        for k, config in enumerate(ordered):
-            result = score(config)
-            result.plan = None  # keep memory flat over a long grid
-            scored.append(result)
-            if log is not None:
-                log(result)
-            if result.step_time is None:
-                scored += [Scored(c, None, "OOM") for c in ordered[k + 1:]]
-                break
-            if best is None or result.step_time < best.step_time:
-                best = result
-            if stop_below is not None and best.step_time < stop_below:
-                return best, scored
-            if result.step_time < layout_best:
-                layout_best, worse = result.step_time, 0
-            else:
-                worse += 1
-                if worse >= patience:
-                    break
-    return best, scored
-
-
-# The memory budget of "memory ignored": far above any device (1 PiB), finite so the ILP's rows stay numeric.
-UNBOUNDED_MEMORY = 2.0 ** 50
-
-
-@dataclasses.dataclass
-class HandSearch:
-    """A hand grid's answer: ``best``, the fastest config that fits (None when none does); ``scored``, every
-    config scored; ``unbounded``, a config that does not fit but beats ``best`` with memory ignored (the
-    first one found, not necessarily the fastest), or None: memory did not change the answer."""
-
-    best: Scored | None
-    scored: list[Scored]
-    unbounded: Scored | None = None
-
-    @property
-    def memory_binds(self) -> bool:
-        """Memory changes the answer: the fastest hand layout with memory ignored does not fit (a config
-        scored out of memory beats the fastest one that fits), or no layout fits at all."""
-        return self.best is None or self.unbounded is not None
-
-
-def search_hand(configs: list, score, layout_of, patience: int = 2, log=None, memory_free=None) -> HandSearch:
-    """``grid_search`` of ``configs``, then the configs that did not fit and could be faster without memory's
-    limit (``memory_free``: config -> bool, e.g. no recompute, which only adds time) searched again with
-    ``score(config, unbounded=True)`` until one beats the best that fits: that one is ``unbounded``.
-    Configs that fit keep their score: with memory ignored their step time can only drop, so this finds
-    memory binding whenever a layout that does not fit wins (a lower bound on where memory binds)."""
-    best, scored = grid_search(configs, score, layout_of, patience, log)
-    out = {id(r.config) for r in scored if r.status == "OOM"}
-    retry = [c for c in configs if id(c) in out and (memory_free is None or memory_free(c))]
-    free, _ = grid_search(retry, lambda c: score(c, unbounded=True), layout_of, patience, log,
-                          stop_below=best.step_time if best else math.inf)
-    faster = free is not None and (best is None or free.step_time < best.step_time)
-    return HandSearch(best, scored, free if faster else None)
-
-
-def capture_once(model, batch, precision: str = "fp32") -> tuple:
-    """(graph at the global batch, recapture(B) at one of B microbatches): what every grid point shares,
-    with ``precision``'s dtypes propagated as ``autopar.plan`` does (so both sides are priced alike)."""
-    from autopar.ir.precision import apply_to_graph, resolve
-    from autopar.passes.capture import capture
-
-    policy = resolve(precision)
-    return (apply_to_graph(capture(model, batch), policy),
-            lambda b: apply_to_graph(capture(model, first_microbatch(batch, b)), policy))
-
-
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
-                  log=None, precision: str = "fp32") -> HandSearch:
+                  log=None, precision: str = "fp32", time_limit: float = 60.0) -> HandSearch:
     """``search_hand`` of ``megatron_grid`` scored by ``score_config``; with memory ignored only the configs
-    without recompute are searched again (recompute adds a forward and saves only memory)."""
-    graph, recapture = capture_once(model, batch, precision)
+    without recompute are searched again (recompute adds a forward and saves only memory). A config's
+    planning cost grows with its pipeline chunks (pp·v stage ILPs), which orders the layouts on the cores.
+    ``time_limit``: each ILP solve's, in seconds (a solve that hits it scores the config "OOM")."""
     grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
                               precision=precision))
+    graph, recapture = capture_once(model, batch, precision)
+    precapture(graph, recapture, {c.microbatches for c in grid})
     roomy = cluster.with_memory(UNBOUNDED_MEMORY)
 
     def score(config: MegatronConfig, unbounded: bool = False) -> Scored:
-        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture)
+        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture, time_limit)
 
     return search_hand(grid, score,
                        lambda c: (c.dp, c.tp, c.pp, c.virtual_stages, c.recompute, c.distributed_optimizer),
-                       patience, log, memory_free=lambda c: c.recompute == "none")
+                       patience, log, memory_free=lambda c: c.recompute == "none",
+                       cost=lambda c: c.pp * c.virtual_stages)

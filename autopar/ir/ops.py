@@ -150,7 +150,11 @@ def _signature(node: fx.Node) -> str:
 
 
 def requires_grad_nodes(gm: fx.GraphModule, trainable: set[str]) -> set[str]:
-    """Names of nodes whose output is a float tensor depending on a trainable placeholder."""
+    """Names of nodes whose output is a float tensor depending on a trainable placeholder.
+
+    A node's inputs are read as ``node.all_input_nodes`` (no ``OpView``): every name in the set is a
+    tensor-valued node (a trainable placeholder, or a node admitted for its float output), so meeting one
+    among all inputs is meeting it among ``OpView.tensor_args``."""
     out = set(trainable)
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -158,6 +162,6 @@ def requires_grad_nodes(gm: fx.GraphModule, trainable: set[str]) -> set[str]:
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else [val]
         is_float = any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals)
-        if is_float and any(a.name in out for a in OpView(node).tensor_args):
+        if is_float and any(a.name in out for a in node.all_input_nodes):
             out.add(node.name)
     return out

@@ -15,16 +15,20 @@ Megatron's FLOP count, 72·B·s·l·h²·(1 + s/(6h) + V/(16·l·h)), for both s
 captured graph's forward + backward FLOPs (torch.utils.flop_counter). The ratio autopar/hand is a
 throughput ratio (higher is better; = hand step time / autopar step time).
 
-Memory binds at a point when it changes the hand grid's answer: a hand configuration that does not fit
-beats the fastest one that does once memory is ignored (the configs that did not fit, without recompute,
-planned again at an unbounded budget until one wins), or nothing fits (``megatron_configs.HandSearch``).
-The summary line's geometric mean is over those points. Every point is written as soon as it is done
+Memory ignored: every hand configuration without recompute is planned again at a budget no device binds
+(``hand_search.search_hand``). The fastest of them is the ceiling: (best hand layout that fits) / (fastest
+with memory ignored), as a throughput ratio, is the most any planner that shares the cost model can gain
+over the hand grid from memory levers alone. Memory binds at a point when it changes the hand grid's
+answer: a configuration that does not fit beats the fastest one that does once memory is ignored, or
+nothing fits. The summary line's geometric mean is over those points. Every point is written as soon as it is done
 (``--merge`` keeps the saved points it does not run).
 
 Points: Alpa's GPT weak-scaling suite (examples.gpt.GPT_SUITE: 350M on 1 GPU ... 39B on 64, seq 1024,
 vocab 51200, global batch 1024, fp16) on "p3.16xlarge" (8× V100 per node, 25 Gbps between nodes) and
-"dgx-a100"; Wide-ResNet (examples/wide_resnet.py, fp32, batch 1536) and GShard MoE (examples/moe.py,
-fp16, batch 1024) at Alpa's 8- and 16-GPU weak-scaling points on p3.16xlarge.
+"dgx-a100"; Megatron-LM SC'21 Table 1 rows (examples.gpt.SC21_TABLE1, family "sc21": seq 2048, their
+published global batch and GPU count, DGX A100), by default the two that plan within about 15 minutes each
+(1.7B on 32 GPUs, 3.6B on 64); Wide-ResNet (examples/wide_resnet.py, fp32, batch 1536) and GShard MoE
+(examples/moe.py, fp16, batch 1024) at Alpa's 8- and 16-GPU weak-scaling points on p3.16xlarge.
 
 --precision fp16|bf16: the models stay float32 (master weights and optimizer state in fp32, as Megatron and
 Alpa train) and both sides plan under that mixed-precision policy; without it GPT and MoE are cast to fp16
@@ -54,8 +58,9 @@ from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
 PRESETS = ("p3.16xlarge", "dgx-a100")
+SC21_POINTS = ["sc21:1.7B:32:dgx-a100", "sc21:3.6B:64:dgx-a100"]
 OTHER_POINTS = ["wrn:2B:8:p3.16xlarge", "wrn:4B:16:p3.16xlarge", "moe:2.4B:8:p3.16xlarge", "moe:10B:16:p3.16xlarge"]
-DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + OTHER_POINTS
+DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + SC21_POINTS + OTHER_POINTS
 GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024}
 
 
@@ -72,16 +77,17 @@ class Workload:
 
 def build_workload(family: str, name: str, precision: str | None = None) -> Workload:
     """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring)."""
-    batch_size = GLOBAL_BATCH[family]
     cast = (lambda m: m.half()) if precision is None else (lambda m: m)
-    if family == "gpt":
-        from examples.gpt import GPT, make_batch, suite_config
+    if family in ("gpt", "sc21"):
+        from examples.gpt import GPT, SC21_TABLE1, make_batch, sc21_config, suite_config
 
-        cfg = suite_config(name)
+        cfg = suite_config(name) if family == "gpt" else sc21_config(name)
+        batch_size = GLOBAL_BATCH["gpt"] if family == "gpt" else SC21_TABLE1[name][3]
         with torch.device("meta"):
             model = cast(GPT(cfg))
         return Workload(family, name, model, make_batch(cfg, batch_size, device="meta"),
                         megatron_configs.gpt_flops(cfg, batch_size))
+    batch_size = GLOBAL_BATCH[family]
     if family == "wrn":
         from examples.wide_resnet import WideResNet, make_batch, suite_config
 
@@ -95,7 +101,7 @@ def build_workload(family: str, name: str, precision: str | None = None) -> Work
         with torch.device("meta"):
             model = cast(MoETransformer(cfg))
     else:
-        raise ValueError(f"unknown model family {family!r}; use gpt, wrn or moe")
+        raise ValueError(f"unknown model family {family!r}; use gpt, sc21, wrn or moe")
     batch = make_batch(cfg, batch_size, device="meta")
     return Workload(family, name, model, batch, graph_flops(model, batch))
 
@@ -108,17 +114,17 @@ def graph_flops(model, batch) -> float:
     return sum(sum(node_flops(n)) for n in capture(model, batch).gm.graph.nodes)
 
 
-def best_hand(work: Workload, cluster, log, precision: str = "fp32") -> megatron_configs.HandSearch:
+def best_hand(work: Workload, cluster, log, precision: str = "fp32",
+              time_limit: float = 60.0) -> megatron_configs.HandSearch:
     """The family's hand grid searched (best that fits, every config scored, best with memory ignored)."""
-    if work.family == "gpt":
+    common = dict(log=log, precision=precision, time_limit=time_limit)
+    if work.family in ("gpt", "sc21"):
         cfg = work.model.cfg
-        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, log=log,
-                                              precision=precision)
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, **common)
     if work.family == "wrn":
-        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, log=log,
-                                    precision=precision)
+        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, **common)
     return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.moe_pins,
-                                n_experts=work.model.cfg.n_expert, log=log, precision=precision)
+                                n_experts=work.model.cfg.n_expert, **common)
 
 
 def describe_plan(plan) -> str:
@@ -134,20 +140,24 @@ def describe_plan(plan) -> str:
     return " + ".join(parts) + f", B={plan.microbatches}"
 
 
-def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None) -> dict:
-    """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none)."""
+def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
+              time_limit: float = 60.0) -> dict:
+    """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
+    ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
     cluster = preset_gpus(preset, int(gpus))
     work = build_workload(family, name, precision)
     policy = precision or "fp32"
     start = time.perf_counter()
     search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
-                                                             f"{r.status} {r.step_time or ''}"), precision=policy)
-    best, scored, unbounded = search.best, search.scored, search.unbounded
+                                                             f"{r.status} {r.step_time or ''}"), precision=policy,
+                       time_limit=time_limit)
+    best, unbounded = search.best, search.unbounded
     grid_s = time.perf_counter() - start
     start = time.perf_counter()
+    options = {"time_limit": time_limit, **(autopar_options or {})}
     try:
-        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **(autopar_options or {}))
+        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **options)
         auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
@@ -156,9 +166,10 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
             "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
-            "hand_unbounded_step": unbounded.step_time if unbounded else None,
-            "autopar_options": autopar_options or {},
-            "grid_s": grid_s, "plan_s": plan_s, "scored": [(str(s.config), s.status, s.step_time) for s in scored]}
+            "hand_unbounded_step": unbounded.step_time if unbounded else None, "ceiling": search.ceiling,
+            "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s,
+            "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
+            "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
 
 
 def ratio(row: dict) -> float | None:
@@ -172,31 +183,41 @@ def pflops(row: dict, key: str) -> float:
 
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
-           "autopar / hand", "memory binds (a faster hand layout that does not fit)", "configs scored (OOM)", "grid s",
-           "autopar plan s"]
+           "autopar / hand", "memory binds", "ceiling (fastest hand layout, memory ignored)",
+           "configs scored (OOM) + memory ignored", "grid s", "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
     r = ratio(row)
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
-    label = {"gpt": "GPT", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
+    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
-            f"{len(row['scored'])} ({oom})", f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+            ceiling_cell(row), f"{len(row['scored'])} ({oom}) + {len(row.get('memory_ignored', []))}",
+            f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+
+
+def ceiling_cell(row: dict) -> str:
+    """'1.084 (dp4·tp1·pp1·B2)': best hand that fits / fastest with memory ignored, and that layout."""
+    if row.get("ceiling") is None:
+        return "n/a"
+    return f"{row['ceiling']:.3f} ({row['hand_unbounded']})"
 
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
-             autopar_options: dict | None = None, name: str = "simulate") -> int:
+             autopar_options: dict | None = None, name: str = "simulate", time_limit: float = 60.0) -> int:
     """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
     ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
-    header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy})")
+    extra = "".join(f", autopar {k}={v!r}" for k, v in (autopar_options or {}).items())
+    header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy}{extra}, "
+                                 f"ILP time limit {time_limit:.0f} s)")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
     rows = saved_rows(name) if merge else []
     for point in points:
         row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
-                        autopar_options=autopar_options)
+                        autopar_options=autopar_options, time_limit=time_limit)
         rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
         render_simulation(header, rows, name)
@@ -228,8 +249,6 @@ def render_simulation(header: str, rows: list[dict], name: str = "simulate") -> 
 def binds_cell(row: dict) -> str:
     if not memory_binds(row):
         return "no"
-    if row.get("hand_unbounded"):
-        return f"yes ({row['hand_unbounded']}, {pflops(row, 'hand_unbounded_step'):.3f} PFLOP/s)"
     return "yes" if "memory_binds" in row else "yes (some config OOM)"
 
 
@@ -248,7 +267,9 @@ def _notes() -> str:
             "evenly; Megatron's weight layout, activations placed by the same ILP); Wide-ResNet, DP × PP (FLOP- "
             "or parameter-balanced stages); MoE, DP × expert-parallel × PP. Both sides are scored by autopar's "
             "cost model under the same precision policy. Memory binds: a hand layout that does not fit would "
-            "beat the best one that does. PFLOP/s: Megatron's FLOP formula for GPT, the graph's counted FLOPs "
+            "beat the best one that does. Ceiling: best hand layout that fits / fastest hand layout without "
+            "recompute with memory ignored (throughput ratio): what memory levers alone can gain. PFLOP/s: "
+            "Megatron's FLOP formula for GPT, the graph's counted FLOPs "
             "otherwise.")
 
 
@@ -266,6 +287,10 @@ def main(argv=None) -> int:
                         "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
     parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
                         help="--simulate: autopar's schedule option (default: autopar.plan's default)")
+    parser.add_argument("--time-limit", type=float, default=300.0, help="--simulate: every ILP solve's time limit "
+                        "in seconds, both sides (default 300: no solve takes a minute on an idle machine, but a "
+                        "loaded one can slow one past the planner's default of 60, which would score a hand "
+                        "config out of memory)")
     parser.add_argument("--precision", choices=("fp16", "bf16"), help="--simulate: keep the models float32 and "
                         "plan both sides under this mixed-precision policy (default: models cast to fp16 whole)")
     parser.add_argument("--cluster", help="profiled cluster JSON for --local (default: profile now, or reuse "
@@ -286,7 +311,7 @@ def main(argv=None) -> int:
                                                                     "(autopar's cost model)"), rows)
     if args.simulate:
         extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
-        return simulate(args.points, args.precision, args.merge, extra, args.name)
+        return simulate(args.points, args.precision, args.merge, extra, args.name, args.time_limit)
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)
