@@ -44,7 +44,7 @@ def train_on_local_cluster(rank: int, budget: float):
     reference = copy.deepcopy(model)
     cluster = autopar.Cluster.local(4, mesh_shape=(2, 2), memory_per_device=budget)
     pm = autopar.compile(model, cluster, batch, stages=1)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-6)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)  # any plan, ZeRO included
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     rows = []
     for step in range(STEPS):

@@ -39,14 +39,15 @@ PROCESS_GROUP_FIXTURES = {
 PROCESS_GROUP_TESTS = {
     "test_faults": {"test_a_stuck_rank_makes_its_peers_time_out_instead_of_hanging",
                     "test_a_plan_that_differs_on_one_rank_is_refused"},
-    "test_cli": {"test_profile_writes_the_cluster_file", "test_demo_runs_examples_demo"},
+    "test_cli": {"test_profile_writes_the_cluster_file", "test_demo_runs_examples_demo",
+                 "test_the_demo_trains_on_four_ranks_as_on_one_device"},
     "test_profiler": {"test_gpu_profile_uses_nccl_and_cuda_events"},
     "test_user_mistakes": {"test_launch_with_nccl_and_no_gpu_says_use_gloo",
                            "test_launch_of_a_lambda_says_define_it_at_module_level",
                            "test_launch_at_import_time_says_add_the_main_guard"},
 }
 SLOW_MODULES = {"test_parity", "test_pipeline_parity", "test_baselines", "test_checkpoint"}
-SLOW_TESTS = {"test_cli": {"test_demo_runs_examples_demo"}}
+SLOW_TESTS = {"test_cli": {"test_demo_runs_examples_demo", "test_the_demo_trains_on_four_ranks_as_on_one_device"}}
 BROWSER_TESTS = {"test_visualize": {"test_chromium_renders_a_non_blank_page"}}
 
 
