@@ -36,7 +36,7 @@ from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
-from autopar.passes.interleave import choose_virtual, dp_schedule, recorded_schedule
+from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.pins import pinned_strategies
@@ -115,12 +115,14 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
     microbatches, so its estimate can admit a stage whose exact solve at the chosen microbatch does not
     fit. Such a cell (microbatches, first layer, last layer, mesh option, in-flight) is ruled out and the DP
     re-run, which moves to its next-best choice; only when ``MAX_STAGE_RETRIES`` choices failed, or the DP has
-    nothing left, does planning report, naming what was tried."""
+    nothing left, does planning report, naming what was tried. An interleaved chunk is no DP cell: when one
+    that schedule="auto" chose does not fit, the same DP stages are solved again un-interleaved first."""
     excluded: set[tuple] = set()
     rejected: list[str] = []
+    interleave = True
     while True:
         try:
-            choice = _stage_dp(costs, graph, candidates, options, excluded)
+            choice = _stage_dp(costs, graph, candidates, options, excluded, interleave)
         except InfeasibleError as e:
             if not rejected:
                 raise
@@ -129,7 +131,9 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
         try:
             plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch, costs.modes)
         except _StageInfeasible as e:
-            excluded.add(e.entry)
+            interleave = not (choice.virtual > 1 and options.schedule == "auto")
+            if interleave:
+                excluded.add(e.entry)
             rejected.append(str(e))
             if len(rejected) >= MAX_STAGE_RETRIES:
                 raise _infeasible(InfeasibleError("the stage DP's choices do not fit when solved exactly"), graph,
@@ -257,9 +261,10 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
 
 
 def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions,
-              excluded: set[tuple] = frozenset()) -> StageChoice:
+              excluded: set[tuple] = frozenset(), interleave: bool = True) -> StageChoice:
     """The DP's stages (or the user's); when nothing fits, the error says what single-stage budget would.
-    ``excluded``: stage cells whose exact solve did not fit (see ``_plan_stages``)."""
+    ``excluded``: stage cells whose exact solve did not fit (see ``_plan_stages``); ``interleave``: False
+    keeps the DP's stages as they are (schedule "auto" after its interleaved chunks did not fit)."""
     cluster = costs.cluster
     try:
         if isinstance(options.stages, (list, tuple)):
@@ -270,7 +275,10 @@ def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], optio
             batch = graph.input_signature[0][0][0]
             choice = choose_stages(costs, batch, candidates, dp_schedule(options.schedule), options.stages,
                                    excluded=excluded)
-            choice = choose_virtual(choice, costs, batch, options.schedule, options.virtual_stages)
+            if interleave:
+                choice = choose_virtual(choice, costs, batch, options.schedule, options.virtual_stages)
+            else:
+                choice = keep_uninterleaved(choice, "the interleaved chunks did not fit when solved exactly")
     except InfeasibleError as e:
         raise InfeasibleError(f"{e}.{_floor_hint(graph, cluster, options)}"
                               + budget_unit_hint(cluster.memory_per_device)) from None

@@ -27,9 +27,9 @@ class PlanOptions:
       ``mesh_shape``, no DP); a list of {"layers": [first, last], "submesh": [nodes, devices per node],
       "mesh": [a, b] (optional logical mesh)} fixes the stages and the planner fills in the rest.
     microbatches: B; None lets the planner choose among powers of two that divide the batch.
-    schedule: "1f1b" (default), "gpipe", "interleaved" (Megatron's interleaved 1F1B: each device holds
-      ``virtual_stages`` model chunks, round robin) or "auto" (1F1B or interleaved, whichever the schedule
-      simulator predicts faster within memory; see ``passes.interleave``). The plan records "1f1b",
+    schedule: "auto" (default: 1F1B or interleaved, whichever the schedule simulator predicts faster within
+      memory; see ``passes.interleave``), "1f1b", "gpipe" or "interleaved" (Megatron's interleaved 1F1B:
+      each device holds ``virtual_stages`` model chunks, round robin). The plan records "1f1b",
       "gpipe" or "interleaved" and ``virtual_stages``.
     virtual_stages: model chunks per device for "interleaved"/"auto"; None lets the planner choose. A manual
       stage list for "interleaved" lists all pp·v chunks (chunk j on the submesh of chunk j mod pp).
@@ -50,7 +50,7 @@ class PlanOptions:
     pin: dict[str, str] | None = None
     stages: int | list | None = None
     microbatches: int | None = None
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     virtual_stages: int | None = None
     layers: int | None = None
     debug: bool = False

@@ -111,6 +111,11 @@ def _choose(choice: StageChoice, costs: StageCosts, global_batch: int, schedule:
     return _chunked(choice, layer_cost.cuts(pp, best), option, best), record
 
 
+def keep_uninterleaved(choice: StageChoice, why: str) -> StageChoice:
+    """``choice`` as the DP cut it (v = 1), its notes saying ``why`` it was not interleaved."""
+    return dataclasses.replace(choice, notes={**choice.notes, "virtual_stages": {"1": "kept", "why": why}})
+
+
 def _cannot_interleave(choice: StageChoice) -> str:
     if len({s.option for s in choice.stages}) > 1:
         return "the stages use different submeshes"

@@ -87,6 +87,30 @@ def test_planner_interleaves_when_the_smaller_bubble_pays_for_the_sends():
                                                                                             2, "1f1b", hop))
 
 
+def test_auto_falls_back_to_the_dp_stages_when_an_interleaved_chunk_does_not_fit(monkeypatch):
+    """The first exact solve (an interleaved chunk: "auto" chose v = 2 at 64 microbatches, as above) runs
+    under a 1-byte budget, so the real ILP finds it infeasible. A chunk is no DP cell: the same DP stages
+    are solved again un-interleaved and the plan says why, instead of the DP being re-run on a ruled-out
+    cell it never priced (which gave the same chunks again until the retries ran out)."""
+    from autopar import driver
+
+    real, rejected = driver.solve_intra_op, []
+
+    def solve(graph, strategies, blocks, env, budget, *args, subset=None, **kwargs):
+        cell = frozenset(subset or ())
+        if not rejected or cell == rejected[0]:
+            rejected.append(cell)
+            budget = 1.0
+        return real(graph, strategies, blocks, env, budget, *args, subset=subset, **kwargs)
+
+    monkeypatch.setattr(driver, "solve_intra_op", solve)
+    plan = four_node_plan(64, schedule="auto")
+    assert len(rejected) == 1, "the chunk was solved once; the DP stages that replaced it fit"
+    assert plan.virtual_stages == 1 and plan.schedule == "1f1b" and len(plan.stages) == 2
+    assert "did not fit" in plan.planner["virtual_stages"]["why"]
+    assert plan.planner["dp_rejected_stages"] == 1
+
+
 def test_forced_interleaving_and_what_it_cannot_do():
     plan = four_node_plan(2, schedule="interleaved")
     assert plan.schedule == "interleaved" and plan.virtual_stages == 2  # slower here, but forced
