@@ -131,6 +131,7 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
         try:
             plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch, costs.modes)
         except _StageInfeasible as e:
+            clock.lap("stage_ilps")
             interleave = not (choice.virtual > 1 and options.schedule == "auto")
             if interleave:
                 excluded.add(e.entry)
@@ -192,7 +193,7 @@ class _Clock:
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.laps[name] = round(now - self.last, 3)
+        self.laps[name] = round(self.laps.get(name, 0.0) + now - self.last, 3)  # retries add up
         self.last = now
 
     def total(self) -> float:
@@ -320,8 +321,9 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         try:
             if option.logical not in strategies:
                 strategies[option.logical] = _strategies(scaled, option.logical, options)
-            solution = solve_intra_op(scaled, strategies[option.logical], blocks, env,
-                                      cluster.memory_per_device, options.time_limit, subset=subset,
+            budget = cluster.memory_per_device if chosen.budget is None else chosen.budget
+            solution = solve_intra_op(scaled, strategies[option.logical], blocks, env, budget, options.time_limit,
+                                      subset=subset,
                                       truncate=_uniform(recompute, layers, k, i), memo=memo)
         except InfeasibleError as e:
             where = (f"stage {s} (layers {chosen.first}..{chosen.last} on {option.physical[0]}×{option.physical[1]}, "

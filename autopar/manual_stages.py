@@ -34,7 +34,7 @@ def manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]
     gpipe = options.schedule == "gpipe"
     forced = lambda s: tuple(n for n in range(s.first, s.last + 1) if costs.modes[n] == "full")  # noqa: E731
     out = [s._replace(inflight=B if gpipe else min(s.inflight, B), recompute=forced(s)) for s in out]
-    return StageChoice(B, manual_chunks(out, v, B) if v > 1 else out, 0.0, virtual=v)
+    return StageChoice(B, manual_chunks(out, v, B, costs.cluster.memory_per_device) if v > 1 else out, 0.0, virtual=v)
 
 
 def _check_manual(stages: list[ChosenStage], costs: StageCosts, virtual: int = 1) -> None:

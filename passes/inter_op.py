@@ -249,6 +249,7 @@ class ChosenStage(NamedTuple):
     option: MeshOption
     inflight: int
     recompute: tuple[int, ...] = ()  # the layers whose activations backward recomputes (``recompute``)
+    budget: float | None = None  # bytes its exact solve may use (None: the device's); interleaved chunks share one
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,8 @@ devices per microbatch where 1F1B has one, which is what the smaller bubble, (pp
 
 with live_c(t) the microbatches chunk c holds at op t of the device's order (``schedule.device_order``;
 warm-up keeps more of them alive on the first device than 1F1B does). v = 1 is priced the same way, so
-"auto" keeps the smaller time; "interleaved" takes the best v ≥ 2. Interleaving is considered when every
+"auto" keeps the smaller time; "interleaved" takes the best v ≥ 2. The chosen chunks' exact solves
+then split each device's memory by these estimates (``_LayerPrices.shares``). Interleaving is considered when every
 DP stage uses the same mesh option and recomputes nothing (chunks of a mixed pipeline have no one mesh to
 share); otherwise the reason is recorded and the choice is kept.
 """
@@ -61,9 +62,10 @@ def recorded_schedule(schedule: str, virtual: int) -> str:
     return "gpipe" if schedule == "gpipe" else (INTERLEAVED if virtual > 1 else "1f1b")
 
 
-def manual_chunks(stages: list[ChosenStage], virtual: int, microbatches: int) -> list[ChosenStage]:
+def manual_chunks(stages: list[ChosenStage], virtual: int, microbatches: int, memory: float) -> list[ChosenStage]:
     """A manual interleaved stage list: PlanError unless chunk j shares the submesh of chunk j mod pp and the
-    microbatches split into groups of pp; each chunk's in-flight count from the interleaved order."""
+    microbatches split into groups of pp; each chunk's in-flight count from the interleaved order, and an
+    equal share of the device's ``memory`` for its exact solve (no DP prices them to split it otherwise)."""
     pp = len(stages) // virtual
     for j, s in enumerate(stages[pp:], start=pp):
         if s.option != stages[j % pp].option:
@@ -72,7 +74,7 @@ def manual_chunks(stages: list[ChosenStage], virtual: int, microbatches: int) ->
     if microbatches % pp:
         raise PlanError(f"interleaved 1F1B over {pp} devices needs microbatches a multiple of {pp}, got {microbatches}")
     live = inflight(INTERLEAVED, len(stages), microbatches, virtual)
-    return [s._replace(inflight=live[j]) for j, s in enumerate(stages)]
+    return [s._replace(inflight=live[j], budget=memory / virtual) for j, s in enumerate(stages)]
 
 
 def choose_virtual(choice: StageChoice, costs: StageCosts, global_batch: int, schedule: str,
@@ -108,7 +110,8 @@ def _choose(choice: StageChoice, costs: StageCosts, global_batch: int, schedule:
     best = min(fits, key=lambda v: (fits[v], v))
     if best == 1:
         return choice, record
-    return _chunked(choice, layer_cost.cuts(pp, best), option, best), record
+    cuts = layer_cost.cuts(pp, best)
+    return _chunked(choice, cuts, option, best, layer_cost.shares(cuts, pp, best)), record
 
 
 def keep_uninterleaved(choice: StageChoice, why: str) -> StageChoice:
@@ -130,9 +133,9 @@ def _refuse(choice: StageChoice, schedule: str, why: str) -> tuple[StageChoice, 
     return choice, {"virtual_stages": {"1": "kept", "why": why}}
 
 
-def _chunked(choice: StageChoice, cuts: list[tuple[int, int]], option, v: int) -> StageChoice:
+def _chunked(choice: StageChoice, cuts: list[tuple[int, int]], option, v: int, budgets: list[float]) -> StageChoice:
     live = inflight(INTERLEAVED, len(cuts), choice.microbatches, v)
-    stages = [ChosenStage(k, i, option, live[j]) for j, (k, i) in enumerate(cuts)]
+    stages = [ChosenStage(k, i, option, live[j], budget=budgets[j]) for j, (k, i) in enumerate(cuts)]
     return dataclasses.replace(choice, stages=stages, virtual=v)
 
 
@@ -184,6 +187,16 @@ class _LayerPrices:
         if worst > self.budget:
             return f"needs {worst:.3g} bytes per device"
         return float(max(op.end for op in ops))
+
+    def shares(self, cuts, pp: int, v: int) -> list[float]:
+        """Each chunk's memory budget for its exact solve: the device's v chunks split the device's memory in
+        proportion to their estimates e_c = param_c + peak_c + live_c · act_c (live_c: the most microbatches
+        chunk c holds), so Σ_{c on d} budget_c = device memory, and the plan's peak (Σ of its chunks'
+        peaks, ``plan_builder.predict``) stays within it. Solved with the whole device each, every chunk
+        could fill it alone."""
+        live = inflight(INTERLEAVED if v > 1 else "1f1b", len(cuts), self.B, v)
+        need = [float(self.fixed[k, i]) + live[j] * float(self.act[k, i]) for j, (k, i) in enumerate(cuts)]
+        return [self.budget * need[j] / sum(need[j % pp::pp]) for j in range(len(cuts))]
 
     def _device_memory(self, cuts, pp: int, v: int, device: int) -> float:
         mine = {j: cuts[j] for j in range(device, pp * v, pp)}

@@ -111,6 +111,24 @@ def test_auto_falls_back_to_the_dp_stages_when_an_interleaved_chunk_does_not_fit
     assert plan.planner["dp_rejected_stages"] == 1
 
 
+def test_interleaved_chunks_share_their_device_memory():
+    """GPT-6.7B on 16 V100s (fp16, batch 1024): "auto" interleaves two 1×8 stages into four chunks. Each
+    chunk's exact solve gets its share of the device (``_LayerPrices.shares``), so a device's chunks stay
+    within 16 GB together; solved with the whole device each, the same plan predicted 27.5 GiB."""
+    from autopar.presets import preset_gpus
+    from examples.gpt import GPT, make_batch, suite_config
+
+    cfg = suite_config("6.7B")
+    with torch.device("meta"):
+        model = GPT(cfg).half()
+    plan = autopar.plan(model, preset_gpus("p3.16xlarge", 16), make_batch(cfg, 1024, device="meta"))
+    assert plan.schedule == "interleaved" and plan.virtual_stages > 1, plan.planner["virtual_stages"]
+    pp = len(plan.stages) // plan.virtual_stages
+    per_device = [sum(s.predicted["peak_memory"] for s in plan.stages[d::pp]) for d in range(pp)]
+    assert max(per_device) <= plan.cluster["memory_per_device"], per_device
+    assert plan.predicted["peak_memory"] == max(per_device)
+
+
 def test_forced_interleaving_and_what_it_cannot_do():
     plan = four_node_plan(2, schedule="interleaved")
     assert plan.schedule == "interleaved" and plan.virtual_stages == 2  # slower here, but forced

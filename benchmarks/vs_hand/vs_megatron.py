@@ -128,7 +128,8 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
 
 
 def describe_plan(plan) -> str:
-    """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages, their submesh and logical mesh, microbatches."""
+    """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages (interleaved: chunks), their submesh and logical
+    mesh, microbatches, and ', interleaved v=2' when the device groups hold several chunks each."""
     runs: list[list] = []
     for s in plan.stages:
         key = (tuple(s.submesh), tuple(s.mesh_shape))
@@ -137,7 +138,8 @@ def describe_plan(plan) -> str:
         else:
             runs.append([key, 1])
     parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
-    return " + ".join(parts) + f", B={plan.microbatches}"
+    v = getattr(plan, "virtual_stages", 1)
+    return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "")
 
 
 def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
