@@ -17,7 +17,8 @@ ranks time-sharing 2 cores: the second figure). Layouts:
               sharded over the ranks (ZeRO);
   auto-RxC    no pins, one stage on that mesh: the planner's intra-op choice;
   auto        no pins, no stage count: everything the planner chooses (stages, submeshes, microbatches);
-  pp2-*       ``autopar.plan(..., stages=2)``, the planner's microbatches or 8 (pp2-B8).
+  pp2-*       ``autopar.plan(..., stages=2, schedule="1f1b")``, the planner's microbatches or 8 (pp2-B8);
+  pp2-v2      the two stages interleaved (``schedule="interleaved", virtual_stages=2``), 8 microbatches.
 
 Forced layouts and auto-RxC pass ``stages=1`` (one stage on the cluster's mesh). ``auto`` and ``pp2-*``
 are skipped, with a note, by a planner whose ``PlanOptions`` has no ``stages`` (there ``auto`` is auto-1xN).
@@ -92,11 +93,11 @@ PLANS_4 = [
     PlanSpec(name="auto-1x4", mesh=(1, 4)),
     PlanSpec(name="auto-2x2", mesh=(2, 2)),
     PlanSpec(name="auto", mesh=(1, 4), stages=None),
-    PlanSpec(name="pp2-auto", mesh=(1, 4), stages=2),
+    PlanSpec(name="pp2-auto", mesh=(1, 4), stages=2, options={"schedule": "1f1b"}),
 ]
 
 # The 2-rank set (one rank per core: the main figure): every layout of 2 devices and the memory levers a
-# user turns on the same layouts (recompute, ZeRO 2 and 3), pipelines at two microbatch counts.
+# user turns on the same layouts (recompute, ZeRO 2 and 3), pipelines at two microbatch counts, and interleaved.
 _MESH_2 = (1, 2)
 PLANS_2 = [
     PlanSpec(name="dp", mesh=_MESH_2, pin=data_parallel(_MESH_2)),
@@ -110,8 +111,10 @@ PLANS_2 = [
     PlanSpec(name="dp-z3", mesh=_MESH_2, pin=data_parallel(_MESH_2), options={"zero": 3}),
     PlanSpec(name="auto-1x2", mesh=_MESH_2),
     PlanSpec(name="auto", mesh=_MESH_2, stages=None),
-    PlanSpec(name="pp2-auto", mesh=_MESH_2, stages=2),
-    PlanSpec(name="pp2-B8", mesh=_MESH_2, stages=2, options={"microbatches": 8}),
+    PlanSpec(name="pp2-auto", mesh=_MESH_2, stages=2, options={"schedule": "1f1b"}),
+    PlanSpec(name="pp2-B8", mesh=_MESH_2, stages=2, options={"microbatches": 8, "schedule": "1f1b"}),
+    PlanSpec(name="pp2-v2", mesh=_MESH_2, stages=2,
+             options={"microbatches": 8, "schedule": "interleaved", "virtual_stages": 2}),
 ]
 PLANS_BY_WORLD = {2: PLANS_2, 4: PLANS_4}
 PLANS = PLANS_4  # the set of earlier results (4 ranks)
