@@ -23,6 +23,7 @@ import torch
 from autopar import invariants
 from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
+from autopar.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
@@ -79,7 +80,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
-            single = Beside(lambda: _feasible(lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
+            single = Beside(lambda: feasible(lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
                                                                     at_microbatch)))
         try:
             plan = _plan_stages(graph, layers, blocks, cluster, options, model_name, costs, candidates,
@@ -90,7 +91,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
             raise
         plan.planner["mesh_solves"] = costs.solves
         if single is not None:
-            plan = _or_single_stage(plan, single.result)
+            plan = or_single_stage(plan, single.result)
             clock.lap("single_stage_check")
     plan.planner["solver"] = backend()
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
@@ -140,6 +141,10 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                 raise _infeasible(InfeasibleError("the stage DP's choices do not fit when solved exactly"), graph,
                                   cluster, options, rejected) from None
             continue
+        if options.microbatches is None and choice.virtual == 1:
+            plan = fewer_microbatches(plan, candidates, lambda b: feasible(lambda: _pipeline(
+                graph, layers, blocks, cluster, options, model_name, same_stages_at(choice, b, dp_schedule(
+                    options.schedule)), at_microbatch, costs.modes)))
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
@@ -156,32 +161,6 @@ def _infeasible(e: InfeasibleError, graph, cluster: Cluster, options: PlanOption
     return InfeasibleError(f"{e}.{tried} For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
                            f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
                            + budget_unit_hint(cluster.memory_per_device))
-
-
-def _feasible(solve) -> Plan | None:
-    """``solve()``, or None when it finds nothing within memory (an InfeasibleError)."""
-    try:
-        return solve()
-    except InfeasibleError:
-        return None
-
-
-def _or_single_stage(pipelined: Plan, single) -> Plan:
-    """The faster (predicted) of the DP's plan and ``single()`` (None: infeasible): one stage on the whole
-    cluster, B = 1. It does not depend on the DP, so ``plan_graph`` solves it in a forked worker meanwhile.
-
-    The DP prices each B by scaling solutions made at two small reference microbatches (``inter_op``),
-    which cannot represent layouts that split a large microbatch widely, and charges costs that do not
-    grow with the microbatch (op overhead, collective start-ups) once per sample. The no-pipeline plan is
-    the one those estimates are furthest from, so it is solved exactly and kept when it is predicted
-    faster; both predictions are exact re-solves, so they compare."""
-    candidate = single()
-    if candidate is None:
-        return pipelined
-    if candidate.predicted["step_time"] < pipelined.predicted["step_time"]:
-        candidate.planner["dp_choice_step_time"] = float(pipelined.predicted["step_time"])
-        return candidate
-    return pipelined
 
 
 class _Clock:

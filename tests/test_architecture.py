@@ -39,6 +39,7 @@ LAYERS = {
     "autopar.driver": "driver",
     "autopar.options": "driver",
     "autopar.manual_stages": "driver",
+    "autopar.exact_checks": "driver",
     "autopar.plan_builder": "driver",
     "autopar.invariants": "driver",
     "autopar.runtime": "runtime",

@@ -81,11 +81,14 @@ def test_a_batch_the_data_parallel_degree_does_not_divide():
     with pytest.raises(PlanError, match=r"pin RS\(0\) for idx is not a valid sharding of it \(valid: "):
         autopar.plan(model, cluster, batch, pin={"idx": "RS(0)"})
     plan = autopar.plan(model, cluster, batch)
-    for name, sharding in plan.stages[0].shardings.items():
-        shape = plan_shape(model, batch, name)
-        for axis, p in enumerate(autopar.placement.parse_spec(sharding.out)):
-            if p.is_shard():
-                assert shape[p.dim] % cluster.mesh_shape[axis] == 0, (name, sharding.out, shape)
+    for stage in plan.stages:  # each on its own mesh, at microbatch 6 / B
+        for name, sharding in stage.shardings.items():
+            shape = list(plan_shape(model, batch, name))
+            if name == "idx":
+                shape[0] //= plan.microbatches
+            for axis, p in enumerate(autopar.placement.parse_spec(sharding.out)):
+                if p.is_shard():
+                    assert shape[p.dim] % stage.mesh_shape[axis] == 0, (name, sharding.out, shape, stage.mesh_shape)
 
 
 def plan_shape(model, batch, name, _cache={}):

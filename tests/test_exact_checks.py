@@ -1,0 +1,31 @@
+"""``autopar.exact_checks``: the planner's answer re-solved exactly where the stage DP's scaled prices are
+furthest off. Planned on simulated clusters (meta device)."""
+import torch
+
+import autopar
+from autopar.presets import preset_gpus
+from examples.gpt import GPT, SC21_TABLE1, make_batch, sc21_config
+
+
+def sc21_plan(name: str, gpus: int, **options) -> autopar.Plan:
+    """Megatron-LM SC'21 Table 1's GPT ``name`` on ``gpus`` DGX-A100 GPUs at its published global batch,
+    fp16 mixed precision."""
+    cfg = sc21_config(name)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batch = make_batch(cfg, SC21_TABLE1[name][3], device="meta")
+    return autopar.plan(model, preset_gpus("dgx-a100", gpus), batch, precision="fp16", **options)
+
+
+def test_a_one_stage_plan_is_solved_again_at_fewer_microbatches_while_faster():
+    """GPT-3.6B on 64 A100s, batch 512: the DP picks one stage at B = 8 (its prices, scaled from small
+    reference microbatches, charge per-microbatch costs once per sample). Solved exactly at B = 4, 2, 1,
+    each is faster, so the plan moves to B = 1; the step the DP's own choice was predicted at is recorded.
+    Planning with that B forced (the DP then prices it from a reference at that B) finds nothing faster."""
+    plan = sc21_plan("3.6B", 64)
+    assert len(plan.stages) == 1
+    assert plan.planner["dp_microbatches"] > plan.microbatches, plan.planner
+    assert plan.predicted["step_time"] < plan.planner["dp_choice_step_time"]
+    again = sc21_plan("3.6B", 64, microbatches=plan.microbatches)
+    assert len(again.stages) == 1 and "dp_microbatches" not in again.planner, "a user's B is kept as given"
+    assert again.predicted["step_time"] >= plan.predicted["step_time"] * (1 - 1e-9)
