@@ -454,3 +454,29 @@ def test_parse_equation():
     assert parse_equation("...ij,jk->...ik", [4, 2]) == (["YZij", "jk"], "YZik")
     assert parse_equation("ij,jk", [2, 2]) is None, "implicit output"
     assert parse_equation("ii->i", [2]) is None, "diagonal"
+
+
+def test_replan_plans_the_autopar_side_again_and_keeps_the_hand_grid(tmp_path, monkeypatch):
+    """``vs_megatron --replan``: a saved row's autopar side is planned with this tree (the same predicted
+    step as ``autopar.plan`` gives now), its hand grid and options other than the default schedule kept."""
+    import json
+
+    from autopar.presets import preset_gpus
+    from benchmarks.vs_hand import vs_megatron, vs_megatron_report
+
+    monkeypatch.setattr(vs_megatron_report, "RESULTS", str(tmp_path))
+    hand = {"hand": "dp1·tp1·pp1·B32", "hand_step": 12.5, "scored": [["dp1·tp1·pp1·B32", "ok", 12.5]],
+            "memory_ignored": [], "memory_binds": False, "hand_unbounded": None, "hand_unbounded_step": None,
+            "ceiling": None, "grid_s": 49.0}
+    row = {"point": "gpt:350M:1:dgx-a100", "family": "gpt", "model": "350M", "gpus": 1, "cluster": "dgx-a100",
+           "flops": 1e15, "auto_step": 99.0, "auto_plan": "stale", "plan_s": 1.0,
+           "autopar_options": {"schedule": "auto", "time_limit": 300.0}, **hand}
+    (tmp_path / "vs_megatron_simulate.json").write_text(json.dumps([row]))
+    assert vs_megatron.replan("simulate", "fp16", "# header") == 0
+    (new,) = json.loads((tmp_path / "vs_megatron_simulate.json").read_text())
+    work = vs_megatron.build_workload("gpt", "350M", "fp16")
+    now = autopar.plan(work.model, preset_gpus("dgx-a100", 1), work.batch, precision="fp16", time_limit=300.0)
+    assert new["auto_step"] == pytest.approx(float(now.predicted["step_time"]), rel=1e-9)
+    assert new["auto_plan"] == vs_megatron.describe_plan(now) and new["auto_step"] != 99.0
+    assert {k: new[k] for k in hand} == hand, "the hand grid is kept as saved"
+    assert new["autopar_options"] == {"time_limit": 300.0} and new["replanned"].startswith("# re-planned")

@@ -156,14 +156,8 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
                        time_limit=time_limit)
     best, unbounded = search.best, search.unbounded
     grid_s = time.perf_counter() - start
-    start = time.perf_counter()
     options = {"time_limit": time_limit, **(autopar_options or {})}
-    try:
-        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **options)
-        auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
-    except InfeasibleError as e:
-        auto_step, auto_desc = None, f"OOM ({e})"
-    plan_s = time.perf_counter() - start
+    auto_step, auto_desc, plan_s = plan_autopar(work, cluster, policy, options)
     return {"point": point, "family": family, "model": name, "gpus": int(gpus), "cluster": preset,
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
@@ -172,6 +166,35 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
             "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s,
             "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
             "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
+
+
+def plan_autopar(work: Workload, cluster, policy: str, options: dict) -> tuple[float | None, str, float]:
+    """(predicted step s or None, the plan in words or why nothing fits, planning seconds)."""
+    start = time.perf_counter()
+    try:
+        plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **options)
+        auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
+    except InfeasibleError as e:
+        auto_step, auto_desc = None, f"OOM ({e})"
+    return auto_step, auto_desc, time.perf_counter() - start
+
+
+def replan(name: str, precision: str | None, header: str) -> int:
+    """Plan the autopar side of every saved row again with this tree, keeping its hand grid: the grid is
+    scored with manual stages and fixed microbatches, which a change to the planner's own search (stage
+    DP, interleaving, exact re-solves) does not reach. Each row records when it was re-planned."""
+    rows = saved_rows(name)
+    for row in rows:
+        family, model, gpus, preset = row["point"].split(":")
+        work = build_workload(family, model, precision)
+        options = dict(row["autopar_options"])
+        if options.get("schedule") == "auto":  # the default now
+            del options["schedule"]
+        row["auto_step"], row["auto_plan"], row["plan_s"] = plan_autopar(
+            work, preset_gpus(preset, int(gpus)), precision or "fp32", options)
+        row["autopar_options"], row["replanned"] = options, report.machine_line("re-planned")
+        print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
+    return render_simulation(header, rows, name)
 
 
 def ratio(row: dict) -> float | None:
@@ -282,6 +305,8 @@ def main(argv=None) -> int:
                       "vs_megatron_simulate.json; several are merged, a later file's point replacing an earlier's) "
                       "without planning again")
     mode.add_argument("--simulate", action="store_true", help="grid search vs autopar.plan on simulated clusters")
+    mode.add_argument("--replan", action="store_true", help="plan the autopar side of the saved --simulate rows "
+                      "(--name) again, keeping their hand grids (for a change to the planner's own search)")
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
     parser.add_argument("--merge", action="store_true", help="--simulate: keep the saved JSON's other points")
@@ -311,6 +336,10 @@ def main(argv=None) -> int:
         print(report.markdown_table(HEADERS, [table_row(r) for r in rows]))
         return render_simulation(args.header or report.machine_line("autopar vs hand-written layouts, simulated "
                                                                     "(autopar's cost model)"), rows)
+    if args.replan:
+        return replan(args.name, args.precision, args.header or report.machine_line(
+            "autopar vs hand-written layouts, simulated (autopar's cost model"
+            + (f", {args.precision} mixed precision" if args.precision else "") + "; autopar side re-planned)"))
     if args.simulate:
         extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
         return simulate(args.points, args.precision, args.merge, extra, args.name, args.time_limit)
