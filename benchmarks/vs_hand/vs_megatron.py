@@ -6,6 +6,7 @@
     python benchmarks/vs_megatron.py --simulate --precision fp16 --merge --points gpt:39B:64:p3.16xlarge
     python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
+    python benchmarks/vs_megatron.py --replan --precision fp16   # saved rows: autopar side planned again
 
 --simulate: for every point MODEL:NAME:GPUS:PRESET, the best hand configuration of a grid search and
 autopar's own plan (``autopar.plan(model, cluster, batch)``, default options) are both scored by autopar's
