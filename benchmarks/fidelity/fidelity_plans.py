@@ -17,7 +17,7 @@ ranks time-sharing 2 cores: the second figure). Layouts:
               sharded over the ranks (ZeRO);
   auto-RxC    no pins, one stage on that mesh: the planner's intra-op choice;
   auto        no pins, no stage count: everything the planner chooses (stages, submeshes, microbatches);
-  pp2-*       ``autopar.plan(..., stages=2, schedule="1f1b")``, the planner's microbatches or 8 (pp2-B8);
+  pp2-*       ``autopar.plan(..., stages=2, schedule="1f1b")``, the planner's microbatches or 16 (pp2-B16);
   pp2-v2      the two stages interleaved (``schedule="interleaved", virtual_stages=2``), 8 microbatches.
 
 Forced layouts and auto-RxC pass ``stages=1`` (one stage on the cluster's mesh). ``auto`` and ``pp2-*``
@@ -112,7 +112,7 @@ PLANS_2 = [
     PlanSpec(name="auto-1x2", mesh=_MESH_2),
     PlanSpec(name="auto", mesh=_MESH_2, stages=None),
     PlanSpec(name="pp2-auto", mesh=_MESH_2, stages=2, options={"schedule": "1f1b"}),
-    PlanSpec(name="pp2-B8", mesh=_MESH_2, stages=2, options={"microbatches": 8, "schedule": "1f1b"}),
+    PlanSpec(name="pp2-B16", mesh=_MESH_2, stages=2, options={"microbatches": 16, "schedule": "1f1b"}),
     PlanSpec(name="pp2-v2", mesh=_MESH_2, stages=2,
              options={"microbatches": 8, "schedule": "interleaved", "virtual_stages": 2}),
 ]
