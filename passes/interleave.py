@@ -111,7 +111,7 @@ def _choose(choice: StageChoice, costs: StageCosts, global_batch: int, schedule:
     if best == 1:
         return choice, record
     cuts = layer_cost.cuts(pp, best)
-    return _chunked(choice, cuts, option, best, layer_cost.shares(cuts, pp, best)), record
+    return _chunked(choice, cuts, option, best, layer_cost), record
 
 
 def keep_uninterleaved(choice: StageChoice, why: str) -> StageChoice:
@@ -133,8 +133,9 @@ def _refuse(choice: StageChoice, schedule: str, why: str) -> tuple[StageChoice, 
     return choice, {"virtual_stages": {"1": "kept", "why": why}}
 
 
-def _chunked(choice: StageChoice, cuts: list[tuple[int, int]], option, v: int, budgets: list[float]) -> StageChoice:
+def _chunked(choice: StageChoice, cuts: list[tuple[int, int]], option, v: int, prices: "_LayerPrices") -> StageChoice:
     live = inflight(INTERLEAVED, len(cuts), choice.microbatches, v)
+    budgets = prices.shares(cuts, len(cuts) // v, live)
     stages = [ChosenStage(k, i, option, live[j], budget=budgets[j]) for j, (k, i) in enumerate(cuts)]
     return dataclasses.replace(choice, stages=stages, virtual=v)
 
@@ -188,13 +189,12 @@ class _LayerPrices:
             return f"needs {worst:.3g} bytes per device"
         return float(max(op.end for op in ops))
 
-    def shares(self, cuts, pp: int, v: int) -> list[float]:
+    def shares(self, cuts, pp: int, live: list[int]) -> list[float]:
         """Each chunk's memory budget for its exact solve: the device's v chunks split the device's memory in
         proportion to their estimates e_c = param_c + peak_c + live_c · act_c (live_c: the most microbatches
         chunk c holds), so Σ_{c on d} budget_c = device memory, and the plan's peak (Σ of its chunks'
         peaks, ``plan_builder.predict``) stays within it. Solved with the whole device each, every chunk
         could fill it alone."""
-        live = inflight(INTERLEAVED if v > 1 else "1f1b", len(cuts), self.B, v)
         need = [float(self.fixed[k, i]) + live[j] * float(self.act[k, i]) for j, (k, i) in enumerate(cuts)]
         return [self.budget * need[j] / sum(need[j % pp::pp]) for j in range(len(cuts))]
 
