@@ -86,9 +86,10 @@ def _export(model: torch.nn.Module, example_inputs: tuple, stack_traces: bool) -
     (``capture_hops.model_line``), so ``capture`` exports again with them on the error path alone."""
     quiet = io.StringIO()
     logger = logging.getLogger("torch")
-    level, recorded = logger.level, fx_config.do_not_emit_stack_traces
+    level, recorded = logger.level, getattr(fx_config, "do_not_emit_stack_traces", None)
     logger.setLevel(logging.ERROR)
-    fx_config.do_not_emit_stack_traces = not stack_traces
+    if recorded is not None:  # torch < 2.13 has no such switch and always records the stacks
+        fx_config.do_not_emit_stack_traces = not stack_traces
     try:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             return torch.export.export(model, example_inputs, strict=False)
@@ -96,7 +97,8 @@ def _export(model: torch.nn.Module, example_inputs: tuple, stack_traces: bool) -
         raise CaptureError(_describe_export_failure(model, e)) from None
     finally:
         logger.setLevel(level)
-        fx_config.do_not_emit_stack_traces = recorded
+        if recorded is not None:
+            fx_config.do_not_emit_stack_traces = recorded
 
 
 def _describe_export_failure(model: torch.nn.Module, e: Exception) -> str:

@@ -284,7 +284,7 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[st
         if node.op == "placeholder":
             em.emit_placeholder(node, tensors)
         elif node.op == "call_function":
-            mark = next(reversed(em.new.nodes), None)
+            mark = next(iter(reversed(em.new.nodes)), None)
             em.emit_call(node)
             if recompute and node.name in recompute:
                 _tag_since(em.new, mark, recompute[node.name])
