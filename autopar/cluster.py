@@ -81,17 +81,17 @@ class Cluster:
     source: where the numbers come from (a preset's citation, or "profiled on <host> <date>").
     matmul_curve: measured matmul throughput by dtype name, ``[[flops_per_call, achieved_flop_per_s], ...]``
       sorted by flops_per_call (see ``matmul_flops``); empty for presets, which have only a peak.
-    op_overhead: seconds of host time each op call costs besides its roofline time (Python, dispatcher,
-      autograd bookkeeping, kernel launch); ``cost_models.compute`` charges it once per op in forward and
-      once more in backward. 0 (the default, and what old cluster files load as) means "negligible", as on
-      GPUs whose launches overlap with running kernels; eager CPU ranks pay it in full.
+    op_overhead: seconds of host time each op call costs (Python, dispatcher, autograd bookkeeping, kernel
+      launch); ``cost_models.compute`` charges it once per op in forward and once more in backward, added to
+      the roofline time on CPU ranks and as max(roofline, host) on GPUs, whose launches overlap running
+      kernels. 0 (the default, and what old cluster files load as) means "negligible"; the profiler measures it.
     memory_capacity: the device's physical memory in bytes, for reports (0: not known). ``memory_per_device``
       is what training may use: the capacity less the CUDA context and an allocator reserve (see
       ``presets.usable_memory``); the planner's budget is ``memory_per_device``.
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
-      step (``autopar.profiler_training``, item 4); 1.0 on profiled GPUs, whose kernels are timed per probe.
+      step (``autopar.profiler_training``, item 4; GPUs record it and keep 1.0).
     """
 
     name: str

@@ -203,6 +203,9 @@ def _measure_point(call, settings: ProfileSettings, probe: ProbeDevice) -> float
 
 def _measure_matmuls(settings: ProfileSettings, bar, probe: ProbeDevice) -> dict[str, list[tuple[float, float]]]:
     """{dtype: [(2·s³ FLOPs, seconds per call on this rank), ...]}, dtypes with no usable size left out."""
+    if probe.kind == "cuda":  # an idle GPU clocks down: bring it to its working clock before the ladder
+        a = torch.randn(4096, 4096, device=probe.torch, dtype=torch.bfloat16)
+        probe.window_seconds(lambda: torch.mm(a, a), 200)
     curve = {name: _matmul_ladder(getattr(torch, name), settings, bar, probe) for name in MATMUL_DTYPES}
     return {name: points for name, points in curve.items() if points}
 

@@ -14,31 +14,39 @@
    points under "<kind>/<n>@<R>x<C>", which ``cost_models.communication`` prefers on that mesh.
 2. op_overhead: host seconds per eager op call. Every rank runs forward + backward of a tiny block (tensors of
    a few hundred bytes, so kernels cost ~nothing) in timed windows; op_overhead = median over ranks of
-   t / (2 · call_function nodes of its captured graph), the charge ``cost_models.compute`` makes. GPU ranks
-   skip it (0: launches overlap with running kernels; CUDA-event timing would not see host time anyway).
+   t / (2 · call_function nodes of its captured graph), the charge ``cost_models.compute`` makes. On GPUs the
+   same window, timed with CUDA events, spans the host's launches (the device idles between its tiny
+   kernels), so it measures the host's rate too; the cost model there takes max(kernel, host) per op.
 3. Training-shaped matmuls. The curve times square ``mm`` on cache-hot operands; training's linears are
    rectangular, two of their three GEMMs read a transposed operand, and other ops evict the operands between
    calls (the GPT example's linears ran at 0.71× the curve on the development VM). Method: forward + backward
    of ``F.linear`` (three GEMMs) for each of ``TRAINING_SHAPES``; factor = median over shapes of curve-predicted
-   GEMM seconds / (measured - 2 · op_overhead); the curve of the dtype measured (float32 on CPUs, the
-   half-precision ones on GPUs) is multiplied by it, and its peak with it.
-4. End-to-end compute factor (CPU ranks). Items 2-3 price op calls and matmuls one by one; a training step
-   also pays what no single probe sees (elementwise ops on tensors larger than the caches, the allocator,
-   autograd's accumulation). Every rank runs forward + backward of ``TinyBlock(PROBE_WIDTH)`` on PROBE_TOKENS
-   tokens, all ranks at once; the cost model prices the same captured graph on the cluster of items 1-3
-   (``probe_step_prediction``: roofline seconds r, host overhead o). A square fp32 ``mm`` of REFERENCE_SIDE is
-   timed right before and after the probe step: the machine's speed then, against the speed the matmul
-   curve recorded (on a shared machine the load drifts between the profile's probes, and a factor taken
-   across them would measure the drift), so with q = reference seconds measured / predicted by the curve
+   GEMM seconds / (measured - 2 · op_overhead) (on GPUs the measured time itself: the launches overlap the
+   kernels); the curve of the dtype measured (float32 on CPUs, the half-precision ones on GPUs) is multiplied
+   by it, and its peak with it. GPUs time ``GPU_TRAINING_SHAPES``, transformer linears of a GPU's size: the
+   CPU shapes scaled up stayed near launch-bound on an H200 and read 0.45 of the square curve.
+4. End-to-end compute factor. Items 2-3 price op calls and matmuls one by one; a training step also pays
+   what no single probe sees (elementwise ops on tensors larger than the caches, the allocator, autograd's
+   accumulation, unfused epilogues). Every rank runs forward + backward of ``TinyBlock(width)`` on ``tokens``
+   tokens (``probe_shape``: 192 wide, 384 tokens, fp32 on CPUs; 2048 wide, 4096 tokens, bf16 on GPUs), all
+   ranks at once; the cost model prices the same captured graph on the cluster of items 1-3
+   (``probe_step_ops``: per op, roofline seconds r_i and host seconds o_i). A square ``mm`` of the probe's
+   reference side and dtype is timed right before and after the probe step: the machine's speed then, against
+   the speed the matmul curve recorded (on a shared machine the load drifts between the profile's probes,
+   and a factor taken across them would measure the drift), so with q = reference seconds measured /
+   predicted by the curve, compute_time_scale is the s that solves
 
-       compute_time_scale = (measured − o) / (r · q)
+       measured = Σ_i combine(s · q · r_i, o_i)      (combine: + on CPU ranks, max on GPUs; ``with_host_time``)
 
-   which ``cost_models.compute`` multiplies every roofline time by (it does not scale the overhead). The probe
-   is the profiler's own block, not a model being planned. GPU ranks keep 1.0 (kernels are timed per probe).
+   i.e. (measured − Σ o_i) / (q · Σ r_i) on CPUs, found by bisection on GPUs. ``cost_models.compute``
+   multiplies every roofline time by it (it does not scale the overhead). The probe is the profiler's own
+   block, not a model being planned. GPUs measure it and record it in the source line but keep 1.0
+   (``GPU_PROBE``).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 
 import torch
@@ -50,9 +58,32 @@ from autopar.cluster import Cluster
 
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
 TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
-GPU_SCALE = 8  # GPU ranks time each shape 8× larger per side-pair (tokens and d_out), past launch-bound sizes
-PROBE_WIDTH, PROBE_TOKENS = 192, 384  # item 4: a transformer block large enough that its kernels dominate
-REFERENCE_SIDE = 256  # item 4: the square mm timed beside the probe step
+# GPUs: (tokens, in, out) of a transformer's linears at widths 1-4K, long enough (0.1-1 ms) that launches hide.
+GPU_TRAINING_SHAPES = ((8192, 2048, 8192), (8192, 8192, 2048), (4096, 4096, 12288), (16384, 1024, 4096),
+                       (8192, 2048, 2048))
+PROBE_WIDTH, PROBE_TOKENS = 192, 384  # item 4 on CPUs: a transformer block large enough that its kernels dominate
+REFERENCE_SIDE = 256  # item 4 on CPUs: the square mm timed beside the probe step
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeShape:
+    """Item 4's probe block (width, tokens, dtype) and the reference mm (side, same dtype) for a device kind."""
+
+    width: int
+    tokens: int
+    dtype: str
+    reference_side: int
+
+
+CPU_PROBE = ProbeShape(PROBE_WIDTH, PROBE_TOKENS, "float32", REFERENCE_SIDE)
+# On GPUs the factor is measured and recorded in the cluster's source, not applied: on an H200 it read 0.82
+# and made one-GPU GPT/Llama predictions worse (median error 31 % against 19 % at 1.0, same ranking),
+# because the probe's materialized attention is priced pessimistically where the models run flash SDPA.
+GPU_PROBE = ProbeShape(2048, 4096, "bfloat16", 4096)
+
+
+def probe_shape(device_type: str) -> ProbeShape:
+    return GPU_PROBE if device_type == "cuda" else CPU_PROBE
 
 
 class TinyBlock(nn.Module):
@@ -109,8 +140,7 @@ def _linear_step(shape, dtype: torch.dtype, device):
 
 
 def training_shapes(probe) -> list[tuple[int, int, int]]:
-    k = GPU_SCALE if probe.kind == "cuda" else 1
-    return [(t * k, d_in, d_out * k) for t, d_in, d_out in TRAINING_SHAPES]
+    return list(GPU_TRAINING_SHAPES if probe.kind == "cuda" else TRAINING_SHAPES)
 
 
 def measure_rank(settings, probe) -> dict:
@@ -126,14 +156,17 @@ def measure_rank(settings, probe) -> dict:
                                               for a in (0, 1))
                 out["mesh"].setdefault((mesh, kind), []).append((m0, m1, _timed(lambda: (call0(), call1()),
                                                                                  settings, probe)))
-    if probe.kind != "cuda":
-        block, x = TinyBlock(), torch.randn(4, 8)
-        out["tiny_step"] = _timed(lambda: block(x).backward(), settings, probe)
-        block, x = TinyBlock(PROBE_WIDTH), torch.randn(PROBE_TOKENS, PROBE_WIDTH)
-        a, b = torch.randn(REFERENCE_SIDE, REFERENCE_SIDE), torch.randn(REFERENCE_SIDE, REFERENCE_SIDE)
-        before = _timed(lambda: torch.mm(a, b), settings, probe)
-        out["probe_step"] = _timed(lambda: block(x).backward(), settings, probe)
-        out["probe_reference"] = (before + _timed(lambda: torch.mm(a, b), settings, probe)) / 2
+    device = probe.torch
+    block, x = TinyBlock().to(device), torch.randn(4, 8, device=device)
+    out["tiny_step"] = _timed(lambda: block(x).backward(), settings, probe)
+    shape = probe_shape(probe.kind)
+    dtype = getattr(torch, shape.dtype)
+    block = TinyBlock(shape.width).to(device, dtype)
+    x = torch.randn(shape.tokens, shape.width, device=device, dtype=dtype)
+    a, b = (torch.randn(shape.reference_side, shape.reference_side, device=device, dtype=dtype) for _ in range(2))
+    before = _timed(lambda: torch.mm(a, b), settings, probe)
+    out["probe_step"] = _timed(lambda: block(x).backward(), settings, probe)
+    out["probe_reference"] = (before + _timed(lambda: torch.mm(a, b), settings, probe)) / 2
     for name in training_dtypes(probe):
         dtype = getattr(torch, name)
         out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
@@ -151,36 +184,46 @@ def tiny_block_nodes() -> int:
 
 def training_matmul_factor(cluster: Cluster, dtype_name: str, shapes, seconds, overhead: float) -> float:
     """Median over ``shapes`` of curve-predicted GEMM seconds (3 GEMMs of 2·t·i·o FLOPs) / measured kernel
-    seconds (the measured step less its 2 op calls' overhead)."""
+    seconds (the measured step less its 2 op calls' overhead on CPUs; on GPUs the measured step itself)."""
+    host = 0.0 if cluster.device_type == "cuda" else 2 * overhead
     factors = []
     for (tokens, d_in, d_out), measured in zip(shapes, seconds):
         flops = 2.0 * tokens * d_in * d_out
         predicted = 3 * flops / cluster.matmul_flops(dtype_name, flops)
-        factors.append(predicted / max(measured - 2 * overhead, 1e-9))
+        factors.append(predicted / max(measured - host, 1e-9))
     return statistics.median(factors)
 
 
-def probe_step_prediction(cluster: Cluster, width: int = PROBE_WIDTH, tokens: int = PROBE_TOKENS):
-    """(roofline seconds, overhead seconds) the cost model predicts for forward + backward of
-    ``TinyBlock(width)`` on ``tokens`` tokens on one device of ``cluster``, at compute_time_scale 1."""
+def probe_step_ops(cluster: Cluster, shape: ProbeShape | None = None) -> list[tuple[float, float]]:
+    """(roofline seconds r_i, host seconds o_i) per op of forward + backward of ``TinyBlock(shape.width)`` on
+    ``shape.tokens`` tokens in ``shape.dtype`` (default: the cluster's device's ``probe_shape``) on one
+    device of ``cluster``, at compute_time_scale 1."""
     from autopar.cost_models.compute import compute_time, op_overhead_time
     from autopar.ir.ops import OpView, requires_grad_nodes
     from autopar.passes.capture import capture
     from autopar.placement import R
 
-    graph = capture(TinyBlock(width), (torch.randn(tokens, width),))
+    shape = shape or probe_shape(cluster.device_type)
+    dtype = getattr(torch, shape.dtype)
+    graph = capture(TinyBlock(shape.width).to(dtype), (torch.randn(shape.tokens, shape.width, dtype=dtype),))
     needs = requires_grad_nodes(graph.gm, {p.name for p in graph.placeholders if p.kind == "parameter"})
-    unscaled = dataclasses.replace(cluster, compute_time_scale=1.0)
-    roofline = overhead = 0.0
+    # roofline alone: no overhead in compute_time, which then returns the device seconds whatever the device
+    bare = dataclasses.replace(cluster, compute_time_scale=1.0, op_overhead=0.0)
+    ops = []
     for node in graph.gm.graph.nodes:
         if node.op != "call_function":
             continue
         view, grad = OpView(node), node.name in needs
         whole = _Whole(tuple((R,) * len(getattr(v, "shape", ())) for v in view.in_vals), (R,) * 2)
-        t = compute_time(node, whole, view.in_vals, view.out_vals, (1, 1), unscaled, grad)
-        o = op_overhead_time(unscaled, grad)
-        roofline, overhead = roofline + t - o, overhead + o
-    return roofline, overhead
+        ops.append((compute_time(node, whole, view.in_vals, view.out_vals, (1, 1), bare, grad),
+                    op_overhead_time(cluster, grad)))
+    return ops
+
+
+def probe_step_prediction(cluster: Cluster, width: int = PROBE_WIDTH, tokens: int = PROBE_TOKENS):
+    """(roofline seconds, overhead seconds) summed over ``probe_step_ops`` for an fp32 probe of this size."""
+    ops = probe_step_ops(cluster, ProbeShape(width, tokens, "float32", REFERENCE_SIDE))
+    return sum(r for r, _ in ops), sum(o for _, o in ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,15 +235,28 @@ class _Whole:
     work_fraction: float = 1.0
 
 
-def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None = None) -> float:
-    """compute_time_scale of item 4: (measured − predicted overhead) / (predicted roofline · q), q = the
-    reference mm's measured seconds over the curve's (1 when ``reference`` is None)."""
-    roofline, overhead = probe_step_prediction(cluster)
+def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None = None,
+                      shape: ProbeShape | None = None) -> float:
+    """compute_time_scale of item 4: the s with measured = Σ combine(s·q·r_i, o_i), q = the reference mm's
+    measured seconds over the curve's (1 when ``reference`` is None); shape: the probe (default: the
+    cluster's device's ``probe_shape``)."""
+    from autopar.cost_models.compute import with_host_time
+
+    shape = shape or probe_shape(cluster.device_type)
+    ops = probe_step_ops(cluster, shape)
     q = 1.0
     if reference is not None:
-        flops = 2.0 * REFERENCE_SIDE**3
-        q = reference / (flops / cluster.matmul_flops("float32", flops))
-    return max(measured - overhead, 1e-9) / max(roofline * q, 1e-12)
+        flops = 2.0 * shape.reference_side**3
+        q = reference / (flops / cluster.matmul_flops(shape.dtype, flops))
+    roofline, overhead = sum(r for r, _ in ops) * q, sum(o for _, o in ops)
+    if cluster.device_type != "cuda":
+        return max(measured - overhead, 1e-9) / max(roofline, 1e-12)
+    low, high = 1e-3, 1e3  # predicted(s) grows with s: bisection in log space
+    for _ in range(60):
+        mid = math.sqrt(low * high)
+        predicted = sum(with_host_time(mid * q * r, o, cluster) for r, o in ops)
+        low, high = (mid, high) if predicted < measured else (low, mid)
+    return math.sqrt(low * high)
 
 
 def _share(alone, axis: int, m0: float, m1: float) -> float:
@@ -245,8 +301,12 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
                               op_overhead=overhead, matmul_curve=curve, peak_flops=peak)
     probes = [(r["probe_step"], r["probe_reference"]) for r in per_rank if r.get("probe_step") is not None]
     if probes:
-        scale = end_to_end_factor(out, statistics.median(p for p, _ in probes), statistics.median(q for _, q in probes))
-        out = dataclasses.replace(out, compute_time_scale=scale)
-        notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
+        scale = end_to_end_factor(out, statistics.median(p for p, _ in probes),
+                                  statistics.median(q for _, q in probes))
+        if probe.kind == "cuda":
+            notes.append(f"probe step factor {scale:.2f} measured, not applied (GPU_PROBE's docstring)")
+        else:
+            out = dataclasses.replace(out, compute_time_scale=scale)
+            notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
     note = f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; " + ("; ".join(notes) or "no curve scaled")
     return out, note

@@ -1,6 +1,8 @@
 """Compute cost of one op under one strategy: FLOPs and bytes -> seconds by a roofline, plus host overhead.
 
-    t(node, strategy) = max( flops · work_fraction / F ,  bytes_local / B )  +  calls · op_overhead
+    d(node, strategy) = max( flops · work_fraction / F ,  bytes_local / B )        (device seconds)
+    o(node)           = calls · op_overhead                                    (host seconds)
+    t = d + o on CPU ranks,  t = max(d, o) on GPUs                             (``with_host_time``)
                         (forward + backward; calls = 1, or 2 when the op is differentiable)
 
 F = cluster.matmul_flops(dtype, flops of one call): the measured rate at this call's size when the
@@ -32,9 +34,12 @@ A model that writes attention as separate ops (matmul, softmax, matmul) is price
 matrix's bytes included, which is the materialized kernel by construction.
 
 op_overhead (``Cluster.op_overhead``, 0 unless measured) is the host time of one eager op call: Python,
-dispatcher, autograd bookkeeping. Every call_function node pays it once in forward and once more in
-backward when it is differentiable, views included (each is an ATen call and an autograd node). On
-4 CPU ranks of a small model it is a sizeable share of the step; on GPUs it hides behind the kernels.
+dispatcher, autograd bookkeeping, kernel launch. Every call_function node pays it once in forward and once
+more in backward when it is differentiable, views included (each is an ATen call and an autograd node). A
+CPU rank runs the kernel on the thread that issued it, so the two add; a GPU queues kernels asynchronously
+and the host issues the next op while the device runs this one, so an op costs the slower of the two: a
+large matmul hides its launch, and a model of small kernels runs at the host's pace (a GPT of width 512
+on an H200 stepped in 22.5 ms where its kernels alone take 8).
 """
 from __future__ import annotations
 
@@ -120,6 +125,13 @@ def local_bytes(val: Any, spec, mesh_shape) -> float:
     return math.prod(local_shape(tuple(val.shape), spec, mesh_shape)) * val.element_size()
 
 
+def with_host_time(device_seconds: float, host_seconds: float, cluster) -> float:
+    """One op's seconds from its kernel time and its host time: the sum on CPU ranks, the larger on GPUs."""
+    if getattr(cluster, "device_type", "cpu") == "cuda":
+        return max(device_seconds, host_seconds)
+    return device_seconds + host_seconds
+
+
 def op_overhead_time(cluster, differentiable: bool) -> float:
     """Host seconds of one node's op calls: op_overhead × (1 forward + 1 backward when differentiable)."""
     return getattr(cluster, "op_overhead", 0.0) * (2 if differentiable else 1)
@@ -188,7 +200,7 @@ def moves_no_data(node: fx.Node) -> bool:
 def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_shape, cluster,
                  differentiable: bool) -> float:
     """Seconds for forward (+ backward when ``differentiable``) of ``node`` under ``strategy``: the
-    roofline of its local FLOPs and bytes, plus ``op_overhead_time`` (see the module docstring)."""
+    roofline of its local FLOPs and bytes with ``op_overhead_time`` (``with_host_time``; module docstring)."""
     if node.op != "call_function":
         return 0.0
     overhead = op_overhead_time(cluster, differentiable)
@@ -202,14 +214,15 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     scale = getattr(cluster, "compute_time_scale", 1.0)
     kernel = attention_kernel(node, cluster)
     if kernel is not None:
-        return scale * attention_time(node, kernel, flops, moved, strategy, cluster, differentiable) + overhead
+        seconds = attention_time(node, kernel, flops, moved, strategy, cluster, differentiable)
+        return with_host_time(scale * seconds, overhead, cluster)
     # The output's dtype is the one the op computes in: under autocast a linear reads fp32 tensors and
     # computes (and returns) bf16; without autocast inputs and output agree.
     floating = [v for v in out_vals + in_vals if isinstance(v, torch.Tensor) and v.dtype.is_floating_point]
     dtype = floating[0].dtype if floating else torch.float32
     name = str(dtype).replace("torch.", "")
     rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
-    return scale * max(flops / rate, moved / cluster.memory_bandwidth) + overhead
+    return with_host_time(scale * max(flops / rate, moved / cluster.memory_bandwidth), overhead, cluster)
 
 
 # Bytes each optimizer step moves per parameter element, in units of the parameter's itemsize:
@@ -223,10 +236,14 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     """Seconds of one ``optimizer.step()`` over ``n_tensors`` local parameter tensors of ``numel`` elements:
 
         t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
-            + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead
+            + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead       (CPU ranks only)
+
+On GPUs the foreach kernels take many tensors per launch, so the per-tensor host charge is left out.
 
     Part of a plan's predicted step time (``plan_builder.predict``), not yet of the ILP's objective: it
     shrinks as parameters are sharded, so it belongs in the cost of a parameter's strategy.
     """
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
+    if getattr(cluster, "device_type", "cpu") == "cuda":
+        return traffic
     return traffic + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)

@@ -11,7 +11,7 @@ import torch
 from autopar.cluster import Cluster
 from autopar.plan import Plan, Stage
 from autopar.plan_builder import exposed_sync
-from autopar.profiler_training import end_to_end_factor, probe_step_prediction
+from autopar.profiler_training import ProbeShape, end_to_end_factor, probe_step_ops, probe_step_prediction
 from benchmarks.calibration.published_schedule import op_sac_share, published_prediction
 from benchmarks.fidelity.cost_model_fidelity import drift_corrected, figures, median_rows
 
@@ -110,6 +110,19 @@ def test_end_to_end_factor_is_measured_less_overhead_over_roofline():
     # a machine running at half the curve's speed during the probe (reference mm twice as slow) halves it
     flops = 2.0 * 256**3
     assert end_to_end_factor(cluster, overhead + 1.3 * roofline, 2 * flops / 1e9) == pytest.approx(0.65)
+
+
+def test_end_to_end_factor_on_gpus_overlaps_host_and_kernels():
+    """On a GPU cluster the probe's ops cost max(s·r_i, o_i): the factor solves that sum, not the CPU one."""
+    shape = ProbeShape(width=16, tokens=32, dtype="float32", reference_side=256)
+    gpu = dataclasses.replace(_flat_cluster(2e-5), device_type="cuda", backend="nccl")
+    ops = probe_step_ops(gpu, shape)
+    assert any(2 * r > o for r, o in ops) and any(2 * r < o for r, o in ops)  # both regimes present
+    measured = sum(max(2.0 * r, o) for r, o in ops)
+    assert end_to_end_factor(gpu, measured, shape=shape) == pytest.approx(2.0, rel=1e-6)
+    # negative control: the CPU formula (measured - overhead) / roofline reads another factor
+    cpu = dataclasses.replace(gpu, device_type="cpu", backend="gloo")
+    assert end_to_end_factor(cpu, measured, shape=shape) != pytest.approx(2.0, rel=0.05)
 
 
 def _row(plan, pred_t, meas_t, mem_err):

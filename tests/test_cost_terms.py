@@ -88,8 +88,9 @@ def _attention_node(n_embd: int, n_head: int, dtype=torch.float16):
 
 
 def _time(node, cluster):
-    vals = [a.meta["val"] for a in node.args[:3]]
-    strategy = types.SimpleNamespace(work_fraction=1.0, in_specs=[(R, R)] * 3, out_spec=(R, R))
+    vals = [a.meta["val"] for a in node.args[:3] if isinstance(a, torch.fx.Node)]
+    strategy = types.SimpleNamespace(work_fraction=1.0, in_specs=[(R,) * v.dim() for v in vals],
+                                     out_spec=(R,) * node.meta["val"].dim())
     return compute_time(node, strategy, vals, [node.meta["val"]], (1, 1), cluster, differentiable=True)
 
 
@@ -123,9 +124,32 @@ def test_materialized_attention_pays_for_the_score_matrix():
 
 def test_compute_time_scale_multiplies_the_roofline_not_the_overhead():
     node = _attention_node(64, 4)
-    base = Cluster(**{**Cluster.preset("dgx-a100").__dict__, "compute_time_scale": 1.0, "op_overhead": 1e-3})
+    base = Cluster(**{**Cluster.local(1).__dict__, "compute_time_scale": 1.0, "op_overhead": 1e-3})
     scaled = Cluster(**{**base.__dict__, "compute_time_scale": 2.0})
+    assert _time(node, base) > 2e-3
     assert _time(node, scaled) - 2e-3 == pytest.approx(2 * (_time(node, base) - 2e-3))
+
+
+def test_host_time_adds_on_cpu_ranks_and_overlaps_on_gpus():
+    """A GPU op costs max(kernel, host): a small kernel waits for its launch, a large one hides it."""
+    node = next(n for n in _attention_node(64, 4).graph.nodes if "linear" in str(n.target))
+    gpu = Cluster(**{**Cluster.preset("dgx-a100").__dict__, "compute_time_scale": 1.0})
+    kernel = _time(node, gpu)  # op_overhead 0: the kernel alone
+    for host in (kernel / 10, 10 * kernel):  # per call; the node is charged 2 calls (forward, backward)
+        on_gpu = Cluster(**{**gpu.__dict__, "op_overhead": host})
+        assert _time(node, on_gpu) == pytest.approx(max(kernel, 2 * host))
+        as_cpu = Cluster(**{**on_gpu.__dict__, "device_type": "cpu", "backend": "gloo"})
+        assert _time(node, as_cpu) == pytest.approx(kernel + 2 * host)  # negative control: the CPU sum
+
+
+def test_optimizer_host_charge_is_per_tensor_on_cpus_only():
+    from autopar.cost_models.compute import optimizer_step_time
+
+    cpu = Cluster(**{**Cluster.local(1).__dict__, "op_overhead": 1e-5, "memory_bandwidth": 1e9})
+    gpu = Cluster(**{**cpu.__dict__, "device_type": "cuda", "backend": "nccl"})
+    traffic = 1000 * 4 * 7 / 1e9
+    assert optimizer_step_time(1000, 10, 4, "adamw", gpu) == pytest.approx(traffic)
+    assert optimizer_step_time(1000, 10, 4, "adamw", cpu) == pytest.approx(traffic + 10 * 3 * 1e-5)
 
 
 # ---- profiler: training conditions, synthetic measurements ----------------------------------------
@@ -150,6 +174,11 @@ def test_training_matmul_factor_is_curve_time_over_kernel_time():
     overhead = 1e-4
     measured = [2 * 3 * 2.0 * math.prod(s) / 1e10 + 2 * overhead for s in shapes]  # half the curve's speed
     assert training_matmul_factor(cluster, "float32", shapes, measured, overhead) == pytest.approx(0.5)
+    # on a GPU the launches overlap the kernels: the measured time is the kernels' own
+    gpu = Cluster(**{**cluster.__dict__, "device_type": "cuda", "backend": "nccl"})
+    kernels = [2 * 3 * 2.0 * math.prod(s) / 1e10 for s in shapes]
+    assert training_matmul_factor(gpu, "float32", shapes, kernels, overhead) == pytest.approx(0.5)
+    assert training_matmul_factor(gpu, "float32", shapes, measured, overhead) < 0.5  # not subtracted
 
 
 def test_single_step_release_counts_gradients_made_after_later_activations_are_freed():

@@ -192,6 +192,8 @@ def test_gpu_profile_uses_nccl_and_cuda_events(tmp_path):
     assert cluster.backend == "nccl" and cluster.device_type == "cuda"
     assert "NCCL ranks" in cluster.source and 2**30 < cluster.memory_per_device < 0.96 * cluster.memory_capacity
     assert cluster.peak_flops["float32"] > 1e12  # any GPU beats a CPU core by far
+    # host time per op is measured; the probe step's factor is recorded, not applied (GPU_PROBE)
+    assert cluster.op_overhead > 0 and cluster.compute_time_scale == 1.0 and "not applied" in cluster.source
     assert Cluster.from_json(tmp_path / "gpu.json") == cluster
 
 

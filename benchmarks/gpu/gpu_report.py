@@ -22,7 +22,7 @@ def _parity(rows) -> list[str]:
     if isinstance(rows, dict):
         return ["## Parity", ""] + _error(rows)
     out = ["## Parity (losses vs the same model on the device without autopar)", "",
-           "| model | precision | worst rel. loss diff | tolerance | control (lr x1.1) | passed |",
+           "| model | precision | worst rel. loss diff | tolerance | control (lr x2) | passed |",
            "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -54,7 +54,8 @@ def _profile(row) -> list[str]:
            f"4096^3 fp32: {row.get('direct_fp32_4096', 0) / 1e12:.1f} TFLOP/s",
            f"- memory bandwidth {row['memory_bandwidth'] / 1e9:.0f} GB/s; usable memory "
            f"{row['memory_per_device'] / GiB:.2f} GiB of {row['memory_capacity'] / GiB:.2f} GiB",
-           f"- op overhead {row['op_overhead'] * 1e6:.1f} us; compute_time_scale {row['compute_time_scale']:.3f}", ""]
+           f"- op overhead {row['op_overhead'] * 1e6:.1f} us; compute_time_scale {row['compute_time_scale']:.3f}",
+           f"- source: {row.get('cluster', {}).get('source', '')}", ""]
     return out
 
 
