@@ -17,6 +17,14 @@ tensor the op touches, as a fraction of that tensor's bytes, so they shard as th
 consumer makes when it reshards an input before saving it is not counted (an under-estimate the
 fidelity benchmark measures).
 
+Under a precision policy the ops are probed under the policy's autocast (``saved_tensors``). A copy
+autocast makes of an input and backward keeps is charged to that input's owner, once per reader (autocast
+caches no copy of a non-leaf): an fp32 activation x read by k linears costs k · numel(x) · 2 bytes in bf16
+where it was k-independent 4 · numel(x) before. Copies of trainable parameters are autocast's cached
+weight copies, charged with the parameter state (``TrainingSpec.param_bytes``), not here. An op autocast
+computes in fp32 (cross_entropy, the norms and losses) keeps its fp32 intermediates: cross_entropy on bf16
+logits of n elements keeps a 4n-byte log-softmax, not 2n.
+
 Weight-update sharding (ZeRO, over the data-parallel axes of a parameter: the mesh axes it is replicated on),
 per parameter element, with n = the product of those axes' sizes:
 
@@ -34,6 +42,10 @@ transiently (``cost_models.zero3.zero3_transient``: the peak over the forward of
 last-read spans overlap, each its padded flat buffer at the gather itemsize, ``ir.buckets.peak_gathered``).
 
 Peak over a step (``ilp.memory_of``): parameter state + every saved activation + the largest transient.
+A node's transient is its output and that output's gradient, 2 × its output bytes, or, where autocast
+widens an input (``cast_inputs``), 2 × the widened copy's bytes: backward of cross_entropy on bf16 logits
+of n elements holds the fp32 gradient of the log-softmax and of the logits at once, 2 × 4n bytes beside the
+kept 4n-byte log-softmax, where the bf16 logits alone would give 2 × 2n.
 All saved activations are alive at the end of forward; gradients then replace them layer by layer, so
 this sum bounds the real peak from above by at most the gradient bytes (4 of the 16 bytes/parameter).
 Where a step runs one microbatch, the plan's prediction takes back what that bound overcounts for the
@@ -108,8 +120,8 @@ def _out_bytes(node: fx.Node) -> float:
 class _Owners:
     """Maps a node to the node owning its output's storage: through views and ops that alias an input."""
 
-    def __init__(self, grad_names: set[str], device_type: str):
-        self.grad_names, self.device_type = grad_names, device_type
+    def __init__(self, grad_names: set[str], device_type: str, autocast_dtype: torch.dtype | None = None):
+        self.grad_names, self.device_type, self.autocast_dtype = grad_names, device_type, autocast_dtype
         self._memo: dict[str, fx.Node] = {}
 
     def __call__(self, node: fx.Node) -> fx.Node:
@@ -126,32 +138,65 @@ class _Owners:
             return self(src) if isinstance(src, fx.Node) and is_free_view(src) else node
         if is_free_view(node):
             return self(args[0]) if args else node
-        alias = saved_rule(node, self.grad_names, self.device_type).alias_of
+        alias = saved_rule(node, self.grad_names, self.device_type, self.autocast_dtype).alias_of
         return self(args[alias]) if alias is not None and alias < len(args) else node
 
 
-def saved_nodes(gm: fx.GraphModule, requires_grad: set[str], device_type: str = "cpu") -> dict[str, float]:
+def saved_nodes(gm: fx.GraphModule, requires_grad: set[str], device_type: str = "cpu",
+                autocast_dtype: torch.dtype | None = None) -> dict[str, float]:
     """{node name: saved bytes per output byte of that node}: 1.0 for a kept output, plus the share of
-    tensors created for backward that the node is charged with (see the module docstring).
+    tensors created for backward that the node is charged with, plus autocast's kept copies of it (see the
+    module docstring).
 
     Only ops on the gradient path save anything: a node whose output needs no gradient records no
-    backward. device_type picks the kernels' saving behaviour ("cpu", or "cuda": see saved_tensors).
+    backward. device_type picks the kernels' saving behaviour ("cpu", or "cuda": see saved_tensors);
+    autocast_dtype is the precision policy's compute dtype (None for fp32).
     """
-    owner = _Owners(requires_grad, device_type)
+    owner = _Owners(requires_grad, device_type, autocast_dtype)
     kept: set[str] = set()
     extra: dict[str, float] = {}
+
+    def charge(anchor: fx.Node, nbytes: float) -> None:
+        extra[anchor.name] = extra.get(anchor.name, 0.0) + nbytes / max(_out_bytes(anchor), 1.0)
+
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.name not in requires_grad or is_free_view(node):
             continue
-        rule = saved_rule(node, requires_grad, device_type)
+        rule = saved_rule(node, requires_grad, device_type, autocast_dtype)
         args = OpView(node).tensor_args
         kept.update(owner(args[i]).name for i in rule.inputs if i < len(args) and owner(args[i]).op != "placeholder")
         if rule.output:
             kept.add(owner(node).name)
         if rule.new_bytes:
-            anchor = _anchor(node, args, owner)
-            extra[anchor.name] = extra.get(anchor.name, 0.0) + rule.new_bytes / max(_out_bytes(anchor), 1.0)
+            charge(_anchor(node, args, owner), rule.new_bytes)
+        for pos, nbytes, is_kept in rule.casts:
+            if not is_kept or pos >= len(args):
+                continue
+            src = owner(args[pos])
+            if src.op == "placeholder" and src.name in requires_grad:
+                continue  # autocast's cached weight copy: TrainingSpec.param_bytes
+            charge(node if src.op == "placeholder" else src, nbytes)
     return {name: (1.0 if name in kept else 0.0) + extra.get(name, 0.0) for name in kept | set(extra)}
+
+
+def cast_inputs(gm: fx.GraphModule, requires_grad: set[str], device_type: str = "cpu",
+                autocast_dtype: torch.dtype | None = None) -> dict[str, tuple[tuple[int, float], ...]]:
+    """{node name: ((input position, copy bytes / input bytes), ...)} for the inputs autocast copies when
+    the node runs (empty without a policy). A ratio of 2 is an fp32 copy of a bf16 input: the op computes
+    in fp32, and its backward's transient is sized by that copy (see the module docstring)."""
+    if autocast_dtype is None:
+        return {}
+    out: dict[str, tuple[tuple[int, float], ...]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.name not in requires_grad or is_free_view(node):
+            continue
+        args = OpView(node).tensor_args
+        casts = tuple((pos, nbytes / max(_out_bytes(args[pos]), 1.0))
+                      for pos, nbytes, _ in saved_rule(node, requires_grad, device_type, autocast_dtype).casts
+                      if pos < len(args))
+        if casts:
+            out[node.name] = casts
+    return out
 
 
 def _anchor(node: fx.Node, args: list[fx.Node], owner: _Owners) -> fx.Node:

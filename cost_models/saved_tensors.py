@@ -15,6 +15,22 @@ It also records ``alias_of``: the input whose storage output 0 shares (views, ``
 contiguous tensor, dropout with p = 0 on CPU), so memory accounting can follow an alias to the tensor
 that really holds the bytes.
 
+Under a precision policy the probe runs inside the same CPU autocast the planner relabels dtypes with
+(``ir.precision.apply_to_graph``), so it sees the copies autocast makes of an op's inputs: every
+``_to_copy`` whose source is an input's storage is recorded in ``SavedRule.casts`` as (input position,
+bytes of the copy, whether backward keeps it). A kept copy is no longer that input's storage, so it
+counts neither in ``inputs`` nor in ``new_bytes``. Two cases matter for memory:
+
+    linear / matmul on an fp32 activation   backward keeps the bf16 copy (2 bytes per element), made
+                                            once per reader, not the fp32 input (4 bytes);
+    cross_entropy on bf16 logits            autocast computes it in fp32: the kept log-softmax is fp32
+                                            (4 bytes per logit, in ``new_bytes``) and the fp32 copy of
+                                            the logits (a cast that is not kept) sizes backward's
+                                            transient (``cost_models.memory.cast_inputs``).
+
+Autocast caches the copy of a leaf tensor that requires grad (a parameter) until the autocast context
+exits; those copies are the per-weight copy of ``memory.TrainingSpec.param_bytes``, not activations.
+
 Invariants: the rule depends only on the op, its arguments' shapes/dtypes/strides and non-tensor values,
 and which inputs need a gradient, so it is cached by (``node_signature``, gradient flags, device type).
 An op that fake tensors cannot run (data-dependent shapes) gets the hand-written rule of
@@ -36,6 +52,7 @@ import operator
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir.ops import node_signature
 
@@ -58,26 +75,30 @@ _SAVES_NOTHING = {aten.add, aten.sub, aten.neg, aten.sum, aten.mean, aten.cat, a
 class SavedRule:
     """What one op's backward keeps alive. inputs: positions in ``OpView.tensor_args``; output: whether
     it keeps its own output; new_bytes: bytes of tensors it creates only for backward (global shapes);
-    alias_of: the input position whose storage output 0 shares, or None; measured: probed, not a table."""
+    alias_of: the input position whose storage output 0 shares, or None; measured: probed, not a table;
+    casts: (input position, bytes, kept by backward) of every copy autocast made of an input."""
 
     inputs: tuple[int, ...] = ()
     output: bool = False
     new_bytes: float = 0.0
     alias_of: int | None = None
     measured: bool = True
+    casts: tuple[tuple[int, float, bool], ...] = ()
 
 
 _CACHE: dict[tuple, SavedRule] = {}
 
 
-def saved_rule(node: fx.Node, grad_names: set[str], device_type: str = "cpu") -> SavedRule:
-    """The ``SavedRule`` of a call_function node; ``grad_names``: nodes whose output needs a gradient."""
+def saved_rule(node: fx.Node, grad_names: set[str], device_type: str = "cpu",
+               autocast_dtype: torch.dtype | None = None) -> SavedRule:
+    """The ``SavedRule`` of a call_function node; ``grad_names``: nodes whose output needs a gradient;
+    ``autocast_dtype``: the precision policy's compute dtype (None: no autocast, fp32)."""
     if node.op != "call_function" or node.target is operator.getitem or not hasattr(node.target, "_schema"):
         return SavedRule(measured=False)
     flags = tuple(isinstance(a, fx.Node) and a.name in grad_names for a in _flat_args(node))
-    key = (node_signature(node), flags, device_type)
+    key = (node_signature(node), flags, device_type, autocast_dtype)
     if key not in _CACHE:
-        rule = _probe(node, flags)
+        rule = _probe(node, flags, autocast_dtype)
         _CACHE[key] = _cuda_kernels(node, rule) if device_type == "cuda" else rule
     return _CACHE[key]
 
@@ -86,24 +107,46 @@ def _flat_args(node: fx.Node) -> list:
     return pytree.tree_flatten((node.args, node.kwargs))[0]
 
 
-def _probe(node: fx.Node, flags: tuple[bool, ...]) -> SavedRule:
-    """Run the op once on fake tensors and classify what autograd packs (see the module docstring)."""
+def _probe(node: fx.Node, flags: tuple[bool, ...], autocast_dtype: torch.dtype | None = None) -> SavedRule:
+    """Run the op once on fake tensors (under CPU autocast when ``autocast_dtype`` is given) and classify
+    what autograd packs (see the module docstring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     packed: list[torch.Tensor] = []
+    copies = _Copies()
+    autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
     try:
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t)
-        with _quiet_fake_tensor_log(), FakeTensorMode(), hooks:
+        with _quiet_fake_tensor_log(), FakeTensorMode(), copies, hooks:
             fakes = [_fake(a, grad) if isinstance(a, fx.Node) else a for a, grad in zip(flat, flags)]
             args, kwargs = pytree.tree_unflatten(fakes, spec)
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast:
                 out = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op fake tensors cannot run is priced by the fallback table
         return fallback_rule(node)
     inputs = [f for a, f in zip(flat, fakes) if isinstance(a, fx.Node) and isinstance(f, torch.Tensor)]
     outputs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-    return _classify(packed, inputs, outputs)
+    return _classify(packed, inputs, outputs, copies.source)
+
+
+class _Copies(TorchDispatchMode):
+    """Records {storage of a ``_to_copy`` result: storage of its source}: autocast's casts reach the
+    dispatcher as ``_to_copy`` below the autocast key. The results are kept alive while the probe runs, so
+    no later tensor reuses their storage's address."""
+
+    def __init__(self):
+        super().__init__()
+        self.source: dict[int, tuple[int, int]] = {}  # copy storage -> (source storage, copy bytes)
+        self._alive: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is aten._to_copy.default and isinstance(out, torch.Tensor) and isinstance(args[0], torch.Tensor):
+            self.source[_storage_id(out)] = (_storage_id(args[0]), out.untyped_storage().nbytes())
+            self._alive.append(out)
+        return out
 
 
 @contextlib.contextmanager
@@ -141,10 +184,12 @@ def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _classify(packed: list, inputs: list, outputs: list) -> SavedRule:
+def _classify(packed: list, inputs: list, outputs: list, copies: dict | None = None) -> SavedRule:
+    """``copies``: {storage of a ``_to_copy`` result: (storage of its source, bytes)} (``_Copies``)."""
     in_ids = [_storage_id(t) for t in inputs]
     out_ids = {_storage_id(t) for t in outputs}
-    saved_inputs, keeps_output, new = set(), False, {}
+    casts = {sid: (in_ids.index(src), nbytes) for sid, (src, nbytes) in (copies or {}).items() if src in in_ids}
+    saved_inputs, keeps_output, new, kept_casts = set(), False, {}, set()
     for t in packed:
         if not isinstance(t, torch.Tensor):
             continue
@@ -153,10 +198,13 @@ def _classify(packed: list, inputs: list, outputs: list) -> SavedRule:
             saved_inputs.add(in_ids.index(sid))
         elif sid in out_ids:
             keeps_output = True
+        elif sid in casts:
+            kept_casts.add(sid)
         else:
             new[sid] = t.untyped_storage().nbytes()
     alias = in_ids.index(_storage_id(outputs[0])) if outputs and _storage_id(outputs[0]) in in_ids else None
-    return SavedRule(tuple(sorted(saved_inputs)), keeps_output, float(sum(new.values())), alias)
+    cast_list = tuple(sorted((pos, float(nbytes), sid in kept_casts) for sid, (pos, nbytes) in casts.items()))
+    return SavedRule(tuple(sorted(saved_inputs)), keeps_output, float(sum(new.values())), alias, casts=cast_list)
 
 
 def fallback_rule(node: fx.Node) -> SavedRule:
@@ -178,7 +226,8 @@ def _cuda_kernels(node: fx.Node, rule: SavedRule) -> SavedRule:
     if packet is aten.scaled_dot_product_attention and p > 0:
         q = node.args[0].meta["val"]
         lse = math.prod(q.shape[:-1]) * 4  # float32 logsumexp per query row
-        return SavedRule((0, 1, 2), True, float(lse), None)
+        copied = {pos for pos, _, kept in rule.casts if kept}  # autocast's copies of q, k, v are kept instead
+        return SavedRule(tuple(i for i in (0, 1, 2) if i not in copied), True, float(lse), None, casts=rule.casts)
     return rule
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.compute import compute_time, local_bytes
-from autopar.cost_models.memory import saved_nodes
+from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
@@ -134,8 +134,10 @@ class GroupBuilder:
         info = getattr(graph, "_grad_info", None)  # per graph and device type, not per builder
         if info is None or info[0] != device_type:
             needs = requires_grad_nodes(graph.gm, self.params)
-            graph._grad_info = info = (device_type, needs, saved_nodes(graph.gm, needs, device_type))
-        _, self.requires_grad, self.saved = info
+            autocast = getattr(graph, "compute_dtype", None)
+            graph._grad_info = info = (device_type, needs, saved_nodes(graph.gm, needs, device_type, autocast),
+                                       cast_inputs(graph.gm, needs, device_type, autocast))
+        _, self.requires_grad, self.saved, self.casts = info
         self.saved_without_recompute = self.saved
         if env.recomputed:
             self.saved = recompute_saved(graph, self.saved, env.recomputed)

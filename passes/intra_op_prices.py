@@ -46,7 +46,7 @@ def _structure(b, g: int, group) -> tuple:
         if view is not None:
             inputs = tuple(_input_role(b, g, arg) for arg in view.tensor_args)
         members.append((b.sig[name], b.send_scale.get(name, 0.0), name in b.boundary, name in b.params,
-                        name in b.requires_grad, b.saved.get(name, 0.0), inputs))
+                        name in b.requires_grad, b.saved.get(name, 0.0), b.casts.get(name, ()), inputs))
     return tuple(members), tuple(tuple(p[m] for m in group.members) for p in group.pick)
 
 
@@ -79,7 +79,9 @@ def _price_member(b, group, i: int, pick: dict, name: str) -> None:
     if view is None:
         return
     out_bytes = sum(local_bytes(v, strat.out_spec, b.env.mesh_shape) for v in view.out_vals)
-    group.peak[i] = max(group.peak[i], 2.0 * out_bytes)
+    widened = max((ratio * local_bytes(view.in_vals[idx], strat.in_specs[idx], b.env.mesh_shape)
+                   for idx, ratio in b.casts.get(name, ()) if idx < len(view.in_vals)), default=0.0)
+    group.peak[i] = max(group.peak[i], 2.0 * out_bytes, 2.0 * widened)  # cost_models.memory: transient
     node = b.nodes[name]
     for idx, arg in enumerate(view.tensor_args):
         g_arg = b.group_of[arg.name]

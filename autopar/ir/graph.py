@@ -35,7 +35,9 @@ class ModelGraph:
     """The captured model: the graph plus what codegen and the runtime need to run it.
 
     param_aliases maps every state-dict key of a parameter (tied weights included) to the key of the
-    placeholder that carries it; ``constants`` holds lifted tensor constants by fqn.
+    placeholder that carries it; ``constants`` holds lifted tensor constants by fqn; ``compute_dtype``
+    is the autocast dtype the node values were relabelled under (``ir.precision.apply_to_graph``; None:
+    fp32), which the memory model probes the ops under.
     """
 
     gm: fx.GraphModule
@@ -45,6 +47,7 @@ class ModelGraph:
     buffer_keys: list[str]
     constants: dict[str, torch.Tensor]
     input_signature: list[tuple[tuple[int, ...], str]]
+    compute_dtype: torch.dtype | None = None
 
     @property
     def nodes(self) -> list[fx.Node]:

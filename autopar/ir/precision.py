@@ -116,8 +116,9 @@ def apply_to_graph(graph, policy: PrecisionPolicy):
     """Relabel every node's fake value with the dtype it has when the graph runs under ``policy``'s autocast.
     Fake tensors on the CPU are propagated through the graph under CPU autocast (a model on the meta device
     has meta values, which no autocast touches); each node then keeps its shape and device and takes the
-    dtype found. Placeholders keep theirs: parameters stay float32. Returns ``graph`` (changed in place);
-    a no-op for fp32."""
+    dtype found. Placeholders keep theirs: parameters stay float32. ``graph.compute_dtype`` records the
+    policy's dtype (the memory model probes saved tensors under the same autocast). Returns ``graph``
+    (changed in place); a no-op for fp32."""
     if policy.compute_dtype is None:
         return graph
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -134,6 +135,7 @@ def apply_to_graph(graph, policy: PrecisionPolicy):
         for node in graph.gm.graph.nodes:
             if node.op not in ("placeholder", "output"):
                 node.meta["val"] = _retyped(node.meta.get("val"), copies[node].meta.get("val"))
+    graph.compute_dtype = policy.compute_dtype
     return graph
 
 
