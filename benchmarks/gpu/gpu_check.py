@@ -178,7 +178,7 @@ def _plan_case(case: dict, cluster_dict: dict, device: str, tiny: bool) -> dict:
     warmup, steps = (1, 3) if tiny else (3, 10)
     try:
         model, batch = model_for(case["model"], tiny, parity=False)
-        plain = copy.deepcopy(model).to(device) if case.get("plain") else None
+        plain = copy.deepcopy(model) if case.get("plain") else None  # on the host until autopar's is freed
         batch = to_device(batch, device)
         t0 = time.perf_counter()
         pm = autopar.compile(model.to(device), _device_cluster(cluster_dict), batch, precision=case["precision"],
@@ -208,7 +208,7 @@ def _plan_case(case: dict, cluster_dict: dict, device: str, tiny: bool) -> dict:
         if plain is not None:
             del pm, opt
             _free()
-            row["plain_step_s"] = _plain_step(plain, batch, case["precision"], device, warmup, steps)
+            row["plain_step_s"] = _plain_step(plain.to(device), batch, case["precision"], device, warmup, steps)
         if case.get("torch_compile"):
             row.update(_compiled_step(case, cluster_dict, device, tiny, warmup, steps))
     except Exception as e:
