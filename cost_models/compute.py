@@ -132,6 +132,27 @@ def with_host_time(device_seconds: float, host_seconds: float, cluster) -> float
     return device_seconds + host_seconds
 
 
+def cast_time(casts, in_vals: list, in_specs, mesh_shape, cluster, differentiable: bool) -> float:
+    """Seconds of autocast's copies of one op's inputs under a precision policy. ``casts``: (input position,
+    copy bytes / input bytes) per copied input (``cost_models.memory.cast_inputs``: a bf16 copy of an fp32
+    activation or weight read by a matmul, 0.5; the fp32 copy of bf16 logits for cross-entropy, 2). Each copy
+    is one more kernel and one more op call, and so is its gradient's copy back in backward:
+
+        t = Σ_casts with_host_time(scale · passes · b · (1 + ratio) / B,  passes · op_overhead)
+            b = the input's local bytes; passes = 2 when the op is differentiable, else 1
+    """
+    passes = 2 if differentiable else 1
+    scale = getattr(cluster, "compute_time_scale", 1.0)
+    total = 0.0
+    for pos, ratio in casts:
+        if pos >= len(in_vals):
+            continue
+        moved = passes * local_bytes(in_vals[pos], in_specs[pos], mesh_shape) * (1.0 + ratio)
+        total += with_host_time(scale * moved / cluster.memory_bandwidth,
+                                passes * getattr(cluster, "op_overhead", 0.0), cluster)
+    return total
+
+
 def op_overhead_time(cluster, differentiable: bool) -> float:
     """Host seconds of one node's op calls: op_overhead × (1 forward + 1 backward when differentiable)."""
     return getattr(cluster, "op_overhead", 0.0) * (2 if differentiable else 1)

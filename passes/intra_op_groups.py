@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import compute_time, local_bytes
+from autopar.cost_models.compute import cast_time, compute_time, local_bytes
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
@@ -309,8 +309,9 @@ class GroupBuilder:
 
     def _node_time_of(self, node: fx.Node, view: OpView, strat: Strategy) -> tuple[float, float]:
         env = self.env
-        t = compute_time(node, strat, view.in_vals, view.out_vals, env.mesh_shape, env.cluster,
-                         node.name in self.requires_grad)
+        grad = node.name in self.requires_grad
+        t = compute_time(node, strat, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
+        t += cast_time(self.casts.get(node.name, ()), view.in_vals, strat.in_specs, env.mesh_shape, env.cluster, grad)
         comm = sum(self._kernel_comm(view, axis, tag) for axis, tag in strat.kernels)
         return env.microbatches * (t + comm), env.microbatches * comm
 

@@ -142,6 +142,25 @@ def test_host_time_adds_on_cpu_ranks_and_overlaps_on_gpus():
         assert _time(node, as_cpu) == pytest.approx(kernel + 2 * host)  # negative control: the CPU sum
 
 
+def test_autocast_copies_cost_a_kernel_and_an_op_call_each_way():
+    from autopar.cost_models.compute import cast_time
+    from autopar.placement import S
+
+    x = torch.empty(4, 8, device="meta")  # 128 fp32 bytes
+    gpu = Cluster(**{**Cluster.local(1).__dict__, "device_type": "cuda", "backend": "nccl",
+                     "memory_bandwidth": 1e3, "op_overhead": 0.0})
+    # a bf16 copy (ratio 0.5): forward reads 128 and writes 64 bytes, backward the same back
+    assert cast_time(((0, 0.5),), [x], [(R, R)], (1, 1), gpu, True) == pytest.approx(2 * 128 * 1.5 / 1e3)
+    assert cast_time(((0, 0.5),), [x], [(R, R)], (1, 1), gpu, False) == pytest.approx(128 * 1.5 / 1e3)
+    assert cast_time(((0, 0.5),), [x], [(R, S(0))], (1, 2), gpu, True) == pytest.approx(128 * 1.5 / 1e3)  # half
+    # host-bound copies on a GPU cost their two op calls; on CPU ranks calls and bytes add
+    slow_host = Cluster(**{**gpu.__dict__, "op_overhead": 1.0})
+    assert cast_time(((0, 0.5),), [x], [(R, R)], (1, 1), slow_host, True) == pytest.approx(2.0)
+    as_cpu = Cluster(**{**slow_host.__dict__, "device_type": "cpu", "backend": "gloo"})
+    assert cast_time(((0, 0.5),), [x], [(R, R)], (1, 1), as_cpu, True) == pytest.approx(2.0 + 0.384)
+    assert cast_time((), [x], [(R, R)], (1, 1), as_cpu, True) == 0.0  # negative control: no copies, no cost
+
+
 def test_optimizer_host_charge_is_per_tensor_on_cpus_only():
     from autopar.cost_models.compute import optimizer_step_time
 
