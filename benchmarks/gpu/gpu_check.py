@@ -99,6 +99,17 @@ def _reference_losses(model, batch, precision: str, device: str, lr: float) -> l
     return losses
 
 
+def _autopar_losses(pm, batch) -> list[float]:
+    """Losses of PARITY_STEPS AdamW steps (lr LR) of a compiled module on ``batch``."""
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR)
+    losses = []
+    for _ in range(PARITY_STEPS):
+        losses.append(pm.train_step(*batch).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
 def _worst_rel(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
@@ -124,12 +135,7 @@ def _parity_case(name: str, precision: str, cluster_dict: dict, device: str, tin
         batch = to_device(batch, device)
         pm = autopar.compile(model.to(device), _device_cluster(cluster_dict), batch, precision=precision,
                              recompute="none")
-        opt = pm.optimizer(torch.optim.AdamW, lr=LR)
-        got = []
-        for _ in range(PARITY_STEPS):
-            got.append(pm.train_step(*batch).item())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        got = _autopar_losses(pm, batch)
         want = _reference_losses(reference, batch, precision, device, LR)
         off = _reference_losses(control, batch, precision, device, CONTROL_LR * LR)
         row.update(autopar=got, reference=want, worst_rel=_worst_rel(got, want),
@@ -148,12 +154,7 @@ def shared_gpu_rank(rank: int, cluster_dict: dict, device: str, tiny: bool) -> d
     reference = copy.deepcopy(model).to(device)
     batch = to_device(batch, device)
     pm = autopar.compile(model.to(device), _device_cluster(cluster_dict, 2, "gloo"), batch, recompute="none")
-    opt = pm.optimizer(torch.optim.AdamW, lr=LR)
-    got = []
-    for _ in range(PARITY_STEPS):
-        got.append(pm.train_step(*batch).item())
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    got = _autopar_losses(pm, batch)
     want = _reference_losses(reference, batch, "fp32", device, LR)
     return {"plan": pm.plan.summary(max_rows=0)[:600], "autopar": got, "reference": want,
             "worst_rel": _worst_rel(got, want)}

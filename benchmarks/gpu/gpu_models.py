@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from examples.gpt import GPTConfig, make_gpt
+from examples.hf_causal_lm import CausalLMLoss
 
 GPT_SIZES = {  # name -> (GPTConfig, global batch)
     "gpt-parity": (GPTConfig(vocab_size=512, seq_len=128, n_layer=4, n_head=8, n_embd=256), 8),
@@ -39,17 +40,6 @@ PLAN_CASES = [
 ]
 
 
-class LlamaLoss(torch.nn.Module):
-    """LlamaForCausalLM whose forward(input_ids, labels) returns the loss."""
-
-    def __init__(self, lm):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, labels):
-        return self.lm(input_ids=input_ids, labels=labels).loss
-
-
 def model_for(name: str, tiny: bool, parity: bool):
     """(model, batch) on the CPU for ``name`` ("gpt"/"llama" with parity=True, else a PLAN_CASES name)."""
     key = f"{name}-parity" if parity else name
@@ -61,7 +51,7 @@ def model_for(name: str, tiny: bool, parity: bool):
     kwargs, seq, batch = TINY_LLAMA if tiny else LLAMA_SIZES[key]
     torch.manual_seed(0)
     cfg = LlamaConfig(**kwargs, max_position_embeddings=2 * seq, use_cache=False, attention_dropout=0.0)
-    model = LlamaLoss(LlamaForCausalLM(cfg))
+    model = CausalLMLoss(LlamaForCausalLM(cfg))
     ids = torch.randint(0, kwargs["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, (ids, ids.clone())
 

@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.fidelity import relative_error, spearman  # noqa: E402
-from benchmarks.gpu.gpu_models import GPT_SIZES, LLAMA_SIZES, LlamaLoss  # noqa: E402
+from benchmarks.gpu.gpu_models import GPT_SIZES, LLAMA_SIZES  # noqa: E402
 from examples.gpt import GPT, make_batch  # noqa: E402
+from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
 GiB = 2**30
 
@@ -41,7 +42,7 @@ def meta_model(name: str):
     kwargs, seq, batch = LLAMA_SIZES[name]
     cfg = LlamaConfig(**kwargs, max_position_embeddings=2 * seq, use_cache=False, attention_dropout=0.0)
     with torch.device("meta"):
-        model = LlamaLoss(LlamaForCausalLM(cfg))
+        model = CausalLMLoss(LlamaForCausalLM(cfg))
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     return model, (ids, ids.clone())
 
