@@ -197,6 +197,36 @@ def test_gpu_profile_uses_nccl_and_cuda_events(tmp_path):
     assert Cluster.from_json(tmp_path / "gpu.json") == cluster
 
 
+# ---- the pipeline runtime's host time (synthetic timings) ---------------------------------------
+def _pipeline_rank(cluster, c: float, calls=(8.0, 6.0), rank_bytes=(64.0,), counts=(2, 8)) -> dict:
+    """What a rank of ``measure_pipeline`` reports when the machine runs exactly the cost model with host
+    time c per (chunk, microbatch) and direction: step seconds = the schedule's makespan (+ a fixed part)."""
+    from autopar.ir.schedule import simulate_schedule
+
+    link = cluster.intra_node
+    hop = max(2 * link.latency + b / link.bandwidth_for(2) for b in rank_bytes) / 2
+    f = [n * cluster.op_overhead / 3 + c for n in calls]
+    b = [2 * n * cluster.op_overhead / 3 + c for n in calls]
+    seconds = {m: 0.01 + max(op.end for op in simulate_schedule(f, b, m, "1f1b", hop)) for m in counts}
+    return {"pipeline": {"counts": counts, "seconds": seconds, "calls": list(calls), "rank_bytes": list(rank_bytes)}}
+
+
+def test_microbatch_overhead_recovers_the_host_time_the_model_misses():
+    from autopar.profiler_pipeline import microbatch_overhead, predicted_slope
+
+    cluster = Cluster(**{**Cluster.local(2).__dict__, "op_overhead": 2e-5})
+    c, note = microbatch_overhead(cluster, [_pipeline_rank(cluster, 3e-4)] * 2)
+    assert c == pytest.approx(3e-4) and "microbatch_overhead 300 µs" in note
+    assert microbatch_overhead(cluster, [_pipeline_rank(cluster, 0.0)])[0] == pytest.approx(0.0, abs=1e-12)
+    # one stage sets the cycle: one more microbatch costs its forward and backward, each c more
+    slope = [predicted_slope(cluster, [8.0, 6.0], [64.0], (2, 8), c) for c in (0.0, 1e-3)]
+    assert slope[1] - slope[0] == pytest.approx(2e-3)
+    fast = Cluster(**{**cluster.__dict__, "op_overhead": 1.0})  # the model over-predicts: no negative c
+    assert microbatch_overhead(fast, [_pipeline_rank(cluster, 0.0)])[0] == 0.0
+    c, note = microbatch_overhead(cluster, [{"pipeline": None}])
+    assert c == 0.0 and "one rank" in note
+
+
 # ---- one real profile: 2 gloo ranks, quick -------------------------------------------------------
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
@@ -240,3 +270,5 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert 1e-7 < cluster.op_overhead < 1e-2
     assert "op_overhead" in cluster.source and "float32 curve ×" in cluster.source
     assert not any("@" in key for key in cluster.intra_node.fits)
+    # the pipeline runtime's host time: a real 2-stage pipeline timed at 2 and 8 microbatches
+    assert 0.0 <= cluster.microbatch_overhead < 0.1 and "microbatch_overhead" in cluster.source
