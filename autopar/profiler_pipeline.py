@@ -8,31 +8,30 @@ stage beyond the ops of the stage's graph, which ``op_overhead`` prices: it slic
 sends and receives, calls the generated module, and autograd does its bookkeeping. Method, with W >= 2
 ranks: ``autopar.compile`` plans a chain of 2·W tiny linear layers (width 8, so kernels cost ~nothing) as
 W one-device stages under 1F1B, once at M₁ = W and once at M₂ = 4·W microbatches, and every rank times
-``train_step`` of both, alternating in rounds (drift hits both alike); a point is the median over rounds,
-then over ranks. The slope s = (t(M₂) − t(M₁)) / (M₂ − M₁) is what one more microbatch costs.
+``train_step`` of both, alternating in rounds (drift hits both alike), in the CPU seconds its process
+spends (``time.process_time``: its threads' work, gloo's included, not the time it waits for its peers
+or for a core); a point is the median over rounds. Rank r runs one stage, so its slope
 
-The cost model's own prediction of that slope is the schedule replay of ``plan_builder.predict``:
+    s_r = (cpu(M₂) − cpu(M₁)) / (M₂ − M₁) = n_r · op_overhead + 2c
 
-    s_pred(c) = (makespan(M₂, c) − makespan(M₁, c)) / (M₂ − M₁),
-    makespan(M, c) = ``simulate_schedule``(f_s + c, b_s + c, M, 1f1b, hop)
+is one forward and one backward of its stage: n_r op calls as the cost model counts them (the plan is
+compiled on a cluster whose op_overhead is 1 s and whose kernels are ~free, so the stage's predicted
+latency is n_r) and the runtime's c in each direction. c = median over ranks of max(0, (s_r − n_r ·
+op_overhead) / 2). Waits are left out on purpose: the schedule replay prices transfers and dependencies,
+and a rank's host work, unlike its waits, does not overlap its compute on a CPU rank. op_overhead itself
+is a wall-clock rate with all ranks busy; on a loaded machine it runs above the CPU rate, and c comes out
+low. One rank has no pipeline: c stays 0 and the cluster's source says so.
 
-with f_s = n_s · op_overhead / 3 and b_s = 2 · n_s · op_overhead / 3, n_s the stage's op calls per
-microbatch as the cost model counts them (the plan is compiled on a cluster whose op_overhead is 1 s and
-whose kernels are ~free, so a stage's predicted latency is n_s), and hop half of the slowest transfer's
-2·α + rank bytes / β on the profiled link, as ``plan_builder.transfers_between`` prices it. s_pred is
-linear in c (with slope k = 2 when one stage sets the cycle: its forward and backward of each microbatch),
-so c = max(0, (s − s_pred(0)) / k): the host time per (chunk, microbatch) and direction that the model
-misses. One rank has no pipeline: c stays 0 and the cluster's source says so.
-
-On GPUs the same probe runs with the device's backend and is timed with CUDA events; its kernels are
-~free, so the window is the host's time, and the cost model adds c to the stages' forward and backward
-as on CPU ranks (``plan_builder``'s docstring: exact for host-bound stages, an upper bound where queued
-kernels hide it).
+On GPUs the same probe runs with the device's backend; the process's CPU seconds are the host's work
+(the tiny kernels run while the host is still issuing), and the cost model adds c to the stages' forward
+and backward as on CPU ranks (``plan_builder``'s docstring: exact for host-bound stages, an upper bound
+where queued kernels hide it).
 """
 from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.cluster import Cluster
-from autopar.ir.schedule import simulate_schedule
 
 WIDTH, LAYERS_PER_STAGE, ROUND_STEPS, WARMUP_STEPS = 8, 2, 3, 2
 
@@ -70,8 +68,8 @@ def _unit_cluster(world: int, probe) -> Cluster:
 
 
 def measure_pipeline(settings, probe) -> dict | None:
-    """This rank's {"counts": (M₁, M₂), "seconds": {M: median step s}, "calls": [n_s], "rank_bytes": [...]},
-    or None with one rank. Every rank calls it together."""
+    """This rank's {"counts": (M₁, M₂), "cpu": {M: median CPU s per step}, "wall": {M: median s per step},
+    "calls": n_r}, or None with one rank. Every rank calls it together."""
     import autopar
 
     world = dist.get_world_size()
@@ -86,41 +84,36 @@ def measure_pipeline(settings, probe) -> dict | None:
         modules[m] = autopar.compile(model, cluster, (x,), stages=world, microbatches=m, schedule="1f1b")
         for _ in range(WARMUP_STEPS):
             modules[m].train_step(x)
-    times: dict[int, list[float]] = {m: [] for m in counts}
+    cpu: dict[int, list[float]] = {m: [] for m in counts}
+    wall: dict[int, list[float]] = {m: [] for m in counts}
     for _ in range(2 * settings.windows):
         for m in counts:
             dist.barrier()
-            times[m].append(probe.window_seconds(lambda m=m: modules[m].train_step(x), ROUND_STEPS) / ROUND_STEPS)
-    plan = modules[counts[0]].plan
-    return {"counts": counts, "seconds": {m: statistics.median(t) for m, t in times.items()},
-            "calls": [s.predicted["latency"] for s in plan.stages],
-            "rank_bytes": [t["rank_bytes"] for t in plan.transfers]}
+            start = time.process_time()
+            wall[m].append(probe.window_seconds(lambda m=m: modules[m].train_step(x), ROUND_STEPS) / ROUND_STEPS)
+            cpu[m].append((time.process_time() - start) / ROUND_STEPS)
+    (stage,) = modules[counts[0]].plan.stages_of_rank(dist.get_rank())
+    return {"counts": counts, "cpu": {m: statistics.median(t) for m, t in cpu.items()},
+            "wall": {m: statistics.median(t) for m, t in wall.items()}, "calls": stage.predicted["latency"]}
 
 
 # ---- in the caller --------------------------------------------------------------------------------
-def predicted_slope(cluster: Cluster, calls: list[float], rank_bytes: list[float], counts, c: float) -> float:
-    """s_pred(c) of the module docstring: seconds per extra microbatch of the probe pipeline, as predicted."""
-    link = cluster.intra_node
-    hop = max((2 * link.latency + b / link.bandwidth_for(2) for b in rank_bytes), default=0.0) / 2
-    f = [n * cluster.op_overhead / 3 + c for n in calls]
-    b = [2 * n * cluster.op_overhead / 3 + c for n in calls]
-    span = [max(op.end for op in simulate_schedule(f, b, m, "1f1b", hop)) for m in counts]
-    return (span[1] - span[0]) / (counts[1] - counts[0])
+def _slope(points: dict, counts) -> float:
+    return (points[counts[1]] - points[counts[0]]) / (counts[1] - counts[0])
 
 
 def microbatch_overhead(cluster: Cluster, per_rank: list[dict]) -> tuple[float, str]:
-    """(c, a note for the cluster's source): c = max(0, (s − s_pred(0)) / k) (module docstring)."""
+    """(c, a note for the cluster's source): the median over ranks of max(0, (s_r − n_r · op_overhead) / 2)
+    (module docstring)."""
     data = [r["pipeline"] for r in per_rank if r.get("pipeline")]
     if not data:
         return 0.0, "microbatch_overhead not measured (one rank: no pipeline to time), 0"
-    first = data[0]
-    counts = tuple(first["counts"])
-    seconds = [statistics.median(d["seconds"][m] for d in data) for m in counts]
-    slope = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
-    args = (cluster, first["calls"], first["rank_bytes"], counts)
-    base, probe_c = predicted_slope(*args, 0.0), 1e-3
-    k = (predicted_slope(*args, probe_c) - base) / probe_c
-    c = max(0.0, (slope - base) / k)
+    counts = tuple(data[0]["counts"])
+    cpu = [_slope(d["cpu"], counts) for d in data]
+    ops = [d["calls"] * cluster.op_overhead for d in data]
+    c = statistics.median(max(0.0, (s - o) / 2) for s, o in zip(cpu, ops))
+    wall = statistics.median(_slope(d["wall"], counts) for d in data)
     return c, (f"microbatch_overhead {c * 1e6:.0f} µs per (chunk, microbatch) and direction from a "
-               f"{len(first['calls'])}-stage pipeline at {counts[0]} and {counts[1]} microbatches "
-               f"({slope * 1e3:.2f} ms per microbatch measured, {base * 1e3:.2f} predicted without it)")
+               f"{len(data)}-stage pipeline at {counts[0]} and {counts[1]} microbatches (per microbatch and "
+               f"stage: {statistics.median(cpu) * 1e3:.2f} ms of CPU, {statistics.median(ops) * 1e3:.2f} of it "
+               f"its ops; {wall * 1e3:.2f} ms of wall clock)")

@@ -198,31 +198,27 @@ def test_gpu_profile_uses_nccl_and_cuda_events(tmp_path):
 
 
 # ---- the pipeline runtime's host time (synthetic timings) ---------------------------------------
-def _pipeline_rank(cluster, c: float, calls=(8.0, 6.0), rank_bytes=(64.0,), counts=(2, 8)) -> dict:
-    """What a rank of ``measure_pipeline`` reports when the machine runs exactly the cost model with host
-    time c per (chunk, microbatch) and direction: step seconds = the schedule's makespan (+ a fixed part)."""
-    from autopar.ir.schedule import simulate_schedule
-
-    link = cluster.intra_node
-    hop = max(2 * link.latency + b / link.bandwidth_for(2) for b in rank_bytes) / 2
-    f = [n * cluster.op_overhead / 3 + c for n in calls]
-    b = [2 * n * cluster.op_overhead / 3 + c for n in calls]
-    seconds = {m: 0.01 + max(op.end for op in simulate_schedule(f, b, m, "1f1b", hop)) for m in counts}
-    return {"pipeline": {"counts": counts, "seconds": seconds, "calls": list(calls), "rank_bytes": list(rank_bytes)}}
+def _pipeline_rank(cluster, c: float, calls: float, counts=(2, 8), waits: float = 0.0) -> dict:
+    """What a rank of ``measure_pipeline`` reports when its CPU does exactly its stage's op calls plus c per
+    microbatch and direction (and a fixed part per step); ``waits``: wall seconds per microbatch on top."""
+    cpu = {m: 0.01 + m * (calls * cluster.op_overhead + 2 * c) for m in counts}
+    wall = {m: t + m * waits for m, t in cpu.items()}
+    return {"pipeline": {"counts": counts, "cpu": cpu, "wall": wall, "calls": calls}}
 
 
-def test_microbatch_overhead_recovers_the_host_time_the_model_misses():
-    from autopar.profiler_pipeline import microbatch_overhead, predicted_slope
+def test_microbatch_overhead_is_the_cpu_slope_its_ops_do_not_explain():
+    """s_r = n_r · op_overhead + 2c per rank; waits (wall clock only) do not count; the median over ranks."""
+    from autopar.profiler_pipeline import microbatch_overhead
 
     cluster = Cluster(**{**Cluster.local(2).__dict__, "op_overhead": 2e-5})
-    c, note = microbatch_overhead(cluster, [_pipeline_rank(cluster, 3e-4)] * 2)
+    ranks = [_pipeline_rank(cluster, 3e-4, 8.0, waits=1e-3), _pipeline_rank(cluster, 3e-4, 6.0, waits=5e-3)]
+    c, note = microbatch_overhead(cluster, ranks)
     assert c == pytest.approx(3e-4) and "microbatch_overhead 300 µs" in note
-    assert microbatch_overhead(cluster, [_pipeline_rank(cluster, 0.0)])[0] == pytest.approx(0.0, abs=1e-12)
-    # one stage sets the cycle: one more microbatch costs its forward and backward, each c more
-    slope = [predicted_slope(cluster, [8.0, 6.0], [64.0], (2, 8), c) for c in (0.0, 1e-3)]
-    assert slope[1] - slope[0] == pytest.approx(2e-3)
-    fast = Cluster(**{**cluster.__dict__, "op_overhead": 1.0})  # the model over-predicts: no negative c
-    assert microbatch_overhead(fast, [_pipeline_rank(cluster, 0.0)])[0] == 0.0
+    assert microbatch_overhead(cluster, [_pipeline_rank(cluster, 0.0, 8.0)])[0] == pytest.approx(0.0, abs=1e-12)
+    three = ranks + [_pipeline_rank(cluster, 1e-3, 6.0)]
+    assert microbatch_overhead(cluster, three)[0] == pytest.approx(3e-4)  # the median rank's
+    slower = Cluster(**{**cluster.__dict__, "op_overhead": 1.0})  # ops explain more than the slope: no negative c
+    assert microbatch_overhead(slower, ranks)[0] == 0.0
     c, note = microbatch_overhead(cluster, [{"pipeline": None}])
     assert c == 0.0 and "one rank" in note
 
