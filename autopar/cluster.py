@@ -85,6 +85,13 @@ class Cluster:
       launch); ``cost_models.compute`` charges it once per op in forward and once more in backward, added to
       the roofline time on CPU ranks and as max(roofline, host) on GPUs, whose launches overlap running
       kernels. 0 (the default, and what old cluster files load as) means "negligible"; the profiler measures it.
+    microbatch_overhead: seconds of host time the pipeline runtime (``runtime.pipeline``, ``runtime.interleaved``)
+      spends per (model chunk, microbatch) and direction beyond the ops of the chunk's graph: slicing the
+      microbatch, send/recv calls, the generated module's call, autograd's bookkeeping. The step time charges
+      it once per forward and once per backward of every (chunk, microbatch) of a plan that runs the
+      pipeline runtime (more than one stage or microbatch; ``plan_builder.charge_microbatch_overhead``), the
+      stage DP and the interleave pass too. 0 (the default, presets, old cluster files) means "negligible";
+      the profiler measures it with 2 or more ranks (``autopar.profiler_pipeline``).
     memory_capacity: the device's physical memory in bytes, for reports (0: not known). ``memory_per_device``
       is what training may use: the capacity less the CUDA context and an allocator reserve (see
       ``presets.usable_memory``); the planner's budget is ``memory_per_device``.
@@ -109,6 +116,7 @@ class Cluster:
     source: str = ""
     matmul_curve: dict[str, list[list[float]]] = dataclasses.field(default_factory=dict)
     op_overhead: float = 0.0
+    microbatch_overhead: float = 0.0
     memory_capacity: float = 0.0
     compute_time_scale: float = 1.0
 
@@ -133,6 +141,7 @@ class Cluster:
             raise ClusterError(f"cluster {self.name!r}: peak_flops must map dtype names to FLOP/s, e.g. "
                                f"{{'float32': 1e12}}, got {self.peak_flops!r}{_FIX}")
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
+        _check_positive(self.name, "microbatch_overhead", self.microbatch_overhead, allow_zero=True)
         _check_positive(self.name, "memory_capacity", self.memory_capacity, allow_zero=True)
         _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
         for dtype_name, value in self.peak_flops.items():

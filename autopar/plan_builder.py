@@ -10,6 +10,14 @@ forward and backward time per microbatch (backward ≈ 2 × forward) and the cro
 plus the slowest stage's gradient synchronization, plus the slowest stage's optimizer step over its
 local parameter shards (``cost_models.compute.optimizer_step_time``). The optimizer step is predicted
 but not part of the ILP's or the DP's objective.
+
+The pipeline runtime's host time per (model chunk, microbatch), c = ``Cluster.microbatch_overhead``, is
+part of each stage's forward and backward (``charge_microbatch_overhead``): forward_s += c, backward_s += c,
+so a plan of S stages (S = pp·v chunks when interleaved) and B microbatches pays c · 2·S·B of host time,
+spread over the devices as the schedule replays it (a pp-device 1F1B pipeline's makespan grows by about
+2c·(B + pp − 1)). Plans of one stage and one microbatch run without the pipeline runtime and are not
+charged. On GPUs the charge is added as on CPU ranks: exact for a host-bound stage, an upper bound for one
+whose queued kernels hide the host's work.
 """
 from __future__ import annotations
 
@@ -265,6 +273,21 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
             "peak_memory": max(sum(s.predicted["peak_memory"] for s in stages[j::pp]) for j in range(pp))}
 
 
+def charge_microbatch_overhead(stages: list[Stage], cluster: Cluster, microbatches: int) -> None:
+    """Add c = ``cluster.microbatch_overhead`` to every stage's predicted forward and backward (and 2c to its
+    latency) when the plan runs the pipeline runtime (more than one stage or microbatch; module docstring).
+    Idempotent: a stage charged before (``predicted["microbatch_overhead"]``) is re-charged, not charged twice."""
+    c = cluster.microbatch_overhead if (len(stages) > 1 or microbatches > 1) else 0.0
+    for stage in stages:
+        p = stage.predicted
+        delta = c - p.get("microbatch_overhead", 0.0)
+        if c or "microbatch_overhead" in p:  # uncharged plans keep their keys (presets: c = 0)
+            p["microbatch_overhead"] = c
+        if delta:
+            p["forward"], p["backward"] = p["forward"] + delta, p["backward"] + delta
+            p["latency"] = p.get("latency", 0.0) + 2 * delta
+
+
 def _unshard_tied(graph, stages: list[Stage]) -> None:
     """A parameter several stages read (tied embeddings) stays at ZeRO level 0: ``gradsync.sync_shared`` sums
     its whole gradient over the holding stages after the step's sync, which a reduce-scattered (ZeRO ≥ 1)
@@ -335,6 +358,7 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
                                              dict(layers.of_node) if layers is not None else None,
                                              resolve_precision(options.precision).compute_dtype))
         charge_zero3(stage)
+    charge_microbatch_overhead(stages, cluster, microbatches)
     return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
                 model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,
                 cluster=json.loads(cluster.to_json()), stages=stages, microbatches=microbatches, schedule=schedule,

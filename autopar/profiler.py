@@ -21,8 +21,10 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
   as "send/2".
 
 * training conditions (``autopar.profiler_training``): collectives with both axes of each 2-D mesh
-  alternating (fits keyed "<kind>/<n>@<R>x<C>"), the host overhead per op call (``op_overhead``), and the
-  factor training-shaped linears run at against the square-mm curve (the curve is scaled by it).
+  alternating (fits keyed "<kind>/<n>@<R>x<C>"), the host overhead per op call (``op_overhead``), the
+  factor training-shaped linears run at against the square-mm curve (the curve is scaled by it), and, with
+  2 or more ranks, the pipeline runtime's host time per (chunk, microbatch) (``microbatch_overhead``,
+  ``autopar.profiler_pipeline``).
 
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
 ``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
@@ -156,7 +158,7 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
                disable=not (progress and rank == 0))
     mine = {"matmul": _measure_matmuls(settings, bar, probe), "stream": _measure_stream(settings, bar, probe),
             "collectives": _measure_collectives(world, settings, bar, probe), "threads": torch.get_num_threads()}
-    bar.set_postfix_str("in-mesh collectives, op overhead, training matmuls")
+    bar.set_postfix_str("in-mesh collectives, op overhead, training matmuls, pipeline host time")
     mine["training"] = measure_rank(settings, probe)
     bar.close()
     everyone = [None] * world

@@ -42,6 +42,8 @@
    multiplies every roofline time by it (it does not scale the overhead). The probe is the profiler's own
    block, not a model being planned. GPUs measure it and record it in the source line but keep 1.0
    (``GPU_PROBE``).
+5. microbatch_overhead: the pipeline runtime's host time per (chunk, microbatch) and direction, from a real
+   pipeline of tiny layers timed at two microbatch counts (``autopar.profiler_pipeline``; 2+ ranks only).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autopar.cluster import Cluster
+from autopar.profiler_pipeline import measure_pipeline, microbatch_overhead
 
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
 TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
@@ -144,7 +147,8 @@ def training_shapes(probe) -> list[tuple[int, int, int]]:
 
 
 def measure_rank(settings, probe) -> dict:
-    """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]}}."""
+    """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]},
+    "pipeline": ``profiler_pipeline.measure_pipeline``'s}."""
     from autopar.profiler import COLLECTIVES, collective_call
 
     out = {"mesh": {}, "tiny_step": None, "linears": {}, "probe_step": None, "probe_reference": None}
@@ -171,6 +175,7 @@ def measure_rank(settings, probe) -> dict:
         dtype = getattr(torch, name)
         out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
                                 for s in training_shapes(probe)]
+    out["pipeline"] = measure_pipeline(settings, probe)
     return out
 
 
@@ -308,5 +313,8 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
         else:
             out = dataclasses.replace(out, compute_time_scale=scale)
             notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
+    host, note = microbatch_overhead(out, per_rank)
+    out = dataclasses.replace(out, microbatch_overhead=host)
+    notes.append(note)
     note = f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; " + ("; ".join(notes) or "no curve scaled")
     return out, note

@@ -7,13 +7,15 @@ Pricing (one intra-op ILP per logical mesh, not per stage candidate): for each m
 model is solved once on the graph rescaled to a reference microbatch b₀, identical layers sharing one
 solution; the solution's groups give per-layer costs. For a stage of layers k..i at microbatch b:
 
-    t = max((b/b₀) · (Σ_l t_l + Σ_{k ≤ l,l' ≤ i} e_{l,l'}) + Σ_l sync_l / B,  transfer_k)
+    t = max((b/b₀) · (Σ_l t_l + Σ_{k ≤ l,l' ≤ i} e_{l,l'}) + Σ_l sync_l / B + 2c,  transfer_k)
     mem = Σ_l param_l + f · (b/b₀) · Σ_l act_l + (b/b₀) · max_l peak_l  ≤  device memory
 
 with t_l the layer's per-microbatch op and resharding time, e_{l,l'} resharding between layers, sync_l
 its once-per-step gradient sync (spread over the B microbatches for the DP), transfer_k the send of the
 tensors live at the cut before layer k (forward and backward; it overlaps compute, so it bounds the
-stage's cycle and enters the DP's sum once as h_k, see ``stage_dp``), f the microbatches in flight. A mesh
+stage's cycle and enters the DP's sum once as h_k, see ``stage_dp``), c the pipeline runtime's host time
+per (stage, microbatch) and direction (``Cluster.microbatch_overhead``, once in forward and once in
+backward, as ``plan_builder.charge_microbatch_overhead`` charges the plan), f the microbatches in flight. A mesh
 option whose batch split does not divide b is not offered at that B. Where the unconstrained solution
 is unlikely to fit, the same layouts at ZeRO level 2 (``layer_costs.zero2_variant``) and a lean solution
 (near the least memory any plan needs) are priced too.
@@ -186,7 +188,8 @@ class StageCosts:
                 lat, fits, prefix = np.broadcast_to(latency[:, :, None], memory.shape), memory <= budget, None
             else:
                 lat, fits, prefix = rec.tables(latency, memory, scale, budget)
-            cycle = np.maximum(lat, transfer)  # a stage cannot cycle faster than its input link
+            host = 2 * self.cluster.microbatch_overhead  # the pipeline runtime's, forward + backward
+            cycle = np.maximum(lat + host, transfer)  # a stage cannot cycle faster than its input link
             entry = np.where(fits, cycle, INF)
             better = entry < table[:, :, m]
             table[:, :, m] = np.where(better, entry, table[:, :, m])

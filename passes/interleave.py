@@ -11,7 +11,10 @@ the mesh option all stages share), then priced by the schedule simulator:
 
     time(v) = makespan of ``simulate_schedule(chunk forward, chunk backward, B, interleaved, hop, v)``
 
-with a chunk's forward = 1/3 and backward = 2/3 of its per-microbatch time (as ``plan_builder``) and hop
+with a chunk's forward = 1/3 and backward = 2/3 of its per-microbatch time (as ``plan_builder``), each plus
+c, the pipeline runtime's host time per (chunk, microbatch) and direction (``Cluster.microbatch_overhead``,
+charged as ``plan_builder.charge_microbatch_overhead`` charges the plan: every chunk runs its own module,
+receives and sends for each microbatch, so v chunks per device pay v times the 1F1B stage's 2c·B), and hop
 the slowest cut's transfer (forward send and gradient return, ``StageCosts.hops_at``); v sends cross
 devices per microbatch where 1F1B has one, which is what the smaller bubble, (pp−1)/(v·B) instead of
 (pp−1)/B of the ideal time, has to pay for. Memory per device d:
@@ -156,6 +159,7 @@ class _LayerPrices:
         t, sync, param, act, peak = self.lc.ranges
         self.fixed, self.act = param + scale * peak, scale * act
         self.hops, self.B, self.budget = costs.hops_at(b), B, costs.cluster.memory_per_device
+        self.host = costs.cluster.microbatch_overhead  # c per (chunk, microbatch) and direction
         self.L = costs.layers.count
 
     def cuts(self, pp: int, v: int) -> list[tuple[int, int]]:
@@ -182,7 +186,8 @@ class _LayerPrices:
         cuts = self.cuts(pp, v)
         lat = [float(self.latency[k, i]) for k, i in cuts]
         hop = max((float(self.hops[k]) for k, _ in cuts[1:]), default=0.0) / 2
-        ops = simulate_schedule([t / 3 for t in lat], [2 * t / 3 for t in lat], self.B,
+        c = self.host
+        ops = simulate_schedule([t / 3 + c for t in lat], [2 * t / 3 + c for t in lat], self.B,
                                 INTERLEAVED if v > 1 else "1f1b", hop, v)
         worst = max(self._device_memory(cuts, pp, v, d) for d in range(pp))
         if worst > self.budget:

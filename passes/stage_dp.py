@@ -21,10 +21,16 @@ For a fixed cap t_max on every stage's latency, with σ stages still to place (s
 Activation recompute is a dimension of the table, not of the recurrence: each entry t[k, i, m, f] is
 already the fastest recompute choice of that stage that fits memory (``passes.recompute``),
 
-    t[k, i, m, f] = min_{R ⊆ k..i, mem(k, i, m, f, R) ≤ M}  max(lat(k, i, m) + Σ_{l ∈ R} fwd_l, transfer_k),
+    t[k, i, m, f] = min_{R ⊆ k..i, mem(k, i, m, f, R) ≤ M}  max(lat(k, i, m) + Σ_{l ∈ R} fwd_l + 2c, transfer_k),
 
 with R running over L + 1 nested prefixes only (the "auto" layers ordered by bytes saved per second of
-extra forward), so recompute widens the table's pricing, never the DP's search.
+extra forward), so recompute widens the table's pricing, never the DP's search. c is the pipeline
+runtime's host time per (stage, microbatch) and direction (``Cluster.microbatch_overhead``): each of the
+B microbatches' forward and backward on a stage pays it once, so every entry carries 2c and T grows by
+2c·(σ + B − 1) for σ stages (where no transfer bounds a cycle): more microbatches and more stages cost host
+time. The table's builder (``inter_op.StageCosts``) adds it to every entry at every B; the one plan that
+runs without the pipeline runtime, one stage at B = 1, is over-charged here by 2c and priced exactly by
+the driver's single-stage solve (``exact_checks.or_single_stage``).
 
 t_max runs over the distinct table values in ascending order and stops once B · t_low ≥ the best T found,
 t_low the smallest cap not tried yet: every plan still to be found has its slowest stage at t_low or

@@ -63,3 +63,15 @@ def test_missing_and_negative_fields():
     d["intra_node"]["bandwidth"] = -1
     with pytest.raises(ClusterError, match="intra_node.bandwidth must be a finite number > 0"):
         Cluster.from_json(json.dumps(d))
+
+
+def test_microbatch_overhead_defaults_to_zero_round_trips_and_must_be_non_negative():
+    d = json.loads(Cluster.local(2).to_json())
+    del d["microbatch_overhead"]  # a cluster file written before the field existed
+    assert Cluster.from_json(json.dumps(d)).microbatch_overhead == 0.0
+    d["microbatch_overhead"] = 2.5e-4
+    assert Cluster.from_dict(Cluster.from_dict(d).to_dict()).microbatch_overhead == 2.5e-4
+    for bad in (-1e-6, float("nan"), "1ms"):
+        d["microbatch_overhead"] = bad
+        with pytest.raises(ClusterError, match="microbatch_overhead must be a finite number >= 0"):
+            Cluster.from_dict(d)

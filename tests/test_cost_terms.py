@@ -1,9 +1,12 @@
 """The cost model's preset terms on hand-computable cases: the matmul curve by call size, usable memory,
 bandwidth by group size (V100 cube-mesh), ring/tree step latency, attention priced by its kernel, the
-end-to-end compute factor, and the profiler's training-condition measurements (synthetic inputs)."""
+end-to-end compute factor, the profiler's training-condition measurements (synthetic inputs), and the pipeline
+runtime's host time per (chunk, microbatch) in the step time and the stage DP."""
+import dataclasses
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +15,10 @@ from autopar.cost_models.communication import AxisLink, algorithm_steps, axis_li
 from autopar.cost_models.compute import ATTENTION_RATE, SCORE_PASSES, attention_kernel, compute_time, node_flops
 from autopar.errors import ClusterError
 from autopar.passes.capture import capture
+from autopar.passes.stage_dp import stage_dp
 from autopar.placement import R
+from autopar.plan import Stage
+from autopar.plan_builder import charge_microbatch_overhead, predict
 from autopar.presets import GEMM_RAMP, gemm_curve, usable_memory
 from autopar.profiler_training import _share, in_mesh_fits, meshes_of, training_matmul_factor
 from examples.gpt import GPT, GPTConfig, make_batch
@@ -265,3 +271,62 @@ def test_charge_zero3_adds_each_direction_exposed_part_at_the_gather_dtype():
     assert fp32["latency"] == pytest.approx(1.4 + 0.35) and fp32["zero3_exposed"] == pytest.approx(0.35)
     assert (bf16["forward"], bf16["backward"]) == pytest.approx((1.25, 0.25))
     assert fp32["memory"] == fp32["peak_memory"] == 164.0
+
+
+# ---- the pipeline runtime's host time per (chunk, microbatch) ------------------------------------
+def _stages(n: int, forward: float, backward: float) -> list[Stage]:
+    p = {"forward": forward, "backward": backward, "latency": forward + backward, "grad_sync": 0.0,
+         "compute": 0.0, "comm": 0.0, "peak_memory": 0.0}
+    return [Stage(index=s, ranks=[s], mesh_shape=(1, 1), submesh=(1, 1), nodes=[], shardings={}, predicted=dict(p))
+            for s in range(n)]
+
+
+def _step(stages, microbatches: int, c: float, schedule: str = "1f1b", virtual: int = 1) -> float:
+    cluster = dataclasses.replace(Cluster.local(1), microbatch_overhead=c)
+    charge_microbatch_overhead(stages, cluster, microbatches)
+    return predict(stages, microbatches, schedule, [], virtual)["step_time"]
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_microbatch_overhead_adds_2c_per_microbatch_and_stage_of_the_1f1b_fill(m):
+    """2 uniform stages (f = 1, b = 2 ms), 1F1B: makespan (M + 1)(f + b), and with c on every forward and
+    backward (M + 1)(f + b + 2c), so the step grows by exactly 2c·(M + pp − 1)."""
+    c = 1e-4
+    plain, charged = _step(_stages(2, 1e-3, 2e-3), m, 0.0), _step(_stages(2, 1e-3, 2e-3), m, c)
+    assert plain == pytest.approx((m + 1) * 3e-3)
+    assert charged - plain == pytest.approx(2 * c * (m + 1))
+
+
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_interleaving_v_chunks_pays_v_times_the_charges(m):
+    """The same 2 devices as 4 chunks (v = 2) of half the time each: every chunk pays c per microbatch and
+    direction, so the makespan grows by 2c·(M·v + pp − 1), against 1F1B's 2c·(M + pp − 1)."""
+    c, pp, v = 1e-4, 2, 2
+    plain = _step(_stages(pp * v, 0.5e-3, 1e-3), m, 0.0, "interleaved", v)
+    charged = _step(_stages(pp * v, 0.5e-3, 1e-3), m, c, "interleaved", v)
+    assert charged - plain == pytest.approx(2 * c * (m * v + pp - 1))
+
+
+def test_without_microbatch_overhead_or_pipeline_nothing_is_charged():
+    """c = 0 (presets, old cluster files) leaves the prediction and the stages' keys as they were; one stage
+    at one microbatch runs without the pipeline runtime, so no c either; charging twice charges once."""
+    stages = _stages(2, 1e-3, 2e-3)
+    before = predict(stages, 4, "1f1b", [])["step_time"]
+    assert _step(stages, 4, 0.0) == before and "microbatch_overhead" not in stages[0].predicted
+    single = _stages(1, 1e-3, 2e-3)
+    assert _step(single, 1, 1e-4) == pytest.approx(3e-3) and single[0].predicted["forward"] == 1e-3
+    again = _stages(2, 1e-3, 2e-3)
+    assert _step(again, 4, 1e-4) == _step(again, 4, 1e-4) == pytest.approx(before + 2e-4 * 5)
+    assert _step(again, 4, 0.0) == pytest.approx(before) and again[0].predicted["forward"] == pytest.approx(1e-3)
+
+
+def test_stage_dp_cost_grows_by_2c_per_stage_and_microbatch():
+    """Every table entry carrying 2c (``stage_dp``'s docstring) adds 2c·(σ + B − 1) to T for σ stages."""
+    rng = np.random.default_rng(0)
+    table = rng.uniform(1, 2, size=(4, 4, 1, 4))
+    table[np.tril_indices(4, -1)] = np.inf
+    for B in (1, 4, 8):
+        plain = stage_dp(table, [1], 2, B, stages=2)
+        charged = stage_dp(table + 0.25, [1], 2, B, stages=2)
+        assert charged.stages == plain.stages
+        assert charged.cost == pytest.approx(plain.cost + 0.25 * (2 + B - 1))

@@ -51,14 +51,15 @@ def test_microbatches_must_come_in_groups_of_pp():
         device_order(0, 4, 2, 6)
 
 
-def four_node_plan(microbatches: int, **options) -> autopar.Plan:
-    """FourBlocks (4 layers of 8191², batch 8192) over 4 single-A100 nodes on a 25 Gbps link, 2 stages."""
+def four_node_plan(microbatches: int, host: float = 0.0, **options) -> autopar.Plan:
+    """FourBlocks (4 layers of 8191², batch 8192) over 4 single-A100 nodes on a 25 Gbps link, 2 stages;
+    ``host``: the cluster's microbatch_overhead."""
     with torch.device("meta"):
         model = FourBlocks()
     x = torch.empty(8192, 8191, device="meta")
     base = dataclasses.replace(autopar.Cluster.preset("dgx-a100", nodes=4), devices_per_node=1, mesh_shape=None,
                                memory_per_device=640 * 2**30)
-    cluster = dataclasses.replace(base, inter_node=Link(latency=5e-6, bandwidth=25e9 / 8))
+    cluster = dataclasses.replace(base, inter_node=Link(latency=5e-6, bandwidth=25e9 / 8), microbatch_overhead=host)
     return autopar.plan(model, cluster, (x, x.clone()), microbatches=microbatches, stages=2, **options)
 
 
@@ -85,6 +86,23 @@ def test_planner_interleaves_when_the_smaller_bubble_pays_for_the_sends():
                                                                                             2, "1f1b", 0.0))
     assert span(simulate_schedule(f, b, 2, "interleaved", hop, 2)) > span(simulate_schedule(one, [2 * t for t in one],
                                                                                             2, "1f1b", hop))
+
+
+def test_host_time_per_chunk_and_microbatch_prices_chunks_and_microbatches():
+    """c = microbatch_overhead on every chunk's forward and backward: the interleave pass's price of 1F1B
+    grows by 2c·(B + pp − 1), that of v = 2 chunks by up to 2c·(B·v + pp − 1) (less the part that waits for
+    the chunks' sends hide), so at c = 1 ms the 64 ms that v = 2 saved no longer pays for its extra charges;
+    and the stage DP, whose every stage pays 2c per microbatch, picks fewer microbatches than the 512 it
+    picks without it."""
+    c, pp, B = 1e-3, 2, 64
+    plain, charged = four_node_plan(B, schedule="auto"), four_node_plan(B, host=c, schedule="auto")
+    before, after = (p.planner["virtual_stages"] for p in (plain, charged))
+    assert after["1"] - before["1"] == pytest.approx(2 * c * (B + pp - 1), rel=1e-6)
+    assert 2 * c * (B + pp - 1) + (before["1"] - before["2"]) < after["2"] - before["2"] <= 2 * c * (2 * B + pp - 1)
+    assert plain.virtual_stages == 2 and charged.virtual_stages == 1 and charged.schedule == "1f1b"
+    assert charged.stages[0].predicted["microbatch_overhead"] == c
+    fewer, more = (four_node_plan(None, host=h, schedule="1f1b").microbatches for h in (c, 0.0))
+    assert fewer < more
 
 
 def test_auto_falls_back_to_the_dp_stages_when_an_interleaved_chunk_does_not_fit(monkeypatch):

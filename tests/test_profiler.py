@@ -197,6 +197,32 @@ def test_gpu_profile_uses_nccl_and_cuda_events(tmp_path):
     assert Cluster.from_json(tmp_path / "gpu.json") == cluster
 
 
+# ---- the pipeline runtime's host time (synthetic timings) ---------------------------------------
+def _pipeline_rank(cluster, c: float, calls: float, counts=(2, 8), waits: float = 0.0) -> dict:
+    """What a rank of ``measure_pipeline`` reports when its CPU does exactly its stage's op calls plus c per
+    microbatch and direction (and a fixed part per step); ``waits``: wall seconds per microbatch on top."""
+    cpu = {m: 0.01 + m * (calls * cluster.op_overhead + 2 * c) for m in counts}
+    wall = {m: t + m * waits for m, t in cpu.items()}
+    return {"pipeline": {"counts": counts, "cpu": cpu, "wall": wall, "calls": calls}}
+
+
+def test_microbatch_overhead_is_the_cpu_slope_its_ops_do_not_explain():
+    """s_r = n_r · op_overhead + 2c per rank; waits (wall clock only) do not count; the median over ranks."""
+    from autopar.profiler_pipeline import microbatch_overhead
+
+    cluster = Cluster(**{**Cluster.local(2).__dict__, "op_overhead": 2e-5})
+    ranks = [_pipeline_rank(cluster, 3e-4, 8.0, waits=1e-3), _pipeline_rank(cluster, 3e-4, 6.0, waits=5e-3)]
+    c, note = microbatch_overhead(cluster, ranks)
+    assert c == pytest.approx(3e-4) and "microbatch_overhead 300 µs" in note
+    assert microbatch_overhead(cluster, [_pipeline_rank(cluster, 0.0, 8.0)])[0] == pytest.approx(0.0, abs=1e-12)
+    three = ranks + [_pipeline_rank(cluster, 1e-3, 6.0)]
+    assert microbatch_overhead(cluster, three)[0] == pytest.approx(3e-4)  # the median rank's
+    slower = Cluster(**{**cluster.__dict__, "op_overhead": 1.0})  # ops explain more than the slope: no negative c
+    assert microbatch_overhead(slower, ranks)[0] == 0.0
+    c, note = microbatch_overhead(cluster, [{"pipeline": None}])
+    assert c == 0.0 and "one rank" in note
+
+
 # ---- one real profile: 2 gloo ranks, quick -------------------------------------------------------
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
@@ -240,3 +266,5 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert 1e-7 < cluster.op_overhead < 1e-2
     assert "op_overhead" in cluster.source and "float32 curve ×" in cluster.source
     assert not any("@" in key for key in cluster.intra_node.fits)
+    # the pipeline runtime's host time: a real 2-stage pipeline timed at 2 and 8 microbatches
+    assert 0.0 <= cluster.microbatch_overhead < 0.1 and "microbatch_overhead" in cluster.source
