@@ -35,12 +35,21 @@ def feasible(solve: Callable[[], Plan]) -> Plan | None:
         return None
 
 
+TIE = 1e-9
+
+
 def or_single_stage(pipelined: Plan, single: Callable[[], Plan | None]) -> Plan:
-    """The faster (predicted) of the DP's plan and ``single()`` (None: infeasible)."""
+    """The faster (predicted) of the DP's plan and ``single()`` (None: infeasible); ``single()`` on a tie
+    (within a relative ``TIE``: the two sum the same costs in different orders).
+
+    Ties go to the single stage: where the DP's answer is itself one stage, the two are the same layout,
+    and ``single()`` solves it without truncating repeated layers, so its memory includes what a
+    one-microbatch step releases before its peak (``plan_builder._released_in_one_step``), which a
+    truncated solution cannot place."""
     candidate = single()
     if candidate is None:
         return pipelined
-    if candidate.predicted["step_time"] < pipelined.predicted["step_time"]:
+    if candidate.predicted["step_time"] <= pipelined.predicted["step_time"] * (1 + TIE):
         candidate.planner["dp_choice_step_time"] = float(pipelined.predicted["step_time"])
         return candidate
     return pipelined

@@ -1,5 +1,6 @@
 """``autopar.exact_checks``: the planner's answer re-solved exactly where the stage DP's scaled prices are
 furthest off. Planned on simulated clusters (meta device)."""
+import pytest
 import torch
 
 import autopar
@@ -30,3 +31,30 @@ def test_a_one_stage_plan_is_solved_again_at_fewer_microbatches_while_faster():
     again = sc21_plan("3.6B", 64, microbatches=plan.microbatches)
     assert len(again.stages) == 1 and "dp_microbatches" not in again.planner, "a user's B is kept as given"
     assert again.predicted["step_time"] >= plan.predicted["step_time"] * (1 - 1e-9)
+
+
+def test_a_tie_goes_to_the_single_stage_solve():
+    import types
+
+    from autopar.exact_checks import or_single_stage
+
+    dp = types.SimpleNamespace(predicted={"step_time": 1.0}, planner={})
+    single = types.SimpleNamespace(predicted={"step_time": 1.0 + 1e-15}, planner={})  # a tie up to round-off
+    assert or_single_stage(dp, lambda: single) is single
+    slower = types.SimpleNamespace(predicted={"step_time": 1.1}, planner={})
+    assert or_single_stage(dp, lambda: slower) is dp  # negative control: the faster one still wins
+    assert or_single_stage(dp, lambda: None) is dp
+
+
+def test_a_one_device_plan_predicts_the_release_of_a_one_microbatch_step():
+    """On one device the DP's one-stage answer (repeated layers solved twice) and the exact single-stage
+    solve are the same layout at the same step time; the plan returned carries the exact solve's memory,
+    which counts what a one-microbatch step frees before its peak (the DP's truncated solve cannot)."""
+    from examples.gpt import GPTConfig, make_gpt
+
+    model, batch = make_gpt(GPTConfig(vocab_size=4096, seq_len=256, n_layer=4, n_head=8, n_embd=512),
+                            batch_size=8)
+    default = autopar.plan(model, autopar.Cluster.local(1), batch)
+    single = autopar.plan(model, autopar.Cluster.local(1), batch, stages=1)
+    assert default.predicted["step_time"] == pytest.approx(single.predicted["step_time"], rel=1e-9)
+    assert default.predicted["peak_memory"] == single.predicted["peak_memory"]
