@@ -190,7 +190,9 @@ def tiny_block_nodes() -> int:
 def training_matmul_factor(cluster: Cluster, dtype_name: str, shapes, seconds, overhead: float) -> float:
     """Median over ``shapes`` of curve-predicted GEMM seconds (3 GEMMs of 2·t·i·o FLOPs) / measured kernel
     seconds (the measured step less its 2 op calls' overhead on CPUs; on GPUs the measured step itself)."""
-    host = 0.0 if cluster.device_type == "cuda" else 2 * overhead
+    from autopar.cost_models.compute import host_overlaps_kernels
+
+    host = 0.0 if host_overlaps_kernels(cluster) else 2 * overhead
     factors = []
     for (tokens, d_in, d_out), measured in zip(shapes, seconds):
         flops = 2.0 * tokens * d_in * d_out
@@ -245,7 +247,7 @@ def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None
     """compute_time_scale of item 4: the s with measured = Σ combine(s·q·r_i, o_i), q = the reference mm's
     measured seconds over the curve's (1 when ``reference`` is None); shape: the probe (default: the
     cluster's device's ``probe_shape``)."""
-    from autopar.cost_models.compute import with_host_time
+    from autopar.cost_models.compute import host_overlaps_kernels, with_host_time
 
     shape = shape or probe_shape(cluster.device_type)
     ops = probe_step_ops(cluster, shape)
@@ -254,7 +256,7 @@ def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None
         flops = 2.0 * shape.reference_side**3
         q = reference / (flops / cluster.matmul_flops(shape.dtype, flops))
     roofline, overhead = sum(r for r, _ in ops) * q, sum(o for _, o in ops)
-    if cluster.device_type != "cuda":
+    if not host_overlaps_kernels(cluster):
         return max(measured - overhead, 1e-9) / max(roofline, 1e-12)
     low, high = 1e-3, 1e3  # predicted(s) grows with s: bisection in log space
     for _ in range(60):

@@ -125,9 +125,15 @@ def local_bytes(val: Any, spec, mesh_shape) -> float:
     return math.prod(local_shape(tuple(val.shape), spec, mesh_shape)) * val.element_size()
 
 
+def host_overlaps_kernels(cluster) -> bool:
+    """Whether the host issues ops while the device runs earlier ones (GPUs), rather than running each
+    kernel on the issuing thread (CPU ranks)."""
+    return getattr(cluster, "device_type", "cpu") == "cuda"
+
+
 def with_host_time(device_seconds: float, host_seconds: float, cluster) -> float:
     """One op's seconds from its kernel time and its host time: the sum on CPU ranks, the larger on GPUs."""
-    if getattr(cluster, "device_type", "cpu") == "cuda":
+    if host_overlaps_kernels(cluster):
         return max(device_seconds, host_seconds)
     return device_seconds + host_seconds
 
@@ -145,8 +151,6 @@ def cast_time(casts, in_vals: list, in_specs, mesh_shape, cluster, differentiabl
     scale = getattr(cluster, "compute_time_scale", 1.0)
     total = 0.0
     for pos, ratio in casts:
-        if pos >= len(in_vals):
-            continue
         moved = passes * local_bytes(in_vals[pos], in_specs[pos], mesh_shape) * (1.0 + ratio)
         total += with_host_time(scale * moved / cluster.memory_bandwidth,
                                 passes * getattr(cluster, "op_overhead", 0.0), cluster)
@@ -259,12 +263,12 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
         t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
             + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead       (CPU ranks only)
 
-On GPUs the foreach kernels take many tensors per launch, so the per-tensor host charge is left out.
+    On GPUs the foreach kernels take many tensors per launch, so the per-tensor host charge is left out.
 
     Part of a plan's predicted step time (``plan_builder.predict``), not yet of the ILP's objective: it
     shrinks as parameters are sharded, so it belongs in the cost of a parameter's strategy.
     """
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
-    if getattr(cluster, "device_type", "cpu") == "cuda":
+    if host_overlaps_kernels(cluster):
         return traffic
     return traffic + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)

@@ -12,15 +12,19 @@ def markdown(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _error(section) -> list[str]:
-    return [f"error: {section.get('error')}", "", "```", section.get("traceback", ""), "```", ""]
+def _failed(section, title: str) -> list[str] | None:
+    """The lines for a section that did not run ([] when absent, its error when it failed), else None."""
+    if section is None:
+        return []
+    if isinstance(section, dict) and "error" in section:
+        return [title, "", f"error: {section['error']}", "", "```", section.get("traceback", ""), "```", ""]
+    return None
 
 
 def _parity(rows) -> list[str]:
-    if rows is None:
-        return []
-    if isinstance(rows, dict):
-        return ["## Parity", ""] + _error(rows)
+    failed = _failed(rows, "## Parity")
+    if failed is not None:
+        return failed
     out = ["## Parity (losses vs the same model on the device without autopar)", "",
            "| model | precision | worst rel. loss diff | tolerance | control (lr x2) | passed |",
            "|---|---|---|---|---|---|"]
@@ -34,19 +38,17 @@ def _parity(rows) -> list[str]:
 
 
 def _shared(row) -> list[str]:
-    if row is None:
-        return []
-    if "error" in row:
-        return ["## Two gloo ranks on one GPU", ""] + _error(row)
+    failed = _failed(row, "## Two gloo ranks on one GPU")
+    if failed is not None:
+        return failed
     return ["## Two gloo ranks on one GPU", "", f"worst rel. loss diff vs one device: {row['worst_rel']:.2e}",
             f"losses {row['autopar']} vs {row['reference']}", ""]
 
 
 def _profile(row) -> list[str]:
-    if row is None:
-        return []
-    if "error" in row:
-        return ["## Profile", ""] + _error(row)
+    failed = _failed(row, "## Profile")
+    if failed is not None:
+        return failed
     best = ", ".join(f"{d} {v / 1e12:.1f} TFLOP/s" for d, v in row["best_matmul"].items())
     out = ["## Profile (`autopar profile`, one rank)", "", f"- took {row['profile_s']:.1f} s; GPU {row.get('gpu')}",
            f"- matmul curve best: {best}",
@@ -60,10 +62,9 @@ def _profile(row) -> list[str]:
 
 
 def _plans(rows) -> list[str]:
-    if rows is None:
-        return []
-    if isinstance(rows, dict):
-        return ["## Plans", ""] + _error(rows)
+    failed = _failed(rows, "## Plans")
+    if failed is not None:
+        return failed
     out = ["## One-GPU plans: predicted vs measured", "",
            "| model | prec | recompute | mb | pred step ms | meas step ms | err | pred GiB | alloc GiB | err | "
            "reserved GiB | plain ms | autopar/plain | compile s |", "|" + "---|" * 14]
