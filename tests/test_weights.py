@@ -1,13 +1,14 @@
 """Meta-device models, ``init_seed``/``autopar.init_weights``, ``weights=`` and ``pm.save_pretrained``.
 
 One ``autopar.launch`` per world size (2; 4 in the slow tier: 2.5 min on a loaded machine) runs every case
-of ``tests/weights_cases.py``: the GPT example and a tiny HF Llama built on the meta device and initialized by compile under a data-parallel, a
-tensor-parallel, a ZeRO-3 and a 2-stage pipeline plan, 3 AdamW steps against ``autopar.init_weights`` on one
-device (loss ≤ 1e-5, parameters ≤ 1e-4 relative, as tests/test_parity.py); the full weights after init
-identical across plans and to the reference (negative control: ``init_seed=1`` differs); a transformers
-``save_pretrained`` into ≥ 3 files loaded through ``weights=`` under each plan; ``pm.save_pretrained`` after
-training read back by ``LlamaForCausalLM.from_pretrained`` bit-exactly; a ``pm.save`` checkpoint of one plan
-loaded through ``weights=`` under another. The bad files run in this process.
+of ``tests/weights_cases.py``: the GPT example and a tiny HF Llama built on the meta device and initialized
+by compile under a data-parallel, a tensor-parallel, a ZeRO-3 and a 2-stage pipeline plan, 3 AdamW steps
+against ``autopar.init_weights`` on one device (loss <= 1e-5, parameters <= 1e-4 relative, as
+tests/test_parity.py); the full weights after init identical across plans and to the reference (negative
+control: ``init_seed=1`` differs); a transformers ``save_pretrained`` into >= 3 files loaded through
+``weights=`` under each plan; ``pm.save_pretrained`` after training read back by
+``LlamaForCausalLM.from_pretrained`` bit-exactly; a ``pm.save`` checkpoint of one plan loaded through
+``weights=`` under another. The bad files run in this process.
 """
 import json
 

@@ -24,6 +24,7 @@ from autopar.placement import parse_spec
 from autopar.runtime import gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
+from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
@@ -93,10 +94,12 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
 
 
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
-                          source=None) -> ParallelModule:
-    """``graph``: the model captured at one microbatch (the global batch when there is one); ``source``: a
+                          data: str = "global", source=None) -> ParallelModule:
+    """``graph``: the model captured at one microbatch (the global batch when there is one). ``data``:
+    "global" (every rank passes the global batch) or "local" (its share: ``local_data``). ``source``: a
     ``runtime.tensor_source`` source (default: the user's real tensors, agreed with rank 0's)."""
     rank = dist.get_rank()
+    local = LocalData(plan, graph, rank, make_group(timeout)) if data == "local" else None
     state_keys = list(model.state_dict(keep_vars=True).keys())
     unread = unread_state_keys(state_keys, graph)
     if source is None:
@@ -112,16 +115,19 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     for stage in plan.stages_of_rank(rank):
         coord = groups.coordinate(meshes[stage.index], rank)
         regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
-        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions)
+        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions,
+                                   local_batch=local is not None)
         if len(plan.stages) == 1 and plan.microbatches == 1:
             runner = SpmdRunner(gm, stage, base + stage.index)
         else:
             mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
             runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
         _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+        runner.local_data = local
         runners.append(runner)
     if len(runners) > 1:
         runner = InterleavedRunner(runners, plan)
         runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
+        runner.local_data = local
     unused = {k: source.full(k) for k in unread if k in source.templates}
-    return ParallelModule(plan, graph, runner, state_keys, unused)
+    return ParallelModule(plan, graph, runner, state_keys, unused, local)
