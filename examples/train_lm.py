@@ -79,7 +79,8 @@ def cluster_for(name: str, world: int) -> autopar.Cluster:
 
 def latest_checkpoint(out: Path) -> Path | None:
     """The checkpoint of the highest step under OUT/ckpt whose save finished (it has a manifest)."""
-    done = [p for p in (out / "ckpt").glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / "manifest.json").is_file()]
+    done = [p for p in (out / "ckpt").glob("step-*")
+            if re.fullmatch(r"step-\d+", p.name) and (p / "manifest.json").is_file()]
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
 
@@ -120,7 +121,8 @@ def train(rank: int, args: argparse.Namespace) -> dict:
               f"{pm.plan.microbatches} microbatch(es), {len(samples)} samples of {args.seq_len} tokens"
               + (f", resumed from {resumed} (epoch {sampler.epoch}, sample {sampler.cursor})" if resumed else ""),
               flush=True)
-    flops, peak = step_flops(pm), cluster.num_devices * cluster.peak_flops.get("float32", max(cluster.peak_flops.values()))
+    flops = step_flops(pm)
+    peak = cluster.num_devices * cluster.peak_flops.get("float32", max(cluster.peak_flops.values()))
     device = cluster.device_type
     trace = _trace_file(out, rank) if args.trace else None
     first, start, losses, tokens = step, time.perf_counter(), [], 0
