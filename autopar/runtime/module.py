@@ -202,18 +202,20 @@ class ParallelModule(torch.nn.Module):
         self._unused = other._unused
 
     # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
-    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+             position: dict | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
         ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
-        whole). ``step`` is recorded in its manifest. Call on every rank."""
+        whole). ``step``, ``position`` (JSON: where the run is, e.g. ``autopar.data.GlobalSampler.state_dict()``)
+        and the fp16 loss scaler are recorded in its manifest. Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer, step)
+        checkpoint.save(self, path, optimizer, step, position)
 
     def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
-        must be built from ``pm.parameters()``), after checking every file against its manifest; returns
-        the manifest (``["step"]``). Call on every rank."""
+        must be built from ``pm.parameters()``), after checking every file against its manifest, and the loss
+        scaler; returns the manifest (``["step"]``, ``.get("position")``). Call on every rank."""
         from autopar.runtime import checkpoint
 
         return checkpoint.load(self, path, optimizer)
