@@ -125,7 +125,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     peak = cluster.num_devices * cluster.peak_flops.get("float32", max(cluster.peak_flops.values()))
     device = cluster.device_type
     trace = _trace_file(out, rank) if args.trace else None
-    first, start, losses, tokens = step, time.perf_counter(), [], 0
+    first, start, losses, tokens, busy = step, time.perf_counter(), [], 0, 0.0
     while step < args.steps:
         epoch, ids = sampler.epoch, sampler.next_ids()
         t0 = time.perf_counter()
@@ -134,6 +134,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
         optimizer.zero_grad()
         step += 1
         seconds = time.perf_counter() - t0
+        busy += seconds
         losses.append(loss)
         tokens += args.batch * args.seq_len
         if trace is not None:
@@ -148,10 +149,11 @@ def train(rank: int, args: argparse.Namespace) -> dict:
                     position={"sampler": sampler.state_dict()})
     elapsed = time.perf_counter() - start
     if rank == 0:
-        done = step - first
-        print(f"done: {done} steps in {elapsed:.1f} s, loss {losses[0] if losses else float('nan'):.4f} -> "
-              f"{losses[-1] if losses else float('nan'):.4f}, {tokens / max(elapsed, 1e-9):,.0f} tok/s, "
-              f"MFU {100 * flops * done / max(elapsed, 1e-9) / peak:.2f}%, checkpoint {out / 'ckpt'}", flush=True)
+        done, busy = step - first, max(busy, 1e-9)
+        print(f"done: {done} steps in {elapsed:.1f} s ({elapsed - busy:.1f} s of it checkpoints), loss "
+              f"{losses[0] if losses else float('nan'):.4f} -> {losses[-1] if losses else float('nan'):.4f}, "
+              f"{tokens / busy:,.0f} tok/s, MFU {100 * flops * done / busy / peak:.2f}%, memory "
+              f"{memory_text(device)}, checkpoints in {out / 'ckpt'}", flush=True)
     return {"losses": losses, "first_step": first, "resumed": resumed}
 
 
