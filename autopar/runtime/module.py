@@ -220,6 +220,15 @@ class ParallelModule(torch.nn.Module):
 
         return checkpoint.load(self, path, optimizer)
 
+    def save_pretrained(self, directory, prefix: str = "", max_shard_size="5GB") -> None:
+        """Hugging Face sharded safetensors (``model.safetensors.index.json``) of the state-dict keys under
+        ``prefix`` (taken off the keys), plus the model's config.json, in ``directory``: each tensor is
+        assembled inside one stage and written by one of its ranks; no rank holds the whole model; existing
+        files are replaced whole or kept. Call on every rank. See ``autopar.runtime.pretrained_save``."""
+        from autopar.runtime import pretrained_save
+
+        pretrained_save.save_pretrained(self, directory, prefix, max_shard_size)
+
     def export(self, path) -> None:
         """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every
         parameter; for models too big for one device, use ``save`` + ``export_state_dict``). Call on every rank."""
