@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import warnings
 from collections import OrderedDict
 
@@ -43,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from autopar.errors import CheckpointError
 from autopar.placement import parse_spec
 from autopar.runtime import checkpoint_files as files
+from autopar.runtime import checkpoint_paths as paths
 from autopar.runtime.checkpoint_zero import bucket_entries
 
 FORMAT = 2  # 2: manifest.json, staging directory switched in by rename
@@ -105,11 +107,26 @@ def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
 def export(pm, path) -> None:
     """Write ``pm``'s full state dict with ``torch.save`` from rank 0 (gathers every parameter: use it for
     models that fit one device; for others, ``save`` and then ``export_state_dict`` offline). Collective."""
+    final = paths.target(path)
+    files.on_rank0_then_everyone(lambda: paths.check_export_target(final, list(pm._state_keys)), _export_failed(final))
     state = pm.full_state_dict()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        torch.save(state, path)
-    if dist.is_initialized():
-        dist.barrier()
+    files.on_rank0_then_everyone(lambda: _write_replacing(state, final), _export_failed(final))
+
+
+def _export_failed(final):
+    return lambda cause: f"pm.export({str(final)!r}) failed ({cause}); any earlier file there is untouched"
+
+
+def _write_replacing(state: dict, final) -> None:
+    """``torch.save`` to a sibling temporary file, then an atomic rename over ``final``: a crash or a full
+    disk never leaves a half-written file in place of an earlier export."""
+    partial = final.parent / f".{final.name}.partial-{os.getpid()}"
+    try:
+        torch.save(state, partial)
+        os.replace(partial, final)
+    finally:
+        if partial.exists():
+            partial.unlink()
 
 
 # ---- model entries ---------------------------------------------------------------------------------
