@@ -133,7 +133,7 @@ def capture_run(run: Run):
     if run.model != "gpt":
         return capture_llama(run)
     cfg = GPTConfig(vocab_size=run.vocab, seq_len=run.seq, n_layer=run.layers, n_head=run.heads,
-                    n_embd=run.hidden, dropout=0.1, attention="materialized")
+                    n_embd=run.hidden, dropout=run.dropout, attention=run.attention)
     with torch.device("meta"):
         model = GPT(cfg).to(DTYPES[run.precision])
     return capture(model, make_batch(cfg, run.batch, device="meta"))
