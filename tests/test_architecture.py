@@ -3,7 +3,7 @@
     cli -> profiling -> api (autopar.compile/plan) -> planner -> passes -> cost_models
         -> data (plan, hardware: Plan, Cluster) -> views (report, trace, visualize) -> IR
     runtime (and launch) -> data + IR (never passes, cost_models or the planner)
-    baselines -> planner
+    baselines -> planner;  datasets (autopar/data: samplers, text) -> IR
 
 Imports are read with ``ast`` from every module the package walk finds, function-level (deferred)
 imports included, so a late import cannot hide an edge. Each module belongs to one layer (``LAYERS``);
@@ -44,19 +44,22 @@ LAYERS = {
     "autopar.baselines": "baselines",
     "autopar.profiling": "profiling",
     "autopar.cli": "cli",
+    "autopar.data": "datasets",
 }
 MAY_IMPORT = {
     "ir": {"ir"},
+    "datasets": {"ir", "datasets"},
     "views": {"ir", "views"},
     "data": {"ir", "views", "data"},
     "cost_models": {"ir", "data", "cost_models"},
     "passes": {"ir", "data", "cost_models", "passes"},
     "planner": {"ir", "data", "cost_models", "passes", "planner"},
     "runtime": {"ir", "data", "runtime"},
-    "api": {"ir", "views", "data", "cost_models", "passes", "planner", "runtime", "api"},
+    "api": {"ir", "datasets", "views", "data", "cost_models", "passes", "planner", "runtime", "api"},
     "baselines": {"ir", "data", "cost_models", "passes", "planner", "baselines"},
     "profiling": {"ir", "data", "cost_models", "passes", "runtime", "api", "profiling"},
-    "cli": {"ir", "views", "data", "cost_models", "passes", "planner", "runtime", "api", "profiling", "cli"},
+    "cli": {"ir", "datasets", "views", "data", "cost_models", "passes", "planner", "runtime", "api", "profiling",
+            "cli"},
 }
 # (importer, imported): why the edge may point up. Each is a deferred import inside one function.
 EXCEPTIONS = {
