@@ -8,12 +8,17 @@ import types
 import pytest
 import torch
 
-from autopar.hardware.cluster import Cluster
 from autopar.cost_models.compute import ATTENTION_RATE, attention_kernel, compute_time, memory_bound_bandwidth
 from autopar.errors import ClusterError
+from autopar.hardware.cluster import Cluster
 from autopar.passes.capture import capture
 from autopar.placement import R
-from autopar.profiling.profiler_training import attention_efficiency, attention_flops, norm_act_bandwidth, norm_act_bytes
+from autopar.profiling.profiler_training import (
+    attention_efficiency,
+    attention_flops,
+    norm_act_bandwidth,
+    norm_act_bytes,
+)
 from examples.gpt import GPT, GPTConfig, make_batch
 
 
