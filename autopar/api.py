@@ -8,15 +8,15 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import Cluster
-from autopar.driver import plan_model
 from autopar.errors import ClusterError, PlanError, UsageError
+from autopar.hardware.cluster import Cluster
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
-from autopar.options import PlanOptions, first_microbatch
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
+from autopar.planner.driver import plan_model
+from autopar.planner.options import PlanOptions, first_microbatch
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pretrained_files import hf_config_of, open_weights, weights_source

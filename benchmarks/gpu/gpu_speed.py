@@ -184,7 +184,7 @@ def autopar_row(model, batch, device: str, compiled: bool, warmup: int, steps: i
 
 def _accepts_compile_option() -> bool:
     try:
-        from autopar.options import PlanOptions
+        from autopar.planner.options import PlanOptions
     except ImportError:
         try:
             from autopar.planner.options import PlanOptions
