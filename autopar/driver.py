@@ -29,7 +29,7 @@ from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.units import fmt_bytes
 from autopar.manual_stages import manual_stages
-from autopar.options import PlanOptions, first_microbatch, microbatch_candidates, training_spec
+from autopar.options import PlanOptions, check_against_graph, first_microbatch, microbatch_candidates, training_spec
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
@@ -65,6 +65,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
     clock = _Clock()
+    check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
     at_microbatch = functools.cache(lambda b: _at_microbatch(graph, b, recapture))  # a retry reuses its capture
