@@ -34,7 +34,8 @@ def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) ->
 
 @faults.collective_call("autopar.compile")
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
-            timeout: float | None = None, share_with: ParallelModule | None = None, **options) -> ParallelModule:
+            timeout: float | None = None, share_with: ParallelModule | None = None, data: str = "global",
+            **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
@@ -43,9 +44,14 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     share_with: a module compiled earlier for other inputs (e.g. the full batch, when these are an epoch's
     smaller last batch): the plan keeps its stages and parameter/buffer layouts (pins), and the new
     module uses its very tensors, so training either trains both and one optimizer serves them.
+    data: "global" (every rank passes the global batch) or "local" (each rank passes only its share,
+    ``pm.data_shard``; ``example_inputs`` stay the global batch, whose shapes the plan is made for).
     """
     _check_cluster(cluster)
     _check_compile_arguments(model, plan, timeout, share_with, options)
+    if data not in ("global", "local"):
+        raise UsageError(f"data={data!r}: pass data='global' (every rank passes the whole batch) or "
+                         f"data='local' (each rank passes its share, pm.data_shard)")
     if not dist.is_initialized():
         raise ClusterError("autopar.compile needs an initialized process group; run it under autopar.launch(fn, n) "
                            "or torchrun, or use autopar.plan to plan without running")
@@ -58,12 +64,12 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     example_inputs = normalize_inputs(example_inputs)
     if share_with is not None:
         options = _keep_layout_of(share_with.plan, options)
-    chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
+    chosen = _agree_on_plan(model, cluster, example_inputs, plan, options, data)
     graph = apply_to_graph(capture(model, first_microbatch(example_inputs, chosen.microbatches)),
                            resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
-    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data)
     if share_with is not None:
         built.share_state_of(share_with)
     return built
@@ -105,7 +111,7 @@ def _check_compile_arguments(model, given, timeout, share_with, options: dict) -
                           f"of seconds (or None: autopar.launch's timeout, else 300)")
     if share_with is not None and not isinstance(share_with, ParallelModule):
         raise UsageError(f"share_with= must be a module returned by autopar.compile, got {_what(share_with)}")
-    plan_options({k: v for k, v in options.items()}, also=("plan", "timeout", "share_with"))
+    plan_options({k: v for k, v in options.items()}, also=("plan", "timeout", "share_with", "data"))
 
 
 def _what(value) -> str:
@@ -119,7 +125,7 @@ def _check_real_weights(model: torch.nn.Module) -> None:
                                f"but compile needs real weights; build the model on CPU (or load a checkpoint)")
 
 
-def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict) -> Plan:
+def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict, data: str = "global") -> Plan:
     """Rank 0 plans (or takes ``given``) and broadcasts the JSON, or its planning error, which every rank
     then raises (the same type and message); every rank checks the same digest."""
     control = dist.new_group(backend="gloo", timeout=_PLAN_EXCHANGE_TIMEOUT)
@@ -135,7 +141,12 @@ def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: 
         raise payload
     chosen = Plan.from_json(payload)
     digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, (chosen.digest(), None if given is None else given.digest()), group=control)
+    dist.all_gather_object(digests, (chosen.digest(), None if given is None else given.digest(), data),
+                           group=control)
+    if len({d for *_, d in digests}) != 1:
+        raise UsageError(f"ranks passed different data= options to autopar.compile ({[d for *_, d in digests]} "
+                         f"by rank); pass the same on every rank")
+    digests = [(held, g) for held, g, _ in digests]
     if len({held for held, _ in digests}) != 1:
         raise PlanError(f"ranks hold different plans (digests {sorted({d for d, _ in digests})}); every rank "
                         f"must run the same autopar version on the same model")

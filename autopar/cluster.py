@@ -198,7 +198,7 @@ class Cluster:
 
     @staticmethod
     def preset(name: str, nodes: int = 1, mesh_shape: tuple[int, int] | None = None) -> "Cluster":
-        """A described GPU cluster: "p3.16xlarge", "dgx-a100", "dgx-h100" (see ``presets.PRESETS``)."""
+        """A described GPU cluster: "p3.16xlarge", "dgx-a100", "dgx-h100", "a100-40gb", "l4" (``presets.PRESETS``)."""
         from autopar.presets import preset
 
         return preset(name, nodes=nodes, mesh_shape=mesh_shape)

@@ -182,8 +182,54 @@ def grand_teton_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
                "datasheet; stas00 MAMF; calibrated compute_time_scale (benchmarks/calibration)")
 
 
+# A100-SXM4-40GB (p4d): nvidia-smi "Total" 40960 MiB. L4: 23034 MiB (nvidia-smi on GCP g2 instances; the
+# 24 GB GDDR6 less the ECC and driver reservation).
+A100_40GB_EXPOSED = 40960 * MiB
+L4_EXPOSED = 23034 * MiB
+
+
+def p4d_a100_40gb(nodes: int = 1, mesh_shape=None) -> Cluster:
+    """AWS p4d.24xlarge: 8× A100-SXM4-40GB on NVSwitch, 4× 100 Gbps EFA out (400 Gbps per node).
+
+    Sources: AWS EC2 P4 instance page (p4d.24xlarge: 8× A100 40 GB, 600 GB/s NVSwitch, 400 Gbps EFA);
+    NVIDIA A100 datasheet (SXM4 40 GB: 312 TFLOPS bf16/fp16 dense, 19.5 TFLOPS fp32, 1555 GB/s HBM2).
+    NVLink as ``dgx_a100`` (same NVSwitch generation). EFA: 0.8 of line rate is an estimate (libfabric's
+    SRD transport reaches less of the line than InfiniBand's 0.9). Compute factor as the 80 GB part (same die
+    and clocks; not calibrated on this part). The hardware of Mist's A100 runs (Zhu et al., EuroSys'25).
+    """
+    base = dgx_a100(nodes, mesh_shape)
+    return dataclasses.replace(
+        base, name="a100-40gb", memory_bandwidth=1555 * GB * STREAM_FRACTION,
+        memory_capacity=A100_40GB_EXPOSED, memory_per_device=usable_memory(A100_40GB_EXPOSED),
+        inter_node=Link(latency=15e-6, bandwidth=0.8 * 400e9 / 8, hop_latency=8e-6),
+        source="AWS EC2 P4 page (p4d.24xlarge); NVIDIA A100 datasheet (40 GB HBM2); EFA efficiency estimated")
+
+
+def gcp_g2_l4(nodes: int = 1, mesh_shape=None) -> Cluster:
+    """GCP g2-standard-96: 8× NVIDIA L4 (24 GB GDDR6) on PCIe Gen4, no NVLink; 100 Gbps per VM.
+
+    Sources: NVIDIA L4 datasheet (242 TFLOPS fp16/bf16 tensor *with sparsity* -> 121 dense; 30.3 TFLOPS fp32;
+    24 GB GDDR6 at 300 GB/s; PCIe Gen4 x16, 64 GB/s both directions -> 32 GB/s one way; 72 W); Google Cloud
+    "GPU machine types" page (g2-standard-96: 8 L4; 100 Gbps default network bandwidth). Between GPUs every
+    byte crosses PCIe through the host's root complexes: 0.5 of the 32 GB/s one-way line is an estimate for
+    NCCL's ring over PCIe without NVLink (host bridges, no switch peer-to-peer). Matmul fraction 0.7: an
+    estimate (the 72 W cap lowers clocks under sustained tensor load); `autopar profile` measures it. The
+    hardware of Mist's L4 runs (Zhu et al., EuroSys'25).
+    """
+    peak = {"float16": 121 * TFLOPS, "bfloat16": 121 * TFLOPS, "float32": 30.3 * TFLOPS}
+    return Cluster(
+        name="l4", nodes=nodes, devices_per_node=8, peak_flops=peak,
+        matmul_efficiency=0.7, matmul_curve=gemm_curves(peak, {"float16": 0.7, "bfloat16": 0.7, "float32": 0.8}),
+        memory_bandwidth=300 * GB * STREAM_FRACTION,
+        memory_capacity=L4_EXPOSED, memory_per_device=usable_memory(L4_EXPOSED),
+        intra_node=Link(latency=10e-6, bandwidth=0.5 * 32 * GB, hop_latency=3e-6),
+        inter_node=Link(latency=30e-6, bandwidth=100e9 / 8, hop_latency=15e-6),  # gVNIC TCP at 100 Gbps
+        mesh_shape=mesh_shape, backend="nccl", device_type="cuda",
+        source="NVIDIA L4 datasheet; GCP GPU machine types (g2-standard-96); PCIe and matmul fractions estimated")
+
+
 PRESETS = {"p3.16xlarge": p3_16xlarge, "dgx-a100": dgx_a100, "dgx-h100": dgx_h100,
-           "grand-teton-h100": grand_teton_h100}
+           "grand-teton-h100": grand_teton_h100, "a100-40gb": p4d_a100_40gb, "l4": gcp_g2_l4}
 
 
 def preset(name: str, nodes: int = 1, mesh_shape=None) -> Cluster:

@@ -23,6 +23,7 @@ from autopar.ir.recompute import region_keys
 from autopar.runtime import gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
+from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
@@ -80,9 +81,12 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
         mark_needs_builder(runner, " and ".join(reasons))
 
 
-def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None) -> ParallelModule:
-    """``graph``: the model captured at one microbatch (the global batch when there is one)."""
+def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
+                          data: str = "global") -> ParallelModule:
+    """``graph``: the model captured at one microbatch (the global batch when there is one). ``data``:
+    "global" (every rank passes the global batch) or "local" (its share: ``local_data``)."""
     rank = dist.get_rank()
+    local = LocalData(plan, graph, rank, make_group(timeout)) if data == "local" else None
     tensors = broadcast_state(model_tensors(model, graph))
     meshes = stage_meshes(plan)
     shared, shared_groups = shared_parameters(plan, graph)
@@ -93,18 +97,21 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     for stage in plan.stages_of_rank(rank):
         coord = groups.coordinate(meshes[stage.index], rank)
         regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
-        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions)
+        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions,
+                                   local_batch=local is not None)
         if len(plan.stages) == 1 and plan.microbatches == 1:
             runner = SpmdRunner(gm, stage, base + stage.index)
         else:
             mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
             runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
         _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+        runner.local_data = local
         runners.append(runner)
     if len(runners) > 1:
         runner = InterleavedRunner(runners, plan)
         runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
+        runner.local_data = local
     state_keys = list(model.state_dict().keys())
     read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
     unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}
-    return ParallelModule(plan, graph, runner, state_keys, unused)
+    return ParallelModule(plan, graph, runner, state_keys, unused, local)

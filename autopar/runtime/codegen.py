@@ -7,7 +7,8 @@ Input:  ``ModelGraph``; a ``Stage`` whose ``shardings`` cover the nodes to emit;
         the stage mesh; the full values of parameters/buffers (sliced here to this rank's shards).
 Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the stage outputs:
   * parameters and buffers are attributes holding this rank's shard (named like their placeholders);
-  * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm;
+  * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm
+    (under data="local" they arrive split along dim 0 already: ``local_data``);
   * before each op, each tensor input is moved from its producer's spec to the spec the op reads by
     the steps of ``autopar.redistribute`` (collectives from ``autopar.runtime.collectives``);
   * shape arguments (view, reshape, expand, unflatten) are rewritten to local shapes;
@@ -49,8 +50,10 @@ def shard_input(x: torch.Tensor, pieces: tuple) -> torch.Tensor:
 
 
 class _Emitter:
-    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str], defer: bool):
+    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str], defer: bool,
+                 local_batch: bool = False):
         self.graph, self.stage, self.coord, self.mesh_index = graph, stage, coord, mesh_index
+        self.local_batch = local_batch  # data="local": inputs arrive already split along dim 0
         self.mesh_shape = tuple(stage.mesh_shape)
         self.requires_grad = requires_grad
         self.new = fx.Graph()
@@ -84,7 +87,8 @@ class _Emitter:
         spec = self.spec_of(node.name)
         if info.kind == "input":
             x = self.new.placeholder(node.name)
-            pieces = tuple((p.dim, self.mesh_shape[a], self.coord[a]) for a, p in enumerate(spec) if p.is_shard())
+            pieces = tuple((p.dim, self.mesh_shape[a], self.coord[a]) for a, p in enumerate(spec)
+                           if p.is_shard() and not (self.local_batch and p.dim == 0))
             self.env[node.name] = self.new.call_function(shard_input, (x, pieces)) if pieces else x
             return
         if not node.users:
@@ -254,7 +258,7 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
 
 def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
                           requires_grad: set[str], defer_param_sync: bool = True,
-                          recompute: dict[str, object] | None = None) -> fx.GraphModule:
+                          recompute: dict[str, object] | None = None, local_batch: bool = False) -> fx.GraphModule:
     """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).
 
     Signature: every user input (whole), then the values received from earlier stages, in
@@ -265,8 +269,11 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[st
 
     ``recompute``: {op name: region key} (``recompute.region_keys``); every node emitted for such an op,
     its input redistributions included, is tagged, and ``recompute_regions.outline_recompute`` runs each
-    run of tagged nodes under ``torch.utils.checkpoint``."""
-    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync)
+    run of tagged nodes under ``torch.utils.checkpoint``.
+
+    ``local_batch`` (data="local"): user inputs arrive as this rank's block of dim 0 (``local_data``), so
+    only their splits of other dims are taken here."""
+    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync, local_batch)
     owned = set(stage.shardings)
     for info in graph.placeholders:
         if info.kind == "input":

@@ -2,7 +2,8 @@
 
 Contract (tests outside this repository rely on it):
   * ``pm(*inputs)`` runs forward on the global batch every rank passes and returns the full output on
-    every rank;
+    every rank; under ``autopar.compile(..., data="local")`` each rank passes only its share of the batch,
+    ``pm.data_shard`` = (index, count) (``runtime.local_data``), and outputs are still the global ones;
   * ``pm.train_step(*inputs)`` runs forward and backward of the model's loss, leaves each local shard's
     gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns
     the loss, identical on every rank and detached (``.item()`` it; backward has already run);
@@ -35,8 +36,9 @@ from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_aut
 
 
 class ParallelModule(FixedPlacement, torch.nn.Module):
-    def __init__(self, plan, graph, runner, state_keys: list[str], unused: dict[str, torch.Tensor]):
+    def __init__(self, plan, graph, runner, state_keys: list[str], unused: dict[str, torch.Tensor], local_data=None):
         super().__init__()
+        self._local_data = local_data  # ``runtime.local_data.LocalData`` under data="local", else None
         self.plan = plan
         self.runner = runner
         self._graph = graph
@@ -86,6 +88,14 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
 
     def _input_names(self) -> list[str]:
         return [p.name for p in self._graph.placeholders if p.kind == "input"]
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """``(index, count)``: the share of the batch this rank passes. Under data="local", rows
+        [index·B/count, (index+1)·B/count) of the global batch of B rows (the global batch is the count
+        shares in index order; ranks with the same share pass the same rows; ``runtime.local_data``);
+        under data="global", (0, 1): the whole batch."""
+        return (0, 1) if self._local_data is None else self._local_data.share
 
     @property
     def code(self) -> str:
@@ -146,6 +156,8 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         return whole
 
     def _check_inputs(self, inputs) -> None:
+        if self._local_data is not None:
+            return self._check_local_inputs(inputs)
         device = self.plan.cluster.get("device_type", "cpu")
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor) and t.device.type != device:
@@ -159,6 +171,26 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
                              f"pass the same shapes and dtypes (every rank passes the global batch)"
                              f"{_advice(got, want)}")
         check_index_ranges(self._index_checks, inputs, self.plan.microbatches)
+
+    def _check_local_inputs(self, inputs) -> None:
+        """data="local": this rank's share checked here, then every rank's verdict agreed on (a collective),
+        so a wrong share or a bad index on one rank is the same error on all (``local_data.agree``)."""
+        self._local_data.agree(inputs, lambda: self._local_error(inputs))
+
+    def _local_error(self, inputs) -> str | Exception | None:
+        """What is wrong with this rank's correctly shaped share: its device, or an index out of range."""
+        from autopar.errors import IndexRangeError
+        from autopar.runtime.input_checks import check_local_index_ranges
+
+        device = self.plan.cluster.get("device_type", "cpu")
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != device:
+                return f"input {i} is on {t.device} but this cluster runs on {device}; move it there first"
+        try:
+            check_local_index_ranges(self._index_checks, inputs)
+        except IndexRangeError as e:
+            return e
+        return None
 
     def share_state_of(self, other: "ParallelModule") -> None:
         """Use ``other``'s parameter and buffer tensors in place of this module's own (``autopar.compile(...,
