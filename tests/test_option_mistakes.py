@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.errors import CaptureError, OptionError, UsageError
-from autopar.options import PlanOptions
+from autopar.planner.options import PlanOptions
 from tests.models import make_mlp
 
 BAD_VALUES = [  # (options, words the message must hold)
