@@ -49,6 +49,8 @@ def layout_options(layout: str, model_name: str, cluster, model, batch, recomput
         return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": rows, "silu*": rows}}
     if layout == "cp":
         return cluster, {"stages": 1, "pin": context_parallel_pins(model_name, cluster.mesh_shape)}
+    if layout == "sp":
+        return cluster, {"stages": 1, "pin": SEQUENCE_PARALLEL_GPT}
     floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute, zero=0))
     return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1, "zero": 0}
 
@@ -102,6 +104,12 @@ def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tu
         free = autopar.plan(model, cluster, batch, **options, recompute=recompute)
         cluster = cluster.with_memory(0.85 * max(s.predicted["memory"] for s in free.stages))
     return cluster, options
+
+
+# Megatron's sequence parallelism on the GPT example: tensor-parallel blocks (q, k, v, fc by output rows; o, proj
+# by input columns) with the residual stream between them split over the sequence.
+SEQUENCE_PARALLEL_GPT = {"add_*": "RS(1)", "p_blocks_*_mlp_fc_*": "RS(0)", "p_blocks_*_mlp_proj_weight": "RS(1)",
+                         "p_blocks_*_attn_[qkv]_*": "RS(0)", "p_blocks_*_attn_o_weight": "RS(1)"}
 
 
 def context_parallel_pins(model_name: str, mesh_shape) -> dict[str, str]:
@@ -190,6 +198,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     return {"loss_err": loss_err, "param_err": errors[worst], "worst_param": worst, "loss": loss.item(),
             "compared_params": len(errors), "zero_grad_params": sorted(set(dict(reference.named_parameters())) - moved),
             "collectives": sum(len(s.collectives) for s in stages) + len(pm.plan.transfers),
+            "collective_kinds": sorted({(c.kind, c.phase) for s in stages for c in s.collectives}),
             "sharded_params": sum(1 for s in stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out),
             "stages": [(s.submesh, s.mesh_shape, len(s.ranks)) for s in stages],
