@@ -71,7 +71,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     if options.stages == 1:
         plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
     else:
-        layers = cluster_layers(graph, blocks, options.layers, is_light)
+        layers = _enough_layers(graph, blocks, options)
         _check(options, lambda: invariants.check_layers(graph, layers))
         costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
@@ -97,6 +97,33 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan
+
+
+def _enough_layers(graph, blocks, options: PlanOptions):
+    """The layers the stage DP cuts: ``cluster_layers``, re-clustered into as many layers as the stages ask
+    for (stages=N, or the last layer a manual stage names) when the default clustering has fewer (a model of 2
+    repeated blocks clusters into 2 layers; stages=4 needs 4). PlanError when even that cannot give them."""
+    layers = cluster_layers(graph, blocks, options.layers, is_light)
+    needed = _layers_named(options.stages)
+    if needed > layers.count and options.layers is None:
+        layers = cluster_layers(graph, blocks, needed, is_light)
+    if needed > layers.count:
+        given = f"layers={options.layers}" if options.layers is not None else "the clustering"
+        raise PlanError(f"{needed} pipeline stages need at least {needed} layers, but {given} cut the model into "
+                        f"{layers.count} (it has no more cut points between heavy ops); pass layers={needed} or "
+                        f"more, or plan at most {layers.count} stages")
+    return layers
+
+
+def _layers_named(stages) -> int:
+    """How many layers ``stages`` asks for: N for stages=N, 1 + the last layer a manual stage list names
+    (0 where the list is malformed: ``manual_stages`` says what is wrong with it)."""
+    if not isinstance(stages, (list, tuple)):
+        return stages if isinstance(stages, int) else 0
+    try:
+        return 1 + max(int(entry["layers"][1]) for entry in stages)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return 0
 
 
 MAX_STAGE_RETRIES = 8

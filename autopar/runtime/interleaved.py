@@ -80,6 +80,7 @@ class InterleavedRunner(StageModule):
         m = self.plan.microbatches
         pieces = {c.stage.index: c.microbatches(inputs, m) for c in self.chunks}
         pending, losses, live = [], [], {}
+        held = [gradsync.take_shared(c.gm, c.shared) for c in self.chunks]
         self.gradsync.begin()
         for kind, s, mb in device_order(self.stage.index, self.pp, self.plan.virtual_stages, m):
             chunk = self.by_stage[s]
@@ -92,8 +93,8 @@ class InterleavedRunner(StageModule):
         for work, _ in pending:
             work.wait()
         self.gradsync.finish()
-        for c in self.chunks:
-            gradsync.sync_shared(c.gm, c.stage, c.shared, c.coord, c.mesh_index)
+        for c, kept in zip(self.chunks, held):
+            gradsync.sync_shared(c.gm, c.stage, c.shared, c.coord, c.mesh_index, kept)
         return self._last_or_first()._broadcast_loss(losses)
 
     def forward(self, inputs: tuple) -> tuple:

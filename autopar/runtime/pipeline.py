@@ -51,6 +51,7 @@ class PipelineRunner(StageModule):
         chunks = self.microbatches(inputs, self.plan.microbatches)
         pending, live, losses = [], {}, []
         S = len(self.plan.stages)
+        held = gradsync.take_shared(self.gm, self.shared)
         self.gradsync.begin()
         for kind, mb in stage_order(self.plan.schedule, self.stage.index, S, self.plan.microbatches):
             if kind == FORWARD:
@@ -62,7 +63,7 @@ class PipelineRunner(StageModule):
         for work, _ in pending:
             work.wait()
         self.gradsync.finish()
-        gradsync.sync_shared(self.gm, self.stage, self.shared, self.coord, self.mesh_index)
+        gradsync.sync_shared(self.gm, self.stage, self.shared, self.coord, self.mesh_index, held)
         return self._broadcast_loss(losses)
 
     def forward(self, inputs: tuple) -> tuple:
