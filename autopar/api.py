@@ -8,17 +8,19 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import Cluster
-from autopar.driver import plan_model
 from autopar.errors import ClusterError, PlanError, UsageError
+from autopar.hardware.cluster import Cluster
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
-from autopar.options import PlanOptions, first_microbatch
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
+from autopar.planner.driver import plan_model
+from autopar.planner.options import PlanOptions, first_microbatch
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pretrained_files import hf_config_of, open_weights, weights_source
+from autopar.runtime.tensor_source import on_meta_for, retarget_meta_device
 
 # How long other ranks wait for a rank 0 that is still planning (a large model may plan for minutes). A
 # rank 0 whose planning fails broadcasts the error at once, so no rank waits this out on a failure.
@@ -33,7 +35,7 @@ def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) ->
 
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
             timeout: float | None = None, share_with: ParallelModule | None = None, data: str = "global",
-            **options) -> ParallelModule:
+            weights=None, prefix: str = "", init_seed: int = 0, **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
@@ -44,6 +46,11 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     module uses its very tensors, so training either trains both and one optimizer serves them.
     data: "global" (every rank passes the global batch) or "local" (each rank passes only its share,
     ``pm.data_shard``; ``example_inputs`` stay the global batch, whose shapes the plan is made for).
+    weights: a Hugging Face safetensors file, a directory of them (``model.safetensors.index.json``), or a
+    checkpoint written by ``pm.save`` under any plan; each rank reads only the slices it holds. ``prefix``:
+    the part of the model's state-dict keys the files lack (e.g. ``"model."`` for a wrapper module).
+    init_seed: a model on the meta device without ``weights`` is initialized by its own init code, one
+    tensor at a time, to the same weights whatever the plan (``autopar.init_weights`` gives them on one device).
     """
     _check_cluster(cluster)
     if data not in ("global", "local"):
@@ -57,8 +64,8 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
         raise ClusterError(f"cluster {cluster.name!r} has {cluster.num_devices} devices but the process group has "
                            f"{world} ranks; launch {cluster.num_devices} processes or describe the cluster you run "
                            f"on (e.g. Cluster.local({world}))")
-    _check_real_weights(model)
-    example_inputs = normalize_inputs(example_inputs)
+    opened = open_weights(model, weights, prefix)  # bad files fail here, before planning
+    example_inputs = on_meta_for(model, normalize_inputs(example_inputs))
     if share_with is not None:
         options = _keep_layout_of(share_with.plan, options)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options, data)
@@ -66,7 +73,12 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
-    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data)
+    retarget_meta_device(graph.gm, chosen.cluster.get("device_type", "cpu"))
+    source, checkpoint_dir = weights_source(model, graph, opened, init_seed)
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data, source)
+    if checkpoint_dir is not None:
+        built.load(checkpoint_dir)
+    built.hf_config = hf_config_of(model)
     if share_with is not None:
         built.share_state_of(share_with)
     return built
@@ -89,13 +101,6 @@ def _check_cluster(cluster) -> None:
     if not isinstance(cluster, Cluster):
         raise ClusterError(f"cluster must be an autopar.Cluster (Cluster.local(n), Cluster.preset(name), "
                            f"Cluster.from_json(path)), got {type(cluster).__name__}")
-
-
-def _check_real_weights(model: torch.nn.Module) -> None:
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.device.type == "meta":
-            raise ClusterError(f"parameter {name!r} is on the meta device: autopar.plan works on meta models, "
-                               f"but compile needs real weights; build the model on CPU (or load a checkpoint)")
 
 
 def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict, data: str = "global") -> Plan:

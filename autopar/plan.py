@@ -240,7 +240,7 @@ class Plan:
     def summary(self, max_rows: int = 60, glue: bool = False) -> str:
         """Per stage: time, memory, parameter layouts by block part, collectives, main ops; ``glue=True``
         also lists the glue ops (mask, position and shape arithmetic)."""
-        from autopar.report import plan_summary
+        from autopar.views.report import plan_summary
 
         return plan_summary(self, max_rows=max_rows, glue=glue)
 
@@ -326,8 +326,8 @@ def _read_text(source) -> str:
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
-    from autopar.cluster import Cluster
     from autopar.errors import ClusterError
+    from autopar.hardware.cluster import Cluster
     from autopar.plan_schema import check_plan_dict
 
     check_plan_dict(d)

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.driver import PlanOptions, memory_bounds
 from autopar.passes.capture import capture
+from autopar.planner.driver import PlanOptions, memory_bounds
 from autopar.runtime import collectives, faults
 from tests.models import FACTORIES
 

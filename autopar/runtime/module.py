@@ -202,21 +202,32 @@ class ParallelModule(torch.nn.Module):
         self._unused = other._unused
 
     # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
-    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+             position: dict | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
         ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
-        whole). ``step`` is recorded in its manifest. Call on every rank."""
+        whole). ``step``, ``position`` (JSON: where the run is, e.g. ``autopar.data.GlobalSampler.state_dict()``)
+        and the fp16 loss scaler are recorded in its manifest. Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer, step)
+        checkpoint.save(self, path, optimizer, step, position)
 
     def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
-        must be built from ``pm.parameters()``), after checking every file against its manifest; returns
-        the manifest (``["step"]``). Call on every rank."""
+        must be built from ``pm.parameters()``), after checking every file against its manifest, and the loss
+        scaler; returns the manifest (``["step"]``, ``.get("position")``). Call on every rank."""
         from autopar.runtime import checkpoint
 
         return checkpoint.load(self, path, optimizer)
+
+    def save_pretrained(self, directory, prefix: str = "", max_shard_size="5GB") -> None:
+        """Hugging Face sharded safetensors (``model.safetensors.index.json``) of the state-dict keys under
+        ``prefix`` (taken off the keys), plus the model's config.json, in ``directory``: each tensor is
+        assembled inside one stage and written by one of its ranks; no rank holds the whole model; existing
+        files are replaced whole or kept. Call on every rank. See ``autopar.runtime.pretrained_save``."""
+        from autopar.runtime import pretrained_save
+
+        pretrained_save.save_pretrained(self, directory, prefix, max_shard_size)
 
     def export(self, path) -> None:
         """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every

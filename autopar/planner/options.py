@@ -34,7 +34,7 @@ class PlanOptions:
     virtual_stages: model chunks per device for "interleaved"/"auto"; None lets the planner choose. A manual
       stage list for "interleaved" lists all pp·v chunks (chunk j on the submesh of chunk j mod pp).
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
-    debug: check each pass's output invariants after it runs (slower; see ``autopar.invariants``).
+    debug: check each pass's output invariants after it runs (slower; see ``autopar.planner.invariants``).
     recompute: "auto" (the stage DP chooses, per stage, which layers recompute their activations in
       backward), "none", "full", or {layer glob: "none" | "full" | "selective" | "auto"}; see
       ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).

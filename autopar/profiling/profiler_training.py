@@ -1,4 +1,4 @@
-"""What ``autopar.profiler`` measures in training conditions, on top of its isolated probes:
+"""What ``autopar.profiling.profiler`` measures in training conditions, on top of its isolated probes:
 
     per rank: measure_rank(settings, probe) -> raw seconds      (inside the profiler's launch)
     caller:   apply_training_measurements(cluster, per_rank, probe) -> Cluster
@@ -43,7 +43,7 @@
    block, not a model being planned. GPUs measure it and record it in the source line but keep 1.0
    (``GPU_PROBE``).
 5. microbatch_overhead: the pipeline runtime's host time per (chunk, microbatch) and direction, from a real
-   pipeline of tiny layers timed at two microbatch counts (``autopar.profiler_pipeline``; 2+ ranks only).
+   pipeline of tiny layers timed at two microbatch counts (``autopar.profiling.profiler_pipeline``; 2+ ranks only).
 """
 from __future__ import annotations
 
@@ -56,8 +56,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.cluster import Cluster
-from autopar.profiler_pipeline import measure_pipeline, microbatch_overhead
+from autopar.hardware.cluster import Cluster
+from autopar.profiling.probes import (
+    COLLECTIVES,
+    calls_per_window,
+    collective_call,
+    fit_alpha_beta,
+    seconds_per_call,
+    slowest_rank,
+    warm_up,
+)
+from autopar.profiling.profiler_pipeline import measure_pipeline, microbatch_overhead
 
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
 TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
@@ -122,8 +131,6 @@ def _axis_groups(mesh: tuple[int, int]) -> tuple:
 
 def _timed(call, settings, probe) -> float:
     """Seconds per ``call`` by the profiler's method: warm-up, then windows with every rank at once."""
-    from autopar.profiler import calls_per_window, seconds_per_call, slowest_rank, warm_up
-
     dist.barrier()
     slowest = slowest_rank(warm_up(call, settings.warmup, probe), probe)
     return seconds_per_call(call, calls_per_window(slowest, settings), settings.windows, probe)
@@ -149,8 +156,6 @@ def training_shapes(probe) -> list[tuple[int, int, int]]:
 def measure_rank(settings, probe) -> dict:
     """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]},
     "pipeline": ``profiler_pipeline.measure_pipeline``'s}."""
-    from autopar.profiler import COLLECTIVES, collective_call
-
     out = {"mesh": {}, "tiny_step": None, "linears": {}, "probe_step": None, "probe_reference": None}
     for mesh in meshes_of(dist.get_world_size()):
         groups = _axis_groups(mesh)
@@ -276,8 +281,6 @@ def _share(alone, axis: int, m0: float, m1: float) -> float:
 
 def in_mesh_fits(cluster: Cluster, per_rank: list[dict]) -> dict:
     """The intra-node fits plus "<kind>/<n>@<R>x<C>" ones from the alternating-axes measurement (item 1)."""
-    from autopar.profiler import fit_alpha_beta
-
     fits = dict(cluster.intra_node.fits)
     for key, points in per_rank[0]["mesh"].items():
         mesh, kind = key
