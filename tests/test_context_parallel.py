@@ -98,11 +98,11 @@ def _without_context_parallel(monkeypatch):
     """The attention rule less its causal sequence split: the planner without context parallelism."""
     import torch
 
-    from autopar.passes import strategies
+    from autopar.passes.strategies import registry
 
     packet = torch.ops.aten.scaled_dot_product_attention
-    full = strategies._RULES[packet]
-    monkeypatch.setitem(strategies._RULES, packet, lambda view: [r for r in full(view) if r.kernel != "causal_context"])
+    full = registry._RULES[packet]
+    monkeypatch.setitem(registry._RULES, packet, lambda view: [r for r in full(view) if r.kernel != "causal_context"])
 
 
 def _long_single_head_gpt():
@@ -114,8 +114,8 @@ def _long_single_head_gpt():
 
 def test_a_budget_only_context_parallelism_meets_gets_a_context_parallel_plan(monkeypatch):
     import autopar
-    from autopar.driver import PlanOptions, memory_bounds
     from autopar.errors import AutoparError
+    from autopar.planner.driver import PlanOptions, memory_bounds
 
     model, batch = _long_single_head_gpt()
     cluster, options = autopar.Cluster.local(4), PlanOptions(zero=0, recompute="none")
