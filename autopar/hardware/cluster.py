@@ -213,13 +213,9 @@ class Cluster:
             if not path.exists():
                 raise ClusterError(f"cluster file {str(path)!r} does not exist; write one with "
                                    f"`autopar profile --out {path}` or Cluster.to_json({str(path)!r})")
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ClusterError(f"cluster file {str(path)!r} is not UTF-8 JSON text (byte {e.start}); write "
-                                   f"one with `autopar profile --out {path}`") from None
-            except OSError as e:
-                raise ClusterError(f"cannot read cluster file {str(path)!r}: {e.strerror}") from None
+            from autopar.ir.text_files import read_json_text
+
+            text = read_json_text(path, "cluster file", ClusterError, f"write one with `autopar profile --out {path}`")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
