@@ -269,3 +269,5 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert not any("@" in key for key in cluster.intra_node.fits)
     # the pipeline runtime's host time: a real 2-stage pipeline timed at 2 and 8 microbatches
     assert 0.0 <= cluster.microbatch_overhead < 0.1 and "microbatch_overhead" in cluster.source
+    # norms, activations and softmax forward + backward: slower than a streaming add, never zero
+    assert 0 < cluster.norm_act_bandwidth < 2 * cluster.memory_bandwidth and "norm/activation" in cluster.source

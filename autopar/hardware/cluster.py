@@ -54,6 +54,18 @@ class Cluster:
     memory_capacity: the device's physical memory in bytes, for reports (0: not known). ``memory_per_device``
       is what training may use: the capacity less the CUDA context and an allocator reserve (see
       ``presets.usable_memory``); the planner's budget is ``memory_per_device``.
+    norm_act_bandwidth: bytes/s that normalization, activation and softmax ops achieve, forward + backward
+      (``cost_models.compute.NORM_ACT_OPS``; bytes counted as the cost model counts them). They reduce over
+      rows, evaluate transcendentals or run several kernels per op, and stream well below an ``add``: on an
+      H100, LayerNorm at 0.23-0.38 and GELU at 0.45-0.61 of the preset's bandwidth; on one CPU core of the
+      development VM, 0.05-0.09 of its add bandwidth. 0 (the default, presets, old cluster files): priced at
+      ``memory_bandwidth`` like every other memory-bound op; the profiler measures it
+      (``autopar.profiler_training``, item 6).
+    attention_efficiency: the rate fused (flash) attention achieves, forward + backward on its causal FLOPs,
+      as a fraction of the matmul curve's rate at the same call size. 0 (the default, presets, old cluster
+      files): ``cost_models.compute.ATTENTION_RATE`` (FlashAttention-2's A100 figures); the profiler measures
+      it on GPUs (``autopar.profiler_training``, item 7): it differs by generation (FlashAttention-2 reaches
+      ~70 % of an A100's peak and ~35 % of an H100's).
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
@@ -78,6 +90,8 @@ class Cluster:
     microbatch_overhead: float = 0.0
     memory_capacity: float = 0.0
     compute_time_scale: float = 1.0
+    norm_act_bandwidth: float = 0.0
+    attention_efficiency: float = 0.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -102,6 +116,8 @@ class Cluster:
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
         _check_positive(self.name, "microbatch_overhead", self.microbatch_overhead, allow_zero=True)
         _check_positive(self.name, "memory_capacity", self.memory_capacity, allow_zero=True)
+        _check_positive(self.name, "norm_act_bandwidth", self.norm_act_bandwidth, allow_zero=True)
+        _check_positive(self.name, "attention_efficiency", self.attention_efficiency, allow_zero=True)
         _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
@@ -197,13 +213,9 @@ class Cluster:
             if not path.exists():
                 raise ClusterError(f"cluster file {str(path)!r} does not exist; write one with "
                                    f"`autopar profile --out {path}` or Cluster.to_json({str(path)!r})")
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ClusterError(f"cluster file {str(path)!r} is not UTF-8 JSON text (byte {e.start}); write "
-                                   f"one with `autopar profile --out {path}`") from None
-            except OSError as e:
-                raise ClusterError(f"cannot read cluster file {str(path)!r}: {e.strerror}") from None
+            from autopar.ir.text_files import read_json_text
+
+            text = read_json_text(path, "cluster file", ClusterError, f"write one with `autopar profile --out {path}`")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
