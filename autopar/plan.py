@@ -312,17 +312,9 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
 
 
 def _read_text(source) -> str:
-    try:
-        with open(source, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {str(source)!r}: {e.strerror}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PlanError(f"plan file {str(source)!r} is not UTF-8 JSON text (byte {e.start}: "
-                        f"{raw[e.start:e.start + 1]!r}); give a plan written by Plan.to_json or "
-                        f"`autopar plan --out`") from None
+    from autopar.ir.text_files import read_json_text
+
+    return read_json_text(source, "plan file", PlanError, "give a plan written by Plan.to_json or `autopar plan --out`")
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:

@@ -43,7 +43,13 @@ from autopar.plan import Plan
 from autopar.planner import invariants
 from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
 from autopar.planner.manual_stages import manual_stages
-from autopar.planner.options import PlanOptions, first_microbatch, microbatch_candidates, training_spec
+from autopar.planner.options import (
+    PlanOptions,
+    check_against_graph,
+    first_microbatch,
+    microbatch_candidates,
+    training_spec,
+)
 from autopar.planner.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
 
 MEMORY_BINDS = 0.8  # a single-stage solution above this share of the budget also tries recompute="auto" layers
@@ -65,6 +71,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
     clock = _Clock()
+    check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
     at_microbatch = functools.cache(lambda b: _at_microbatch(graph, b, recapture))  # a retry reuses its capture
