@@ -4,8 +4,8 @@
     pm = autopar.compile(model, cluster, example_inputs)     # on every rank: pm.train_step(*batch)
 """
 from autopar.api import compile, plan
-from autopar.cluster import Cluster
 from autopar.errors import AutoparError
+from autopar.hardware.cluster import Cluster
 from autopar.launch import launch
 from autopar.plan import Plan
 from autopar.runtime.checkpoint import export_state_dict

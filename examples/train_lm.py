@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 4 examples/train_lm.py --data corpus/ --out run/             # or torchrun
 
 Model: ``--config model.json`` (a transformers config: its ``model_type`` picks the class; the default is a
-tiny GPT-2) built on CPU with a seeded init, or ``--pretrained DIR`` (a local ``save_pretrained`` directory).
+tiny GPT-2) built on the meta device and initialized shard by shard (``init_seed``: the same weights for any
+plan), or ``--pretrained DIR`` (a local ``save_pretrained`` directory: its safetensors, read per shard).
 Data: the text files, byte-tokenized (``autopar.data.TextSamples``: no download), ordered per epoch by
 ``autopar.data.GlobalSampler``; each rank reads only its share of each global batch (``data="local"``,
 ``pm.data_shard``). Plan: autopar's, for ``--cluster`` (``local``: Cluster.local(world), a preset name, or a
@@ -57,16 +58,21 @@ def parse(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_model(args, vocab: int) -> torch.nn.Module:
+def build_model(args, vocab: int) -> tuple[torch.nn.Module, dict]:
+    """The model on the meta device (no memory: each rank materializes only its shards), and the compile
+    arguments that give its weights: the pretrained directory's safetensors, or its own init, seeded."""
     import transformers
 
     if args.pretrained:
-        return CausalLMLoss(transformers.AutoModelForCausalLM.from_pretrained(args.pretrained))
-    fields = json.loads(Path(args.config).read_text()) if args.config else dict(TINY_GPT2)
-    fields.update(vocab_size=vocab, bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # the byte tokenizer's eos
-    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(args.seed)
-    return CausalLMLoss(transformers.AutoModelForCausalLM.from_config(config))
+        config = transformers.AutoConfig.from_pretrained(args.pretrained)
+        weights = {"weights": args.pretrained, "prefix": "lm."}  # CausalLMLoss holds the model as .lm
+    else:
+        fields = json.loads(Path(args.config).read_text()) if args.config else dict(TINY_GPT2)
+        fields.update(vocab_size=vocab, bos_token_id=vocab - 1, eos_token_id=vocab - 1)  # the byte tokenizer's eos
+        config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+        weights = {"init_seed": args.seed}
+    with torch.device("meta"):
+        return CausalLMLoss(transformers.AutoModelForCausalLM.from_config(config)), weights
 
 
 def cluster_for(name: str, world: int) -> autopar.Cluster:
@@ -105,9 +111,9 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     world = dist.get_world_size()
     cluster = cluster_for(args.cluster, world)
     samples = TextSamples(args.data, args.seq_len)
-    model = build_model(args, samples.tokenizer.vocab_size)
+    model, weights = build_model(args, samples.tokenizer.vocab_size)
     example = samples.batch(torch.arange(args.batch), shifted_labels=False)
-    pm = autopar.compile(model, cluster, example, data="local", timeout=args.timeout)
+    pm = autopar.compile(model, cluster, example, data="local", timeout=args.timeout, **weights)
     optimizer = pm.optimizer(torch.optim.AdamW, lr=args.lr)
     sampler = GlobalSampler(len(samples), args.batch, seed=args.seed, shard=pm.data_shard)
     step, resumed = 0, None
@@ -125,7 +131,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     peak = cluster.num_devices * cluster.peak_flops.get("float32", max(cluster.peak_flops.values()))
     device = cluster.device_type
     trace = _trace_file(out, rank) if args.trace else None
-    first, start, losses, tokens = step, time.perf_counter(), [], 0
+    first, start, losses, tokens, busy = step, time.perf_counter(), [], 0, 0.0
     while step < args.steps:
         epoch, ids = sampler.epoch, sampler.next_ids()
         t0 = time.perf_counter()
@@ -134,6 +140,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
         optimizer.zero_grad()
         step += 1
         seconds = time.perf_counter() - t0
+        busy += seconds
         losses.append(loss)
         tokens += args.batch * args.seq_len
         if trace is not None:
@@ -148,10 +155,11 @@ def train(rank: int, args: argparse.Namespace) -> dict:
                     position={"sampler": sampler.state_dict()})
     elapsed = time.perf_counter() - start
     if rank == 0:
-        done = step - first
-        print(f"done: {done} steps in {elapsed:.1f} s, loss {losses[0] if losses else float('nan'):.4f} -> "
-              f"{losses[-1] if losses else float('nan'):.4f}, {tokens / max(elapsed, 1e-9):,.0f} tok/s, "
-              f"MFU {100 * flops * done / max(elapsed, 1e-9) / peak:.2f}%, checkpoint {out / 'ckpt'}", flush=True)
+        done, busy = step - first, max(busy, 1e-9)
+        print(f"done: {done} steps in {elapsed:.1f} s ({elapsed - busy:.1f} s of it checkpoints), loss "
+              f"{losses[0] if losses else float('nan'):.4f} -> {losses[-1] if losses else float('nan'):.4f}, "
+              f"{tokens / busy:,.0f} tok/s, MFU {100 * flops * done / busy / peak:.2f}%, memory "
+              f"{memory_text(device)}, checkpoints in {out / 'ckpt'}", flush=True)
     return {"losses": losses, "first_step": first, "resumed": resumed}
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.driver import PlanOptions, memory_bounds
 from autopar.errors import ClusterError, InfeasibleError
 from autopar.passes.capture import capture
+from autopar.planner.driver import PlanOptions, memory_bounds
 from tests.models import MLP, make_small_gpt
 
 

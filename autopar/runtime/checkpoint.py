@@ -56,6 +56,11 @@ def save(pm, path, optimizer: torch.optim.Optimizer | None = None, step: int | N
     """Write ``pm``'s shards (and ``optimizer``'s state) as the checkpoint directory ``path``, all or
     nothing; ``step``, ``position`` (rank 0's JSON-able record of where the run is, e.g. its data sampler's
     ``state_dict()``) and the fp16 loss scaler's state are recorded in the manifest. Collective."""
+    paths.check_path_argument(path, "pm.save")
+    _check_optimizer_argument(optimizer, "pm.save")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise CheckpointError(f"pm.save(path, step={step!r}): step must be None or a non-negative int (the "
+                              f"training step the checkpoint holds, returned by pm.load(path)['step'])")
     held = _held_tensors(pm)
     owners = _lowest_stage_holding(held)
     model = {fqn: t for fqn, (t, stage_index) in held.items() if owners[fqn] == stage_index}
@@ -80,6 +85,8 @@ def _json_checked(position: dict) -> dict:
 def load(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill ``pm``'s shards (and ``optimizer``'s state) in place from the checkpoint at ``path``, whatever
     plan and world size saved it. Collective. Verifies every file first; returns the manifest."""
+    paths.check_path_argument(path, "pm.load")
+    _check_optimizer_argument(optimizer, "pm.load")
     directory = files.resolve(path)
     manifest = files.verify(directory)
     metadata = files.read_metadata(directory)
@@ -129,10 +136,18 @@ def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
 def export(pm, path) -> None:
     """Write ``pm``'s full state dict with ``torch.save`` from rank 0 (gathers every parameter: use it for
     models that fit one device; for others, ``save`` and then ``export_state_dict`` offline). Collective."""
+    paths.check_path_argument(path, "pm.export")
     final = paths.target(path)
     files.on_rank0_then_everyone(lambda: paths.check_export_target(final, list(pm._state_keys)), _export_failed(final))
     state = pm.full_state_dict()
     files.on_rank0_then_everyone(lambda: _write_replacing(state, final), _export_failed(final))
+
+
+def _check_optimizer_argument(optimizer, call: str) -> None:
+    if optimizer is None or hasattr(optimizer, "param_groups") and hasattr(optimizer, "state"):
+        return
+    raise CheckpointError(f"{call}(path, optimizer): optimizer must be the torch optimizer you step (built from "
+                          f"pm.parameters() or by pm.optimizer(...)), or None; got a {type(optimizer).__name__}")
 
 
 def _export_failed(final):

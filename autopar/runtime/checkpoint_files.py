@@ -199,6 +199,10 @@ def resolve(path) -> Path:
     aside = [p for p in _leftovers(final, "old") if paths.is_checkpoint(p)] if final.parent.is_dir() else []
     if aside:
         return aside[0]
+    if final.exists():
+        raise CheckpointError(f"{str(final)!r} is a file, not a checkpoint directory: pm.load reads what pm.save "
+                              f"wrote; a pm.export file is a plain state dict: load it with "
+                              f"model.load_state_dict(torch.load(path)) before autopar.compile")
     raise CheckpointError(f"no checkpoint at {str(final)!r} (no such directory); write one with pm.save(path) "
                           f"on every rank")
 

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.presets import preset_gpus  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
 from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
@@ -69,7 +68,7 @@ def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
         inputs, n_params, seq = make_batch(cfg, int(batch), device="meta"), cfg.n_params, cfg.seq_len
     start, cpu = time.perf_counter(), _cpu_seconds()
     try:
-        plan = autopar.plan(model, preset_gpus(preset, int(gpus)), inputs, **options)
+        plan = autopar.plan(model, autopar.Cluster.preset(preset, gpus=int(gpus)), inputs, **options)
     except InfeasibleError as e:  # a row that says precisely why nothing fits
         return {"model": name, "params": n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
                 "total": time.perf_counter() - start, "cpu": _cpu_seconds() - cpu, "infeasible": str(e)}

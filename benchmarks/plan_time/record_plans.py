@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from plan_time import HF_LLAMAS, _cpu_seconds, hf_llama  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.presets import preset_gpus  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
 
 ROWS = ["hf-llama3-8b:64:dgx-h100:256", "hf-llama2-70b:64:dgx-h100:256", "39B:64:p3.16xlarge:1024",
@@ -42,8 +41,8 @@ def model_of(name: str, batch: int):
 PHASES = {"price submeshes": ("autopar.passes.inter_op", "StageCosts", "prepare"),
           "stage DP": ("autopar.passes.inter_op", None, "stage_dp"),
           "DP tables": ("autopar.passes.inter_op", "StageCosts", "table"),
-          "stage ILPs": ("autopar.driver", None, "_pipeline"),
-          "capture": ("autopar.driver", None, "capture")}
+          "stage ILPs": ("autopar.planner.driver", None, "_pipeline"),
+          "capture": ("autopar.planner.driver", None, "capture")}
 
 
 def time_phases() -> dict[str, float]:
@@ -75,7 +74,7 @@ def record(point: str, out: str, profile: bool, spent: dict | None = None) -> di
     wall, cpu = time.perf_counter(), _cpu_seconds()
     if prof:
         prof.enable()
-    plan = autopar.plan(model, preset_gpus(preset, int(gpus)), inputs)
+    plan = autopar.plan(model, autopar.Cluster.preset(preset, gpus=int(gpus)), inputs)
     if prof:
         prof.disable()
     wall, cpu = time.perf_counter() - wall, _cpu_seconds() - cpu
