@@ -168,7 +168,8 @@ def norm_act_calls(kind: str, device) -> list:
     tokens, width, dtype = NORM_ACT_SHAPE["cuda" if kind == "cuda" else "cpu"]
     x = torch.randn(tokens, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     grad, ops = torch.randn_like(x), (nn.LayerNorm(width).to(device, x.dtype), F.gelu, lambda t: t.softmax(-1))
-    return [(lambda op=op: torch.autograd.grad(op(x), x, grad)) for op in ops]
+    wrt = [(x, *op.parameters()) if isinstance(op, nn.Module) else (x,) for op in ops]  # LayerNorm's too
+    return [(lambda op=op, w=w: torch.autograd.grad(op(x), w, grad)) for op, w in zip(ops, wrt)]
 
 
 def norm_act_bytes(kind: str) -> float:
