@@ -4,13 +4,13 @@
 
 Each of ``--ranks`` gloo ranks builds a Hugging Face Llama (hidden 2048, intermediate 5632, vocabulary
 32000, 18 layers: 1.06 B parameters, 4.2 GB in fp32) on the meta device and compiles it data parallel at
-ZeRO-3, three times: (1) ``init``: weights from the model's own init (``init_seed``); then the module is
-written with ``pm.save_pretrained`` (sharded safetensors), and (2) ``weights=``: a fresh meta model loads
-those files, each rank reading only its slices; (3) the save itself. Per phase and rank it prints the peak
-resident memory (VmHWM of /proc/self/status, reset before each phase through /proc/self/clear_refs), the
-resident memory before the phase, the bytes of this rank's shards (parameters, ZeRO-3 shards and buffers:
-distinct storages), the largest single tensor, and the bound ``shards + largest tensor + 1 GiB`` measured
-from the resident memory before the phase. A full copy of the model would add 4.2 GB to a rank's peak.
+ZeRO-3: (1) ``init``: weights from the model's own init (``init_seed``); (2) ``pm.save_pretrained`` writes
+them as sharded safetensors; (3) ``weights=``: a fresh meta model loads those files under the same plan,
+each rank reading only its slices. Per phase and rank it prints the resident memory before the phase (freed
+heap trimmed first: glibc's malloc_trim), the peak (VmHWM of /proc/self/status, reset before each phase
+through /proc/self/clear_refs), the resident memory after it, the bytes of this rank's shards (parameters,
+ZeRO-3 shards and buffers: distinct storages), and the bound ``before + shards + largest tensor + 1 GiB``.
+A full copy of the model would add 4.2 GB to a rank's peak.
 """
 import argparse
 import json
@@ -81,13 +81,24 @@ def held_bytes(pm) -> int:
     return sum(seen.values())
 
 
+def trim() -> None:
+    """Give freed heap back to the OS (glibc keeps it otherwise), so each phase starts from what is live."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def phase(name: str, fn) -> tuple:
+    trim()
     before = status("VmRSS")
     reset = reset_peak()
     start = time.perf_counter()
     out = fn()
     return out, {"phase": name, "rss_before": before, "peak": status("VmHWM"), "peak_reset": reset,
-                 "seconds": time.perf_counter() - start}
+                 "seconds": time.perf_counter() - start, "rss_after": status("VmRSS")}
 
 
 def run(rank: int, layers: int, ranks: int, directory: str) -> list:
@@ -100,12 +111,12 @@ def run(rank: int, layers: int, ranks: int, directory: str) -> list:
     rows = []
     pm, row = phase("init (meta, init_seed)", lambda: autopar.compile(model, cluster, (ids, ids.clone()), **options))
     rows.append({**row, "shards": held_bytes(pm)})
-    save = pm.save_pretrained
+    save, plan = pm.save_pretrained, pm.plan  # the second compile takes this plan (no planning again)
     _, row = phase("pm.save_pretrained", lambda: save(directory, prefix="model.", max_shard_size="1GB"))
     rows.append({**row, "shards": held_bytes(pm)})
     pm = save = None  # the first module is dropped before the second compile
     again, row = phase("weights= (meta, safetensors)", lambda: autopar.compile(
-        meta_model(layers), cluster, (ids, ids.clone()), weights=directory, prefix="model.", **options))
+        meta_model(layers), cluster, (ids, ids.clone()), plan, weights=directory, prefix="model."))
     rows.append({**row, "shards": held_bytes(again)})
     for r in rows:
         r.update(rank=rank, largest=largest, params=n_params)
@@ -128,11 +139,12 @@ def main() -> None:
     print(f"# {rows[0]['params'] / 1e9:.2f} B parameters ({rows[0]['params'] * 4 / GIB:.2f} GiB fp32), "
           f"{args.ranks} gloo ranks, ZeRO-3; largest tensor {rows[0]['largest'] / GIB:.3f} GiB; "
           f"load {open('/proc/loadavg').read().split()[:3]}")
-    print(f"{'phase':32s} {'rank':>4s} {'rss before':>11s} {'peak':>8s} {'shards':>8s} {'bound':>8s} {'ok':>3s} "
-          f"{'s':>6s}   (GiB)")
+    print(f"{'phase':32s} {'rank':>4s} {'rss before':>11s} {'peak':>8s} {'after':>8s} {'shards':>8s} {'bound':>8s} "
+          f"{'ok':>3s} {'s':>6s}   (GiB)")
     for r in sorted(rows, key=lambda r: (r["phase"], r["rank"])):
         bound = r["rss_before"] + r["shards"] + r["largest"] + GIB
         print(f"{r['phase']:32s} {r['rank']:4d} {r['rss_before'] / GIB:11.2f} {r['peak'] / GIB:8.2f} "
+              f"{r['rss_after'] / GIB:8.2f} "
               f"{r['shards'] / GIB:8.2f} {bound / GIB:8.2f} {'yes' if r['peak'] <= bound else 'NO':>3s} "
               f"{r['seconds']:6.1f}" + ("" if r["peak_reset"] else "  (peak not resettable: since start)"))
     print(json.dumps(rows))
