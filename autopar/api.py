@@ -17,6 +17,7 @@ from autopar.options import PlanOptions, first_microbatch
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
+from autopar.runtime import compiled
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 
@@ -32,7 +33,8 @@ def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) ->
 
 
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
-            timeout: float | None = None, share_with: ParallelModule | None = None, **options) -> ParallelModule:
+            timeout: float | None = None, share_with: ParallelModule | None = None, compile="auto",
+            **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
@@ -41,8 +43,11 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     share_with: a module compiled earlier for other inputs (e.g. the full batch, when these are an epoch's
     smaller last batch): the plan keeps its stages and parameter/buffer layouts (pins), and the new
     module uses its very tensors, so training either trains both and one optimizer serves them.
+    compile: True runs every rank's generated module under torch.compile (inductor), False eagerly; "auto"
+    (default) compiles on CUDA clusters only (``autopar.runtime.compiled``).
     """
     _check_cluster(cluster)
+    compile_modules = compiled.resolve(compile, cluster.device_type)
     if not dist.is_initialized():
         raise ClusterError("autopar.compile needs an initialized process group; run it under autopar.launch(fn, n) "
                            "or torchrun, or use autopar.plan to plan without running")
@@ -60,7 +65,7 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
-    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout))
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), compile_modules)
     if share_with is not None:
         built.share_state_of(share_with)
     return built

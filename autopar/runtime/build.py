@@ -5,7 +5,8 @@ Steps, in order, on every rank (all are collective):
      come from one set of weights even if ranks initialized differently;
   2. ``build_groups``: a process group per mesh axis of every stage;
   3. codegen for this rank's stage (or, interleaved, each of its model chunks) and mesh coordinate; the
-     runner that executes it.
+     runner that executes it;
+  4. with compile on, each generated module under torch.compile (``runtime.compiled``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from autopar.ir.ops import requires_grad_nodes
 from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
-from autopar.runtime import gradsync, groups
+from autopar.runtime import compiled, gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.module import ParallelModule
@@ -80,8 +81,10 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
         mark_needs_builder(runner, " and ".join(reasons))
 
 
-def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None) -> ParallelModule:
-    """``graph``: the model captured at one microbatch (the global batch when there is one)."""
+def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
+                          compile_modules: bool = False) -> ParallelModule:
+    """``graph``: the model captured at one microbatch (the global batch when there is one);
+    ``compile_modules``: run each generated module under torch.compile (``runtime.compiled``)."""
     rank = dist.get_rank()
     tensors = broadcast_state(model_tensors(model, graph))
     meshes = stage_meshes(plan)
@@ -104,6 +107,8 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     if len(runners) > 1:
         runner = InterleavedRunner(runners, plan)
         runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
+    if compile_modules:
+        compiled.compile_runner(runner)
     state_keys = list(model.state_dict().keys())
     read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
     unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}

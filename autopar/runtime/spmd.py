@@ -21,15 +21,16 @@ class StageModule(torch.nn.Module):
     policy, the loss scaler and the gradient sync."""
 
     gm: fx.GraphModule
+    compiled = None  # ``runtime.compiled.CompiledModule`` of ``gm`` under compile=True, else None
 
     def setup(self, policy, device_type: str, gradsync_: "gradsync.GradSync", scaler) -> None:
         self.policy, self.device_type, self.gradsync, self.scaler = policy, device_type, gradsync_, scaler
 
     def run_module(self, *args):
         """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
-        hooks (``runtime.zero3``)."""
+        hooks (``runtime.zero3``); compiled (``runtime.compiled``) when the module was built with compile on."""
         with self.policy.autocast(self.device_type), self.gradsync.units.hooks():
-            return self.gm(*args)
+            return (self.compiled or self.gm)(*args)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else loss * self.scaler.scale
