@@ -26,10 +26,17 @@ from autopar.runtime.module import ParallelModule
 _PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) -> Plan:
-    """Plan ``model`` for ``cluster`` without running it (works on the meta device). See PlanOptions."""
+def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, *, compile="auto", **options) -> Plan:
+    """Plan ``model`` for ``cluster`` without running it (works on the meta device). See PlanOptions.
+    compile: price the plan for modules run under torch.compile, as ``autopar.compile`` with the same value
+    runs them (``Cluster.compiled_view``: only a cluster whose profile measured it prices them otherwise)."""
     _check_cluster(cluster)
+    cluster = _priced_for(cluster, compiled.resolve(compile, cluster.device_type))
     return plan_model(model, cluster, example_inputs, PlanOptions(**options))
+
+
+def _priced_for(cluster: Cluster, compile_modules: bool) -> Cluster:
+    return cluster.compiled_view() if compile_modules else cluster
 
 
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
@@ -60,7 +67,7 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     example_inputs = normalize_inputs(example_inputs)
     if share_with is not None:
         options = _keep_layout_of(share_with.plan, options)
-    chosen = _agree_on_plan(model, cluster, example_inputs, plan, options)
+    chosen = _agree_on_plan(model, _priced_for(cluster, compile_modules), example_inputs, plan, options)
     graph = apply_to_graph(capture(model, first_microbatch(example_inputs, chosen.microbatches)),
                            resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)

@@ -14,7 +14,8 @@ Contract (tests outside this repository rely on it):
     ``autopar.runtime.checkpoint`` for sharded checkpoints); with ZeRO-3 it is a collective of each
     data-parallel group and holds copies of the parameters (they are sharded between uses);
   * ``pm.full_state_dict()`` has the keys and shapes of ``model.state_dict()``;
-  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank.
+  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank;
+  * ``pm.step_stats()`` gives step time, tokens/s (or samples/s) and MFU of the ``train_step`` calls so far.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from autopar.errors import InputError
 from autopar.placement import parse_spec
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
+from autopar.runtime.throughput import StepClock, model_flops, step_stats
 
 
 class ParallelModule(torch.nn.Module):
@@ -42,6 +44,7 @@ class ParallelModule(torch.nn.Module):
         self._unused = unused
         self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
         self._index_checks = index_checks(graph)
+        self._clock, self._flops = StepClock(), None  # ``step_stats``
         watch_optimizers()
 
     # ---- running -------------------------------------------------------------------------------
@@ -53,6 +56,7 @@ class ParallelModule(torch.nn.Module):
     def train_step(self, *inputs) -> torch.Tensor:
         """Forward + backward of the loss on the global batch; returns the loss, detached (backward has
         run already, so there is nothing to call ``.backward()`` on) and the same on every rank."""
+        self._clock.tick()
         self._check_inputs(inputs)
         if self._loss_index is None:
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
@@ -66,6 +70,15 @@ class ParallelModule(torch.nn.Module):
         from autopar.runtime.optim import PlanOptimizer
 
         return PlanOptimizer(self.runner, cls, **kwargs)
+
+    def step_stats(self, warmup: int = 1) -> dict:
+        """Throughput of the ``train_step`` calls so far on this rank: ``step_time`` (s, the mean wall-clock
+        between consecutive calls after the first ``warmup`` intervals), ``tokens_per_s`` (or
+        ``samples_per_s``), ``model_flops`` per step, ``flops_per_s``, and ``mfu`` against the cluster's peak
+        for the plan's precision. See ``autopar.runtime.throughput``."""
+        if self._flops is None:
+            self._flops = model_flops(self._graph, self.plan.microbatches)
+        return step_stats(self._clock, self.plan, self._flops, warmup)
 
     @property
     def code(self) -> str:
