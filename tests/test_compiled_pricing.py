@@ -8,9 +8,9 @@ import torch
 
 import autopar
 from autopar.errors import ClusterError, UsageError
-from autopar.profiler_training import end_to_end_factor, probe_step_ops, probe_shape
-from autopar.runtime.throughput import StepClock, model_flops, step_stats, work_per_step
 from autopar.passes.capture import capture
+from autopar.profiler_training import end_to_end_factor, probe_shape, probe_step_ops
+from autopar.runtime.throughput import StepClock, model_flops, step_stats, work_per_step
 from tests.models import make_mlp
 
 
