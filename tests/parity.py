@@ -138,7 +138,8 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     saves module and optimizer after step 2 and loads them into a module compiled from perturbed weights
     with a fresh optimizer, which takes step 3 ("ckpt-noopt": loads the module only, a negative control);
     "c" runs every generated module under torch.compile (``compile=True``) and records the graphs dynamo
-    compiled by the end of each step ("graphs": a later step that compiles again is a recompile)."""
+    compiled by the end of each step ("graphs": a later step that compiles again is a recompile); "nograd"
+    then runs the module once under torch.no_grad() and appends the count after it."""
     model, batch = FACTORIES[model_name]()
     reference = copy.deepcopy(model)
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
@@ -180,6 +181,10 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
         graphs.append(_dynamo_graphs() - graphs_before)
     comm_calls = counted()
+    if "nograd" in flags:  # the recompile count's negative control: a no-grad call is another graph for dynamo
+        with torch.no_grad():
+            pm(*batch)
+        graphs.append(_dynamo_graphs() - graphs_before)
     forward_err = None
     if pm.plan.virtual_stages > 1:  # inference through the chunks, after training: the trained model's loss
         with torch.no_grad():
