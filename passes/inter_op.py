@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.cluster import Cluster
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, PlanError
+from autopar.hardware.cluster import Cluster
 from autopar.ir.units import fmt_bytes
 from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
@@ -280,9 +280,13 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
     did not fit); the DP treats them as not fitting."""
     best: tuple[DPResult, int, np.ndarray] | None = None
+    L, D = costs.layers.count, costs.cluster.num_devices
+    if stages is not None and stages > min(L, D):  # no budget would make these fit: say what would
+        raise PlanError(f"stages={stages} needs at least {stages} layers and {stages} devices, and the plan "
+                              f"has {L} layers over {D} devices; plan at most {min(L, D)} stages"
+                              + (f", or pass layers={stages}" if L < stages else ""))
     costs.prepare()
     sizes = [o.size for o in costs.options]
-    L = costs.layers.count
     for B in sorted(candidates, reverse=True):
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)

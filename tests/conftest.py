@@ -30,6 +30,8 @@ PROCESS_GROUP_FIXTURES = {
     "test_baselines": {"runs"},
     "test_checkpoint": {"runs"},
     "test_faults": {"dead_rank"},
+    "test_local_data": {"runs"},
+    "test_train_lm": {"two_then_one"},
     "test_parity": {"results"},
     "test_pipeline_parity": {"results"},
     "test_profiler": {"quick_profile"},

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.driver import PlanOptions, memory_bounds
 from autopar.passes.capture import capture
+from autopar.planner.driver import PlanOptions, memory_bounds
 from autopar.runtime import collectives, faults
 from autopar.runtime.compiled import compile_failures
 from tests.models import FACTORIES
@@ -339,6 +339,15 @@ def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
+        if model_name == "loop":  # a training-loop idiom (tests/loop_cases.py)
+            from tests import loop_cases
+
+            undo = loop_cases.sabotage(sabotage)
+            try:
+                results[case] = loop_cases.run_loop_case(mesh, layout, world)
+            finally:
+                undo()
+            continue
         undo = _sabotage(sabotage)
         try:
             with warnings.catch_warnings(record=True) as caught:

@@ -8,7 +8,8 @@ from autopar.cost_models.communication import axis_links
 from autopar.errors import ClusterError
 
 
-@pytest.mark.parametrize("name,capacity_mib", [("p3.16xlarge", 16160), ("dgx-a100", 81920), ("dgx-h100", 81559)])
+@pytest.mark.parametrize("name,capacity_mib", [("p3.16xlarge", 16160), ("dgx-a100", 81920), ("dgx-h100", 81559),
+                                               ("a100-40gb", 40960), ("l4", 23034)])
 def test_presets(name, capacity_mib):
     c = Cluster.preset(name, nodes=4)
     assert c.num_devices == 32 and c.mesh_shape == (4, 8)

@@ -12,7 +12,7 @@ inductor cache in a temporary directory (tests/parity.py).
 import pytest
 
 import autopar
-from autopar.errors import UsageError
+from autopar.errors import OptionError
 from autopar.runtime.compiled import resolve
 
 CASE = ("mlp", (1, 2), "auto:c:nograd", None)
@@ -79,7 +79,7 @@ def test_auto_compiles_on_cuda_only_and_bools_force_it():
 
 @pytest.mark.parametrize("bad", ["yes", 1, None, "inductor"])
 def test_a_compile_value_that_is_no_choice_is_refused(bad):
-    with pytest.raises(UsageError, match="compile=.* is not a choice"):
+    with pytest.raises(OptionError, match="compile=.* is not a choice"):
         resolve(bad, "cpu")
 
 
@@ -87,5 +87,5 @@ def test_compile_refuses_a_bad_value_before_anything_runs():
     from tests.models import make_mlp
 
     model, batch = make_mlp()
-    with pytest.raises(UsageError, match="is not a choice"):
+    with pytest.raises(OptionError, match="is not a choice"):
         autopar.compile(model, autopar.Cluster.local(1), batch, compile="always")

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.cluster import Link
 from autopar.errors import PlanError
+from autopar.hardware.cluster import Link
 from examples.gpt import GPT, GPTConfig, make_batch
 
 MID = GPTConfig(vocab_size=51200, seq_len=1024, n_layer=8, n_head=16, n_embd=2048)  # 0.6B parameters
@@ -91,6 +91,33 @@ def test_forced_stage_count_and_manual_stages():
     text = fixed.summary()
     assert "stage 1" in text and "layers 4..7" in text and "bubble" in text
     assert autopar.Plan.from_json(fixed.to_json()) == fixed
+
+
+def test_more_stages_than_the_clustering_has_layers_re_clusters():
+    """A 2-block GPT clusters into 2 layers; stages=4 (or manual stages naming layer 3) cuts it into 4,
+    which a 0.6 MiB model fits on 4 devices whatever their memory (the error used to blame memory)."""
+    model, batch = _tiny_gpt()
+    cluster = autopar.Cluster.local(4)
+    assert autopar.plan(model, cluster, batch, stages=2).planner["layers"] == 2, "the default clustering"
+    four = autopar.plan(model, cluster, batch, stages=4)
+    assert len(four.device_stages) == 4 and four.planner["layers"] >= 4
+    manual = [{"layers": [k, k], "submesh": [1, 1]} for k in range(4)]
+    assert [s.layers for s in autopar.plan(model, cluster, batch, stages=manual).stages] == [(k, k) for k in range(4)]
+
+
+def test_stages_beyond_the_layers_or_devices_name_them_not_memory():
+    model, batch = _tiny_gpt()
+    with pytest.raises(PlanError, match=r"4 pipeline stages need at least 4 layers, but layers=2 .* layers=4"):
+        autopar.plan(model, autopar.Cluster.local(4), batch, stages=4, layers=2)
+    with pytest.raises(PlanError, match=r"stages=4 needs .* 4 devices.* over 2 devices; plan at most 2") as e:
+        autopar.plan(model, autopar.Cluster.local(2), batch, stages=4)
+    assert "memory" not in str(e.value)
+
+
+def _tiny_gpt():
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    return GPT(config), make_batch(config, 8)
 
 
 @pytest.mark.parametrize("stages,match", [

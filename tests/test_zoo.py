@@ -250,7 +250,7 @@ def _reject_first_stage_choice(monkeypatch, always: bool = False) -> list:
     """Wrap the real intra-op solver: the first stage cell the planner solves (or every one, ``always``) is
     solved under a 1-byte budget, so the real ILP finds it infeasible, as when the DP's scaled estimate of a
     stage fits but its exact solve at the chosen microbatch does not. Returns the rejected cells."""
-    from autopar import driver
+    from autopar.planner import driver
 
     real, rejected = driver.solve_intra_op, []
 

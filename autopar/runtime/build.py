@@ -1,8 +1,8 @@
 """Turn a Plan into this rank's ``ParallelModule``: weights, process groups, generated code, runner.
 
 Steps, in order, on every rank (all are collective):
-  1. ``broadcast_state``: rank 0's parameters and buffers go to every rank (as DDP does), so shards
-     come from one set of weights even if ranks initialized differently;
+  1. the weights' source (``runtime.tensor_source``): the user's tensors (rank 0's values where a rank's
+     differ, as DDP does), a meta model's own init, or files; it gives each shard, never the whole model;
   2. ``build_groups``: a process group per mesh axis of every stage;
   3. codegen for this rank's stage (or, interleaved, each of its model chunks) and mesh coordinate; the
      runner that executes it;
@@ -21,13 +21,16 @@ from autopar.ir.ops import requires_grad_nodes
 from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
+from autopar.placement import parse_spec
 from autopar.runtime import compiled, gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
+from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
+from autopar.runtime.tensor_source import UserTensors
 
 
 def model_tensors(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
@@ -38,14 +41,24 @@ def model_tensors(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def broadcast_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` holding rank 0's values (the user's model is left untouched)."""
-    out = {}
-    for name in sorted(tensors):
-        t = tensors[name].detach().clone()
-        dist.broadcast(t, src=0)
-        out[name] = t.requires_grad_(tensors[name].requires_grad)
-    return out
+def shards_needed(plan, graph, rank: int) -> dict[str, list[tuple]]:
+    """{fqn: [(spec, mesh shape, coordinate)]}: every parameter/buffer/constant shard this rank places."""
+    meshes = stage_meshes(plan)
+    needs: dict[str, list[tuple]] = {}
+    for stage in plan.stages_of_rank(rank):
+        coord = groups.coordinate(meshes[stage.index], rank)
+        for info in graph.placeholders:
+            node = graph.gm.graph.find_nodes(op="placeholder", target=info.name)[0]
+            if info.kind != "input" and info.name in stage.shardings and node.users:
+                spec = parse_spec(stage.shardings[info.name].out)
+                needs.setdefault(info.fqn, []).append((spec, tuple(stage.mesh_shape), coord))
+    return needs
+
+
+def unread_state_keys(model_state_keys: list[str], graph) -> list[str]:
+    """State-dict keys the graph never reads (kept whole beside the module for ``full_state_dict``)."""
+    read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
+    return [k for k in model_state_keys if graph.param_aliases.get(k, k) not in read]
 
 
 def stage_meshes(plan) -> list[np.ndarray]:
@@ -82,11 +95,19 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
 
 
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
-                          compile_modules: bool = False) -> ParallelModule:
-    """``graph``: the model captured at one microbatch (the global batch when there is one);
+                          data: str = "global", source=None, compile_modules: bool = False) -> ParallelModule:
+    """``graph``: the model captured at one microbatch (the global batch when there is one). ``data``:
+    "global" (every rank passes the global batch) or "local" (its share: ``local_data``). ``source``: a
+    ``runtime.tensor_source`` source (default: the user's real tensors, agreed with rank 0's).
     ``compile_modules``: run each generated module under torch.compile (``runtime.compiled``)."""
     rank = dist.get_rank()
-    tensors = broadcast_state(model_tensors(model, graph))
+    local = LocalData(plan, graph, rank, make_group(timeout)) if data == "local" else None
+    state_keys = list(model.state_dict(keep_vars=True).keys())
+    unread = unread_state_keys(state_keys, graph)
+    if source is None:
+        source = UserTensors(model_tensors(model, graph))
+        source.agree_with_rank0(shards_needed(plan, graph, rank), set(unread))
+    tensors = source
     meshes = stage_meshes(plan)
     shared, shared_groups = shared_parameters(plan, graph)
     base = groups.build_groups(meshes, timeout, shared_groups)
@@ -96,20 +117,21 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     for stage in plan.stages_of_rank(rank):
         coord = groups.coordinate(meshes[stage.index], rank)
         regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
-        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions)
+        gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions,
+                                   local_batch=local is not None)
         if len(plan.stages) == 1 and plan.microbatches == 1:
             runner = SpmdRunner(gm, stage, base + stage.index)
         else:
             mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
             runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
         _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+        runner.local_data = local
         runners.append(runner)
     if len(runners) > 1:
         runner = InterleavedRunner(runners, plan)
         runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
+        runner.local_data = local
     if compile_modules:
         compiled.compile_runner(runner)
-    state_keys = list(model.state_dict().keys())
-    read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
-    unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}
-    return ParallelModule(plan, graph, runner, state_keys, unused)
+    unused = {k: source.full(k) for k in unread if k in source.templates}
+    return ParallelModule(plan, graph, runner, state_keys, unused, local)

@@ -6,9 +6,11 @@ written last, by rank 0, after every rank's files are on disk. Other writers (e.
 state) add their entries to the DCP state dict: the manifest covers every file in the directory.
 
 Save (``save_atomically``, collective), in order:
-  1. rank 0 puts back a previous checkpoint a crash left aside (see window C), removes staging
-     directories of crashed saves, and creates the staging directory ``P.tmp-<token>`` (a sibling of P,
-     so the final rename stays on one file system); every rank learns the outcome;
+  1. rank 0 puts back a previous checkpoint a crash left aside (see window C), refuses a P that is not
+     an autopar checkpoint (``checkpoint_paths``: nothing but autopar's own files is ever replaced or
+     removed), removes staging directories of crashed saves, and creates the staging directory
+     ``P.tmp-<token>`` (a sibling of P, so the final rename stays on one file system); every rank learns
+     the outcome;
   2. every rank writes its files into the staging directory (DCP); a barrier (the process group's timeout);
   3. rank 0 writes the manifest, fsyncs it, and re-reads every file against it;
   4. rank 0 switches: ``rename(P, P.old-<token>)`` if P exists, ``rename(P.tmp-<token>, P)``, fsync of the
@@ -52,17 +54,18 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from autopar.errors import CheckpointError
+from autopar.runtime import checkpoint_paths as paths
+from autopar.runtime.checkpoint_paths import MANIFEST, MANIFEST_FORMAT
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
 CRASH_VAR = "AUTOPAR_CHECKPOINT_CRASH"
 _CRASH_EXIT_CODE = 43
 
 
 # ---- save ------------------------------------------------------------------------------------------
-def save_atomically(state: dict, path, step: int | None, plan_digest: str) -> None:
-    """Write ``state`` (a DCP state dict) as the checkpoint ``path`` (see the module docstring). Collective."""
-    final = Path(path).absolute()
+def save_atomically(state: dict, path, step: int | None, plan_digest: str, extra: dict | None = None) -> None:
+    """Write ``state`` (a DCP state dict) as the checkpoint ``path`` (see the module docstring); ``extra``:
+    more JSON entries of the manifest (the run's position, the loss scaler). Collective."""
+    final = paths.target(path)
     token = _agree(lambda: uuid.uuid4().hex[:12])
     staging = final.parent / f"{final.name}.tmp-{token}"
     _on_rank0_then_everyone(final, "preparing", lambda: _prepare(final, staging))
@@ -76,7 +79,7 @@ def save_atomically(state: dict, path, step: int | None, plan_digest: str) -> No
     if dist.is_initialized():
         dist.barrier()
     manifest = {"format": MANIFEST_FORMAT, "step": step, "plan_digest": plan_digest,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(extra or {})}
     _on_rank0_then_everyone(final, "finishing", lambda: _finish(staging, final, manifest, token))
 
 
@@ -84,9 +87,18 @@ def _prepare(final: Path, staging: Path) -> None:
     if not final.parent.is_dir():
         raise OSError(f"its parent directory {str(final.parent)!r} does not exist")
     _put_back_aside(final)
-    for stale in final.parent.glob(f"{final.name}.tmp-*"):
+    paths.check_checkpoint_target(final)
+    for stale in _leftovers(final, "tmp"):
         shutil.rmtree(stale, ignore_errors=True)
     staging.mkdir()
+
+
+def _leftovers(final: Path, kind: str) -> list[Path]:
+    """This path's staging (``kind`` "tmp") or aside ("old") directories of earlier saves that hold only
+    autopar's files (``checkpoint_paths``); anything else of a similar name is left alone."""
+    pattern = paths.leftover_pattern(final)
+    return sorted(p for p in final.parent.glob(f"{final.name}.{kind}-*")
+                  if pattern.match(p.name) and paths.is_own_leftover(p))
 
 
 def _finish(staging: Path, final: Path, manifest: dict, token: str) -> None:
@@ -99,7 +111,8 @@ def _finish(staging: Path, final: Path, manifest: dict, token: str) -> None:
         raise OSError(f"the written files do not read back: {problems[0]}")
     crash_point("before_switch")
     aside = final.parent / f"{final.name}.old-{token}"
-    if final.exists():
+    if final.exists() or final.is_symlink():
+        paths.check_checkpoint_target(final)  # again: the directory may have changed since step 1
         os.rename(final, aside)
     crash_point("mid_switch")
     os.rename(staging, final)
@@ -111,8 +124,8 @@ def _finish(staging: Path, final: Path, manifest: dict, token: str) -> None:
 def _put_back_aside(final: Path) -> None:
     """Crash window B: P missing, the previous checkpoint at ``P.old-*``: rename it back. Otherwise
     ``P.old-*`` is garbage of window C."""
-    aside = sorted(final.parent.glob(f"{final.name}.old-*"))
-    if aside and not final.exists():
+    aside = _leftovers(final, "old")
+    if aside and not final.exists() and not final.is_symlink() and paths.is_checkpoint(aside[0]):
         os.rename(aside[0], final)
         aside = aside[1:]
     for old in aside:
@@ -155,28 +168,41 @@ def _agree(make):
 
 def _on_rank0_then_everyone(final: Path, doing: str, action) -> None:
     """Run ``action`` on rank 0; if it fails, every rank raises the same CheckpointError."""
+    on_rank0_then_everyone(action, lambda cause: f"checkpoint {str(final)!r}: {doing} the save failed ({cause}); "
+                                                 f"the previous checkpoint there, if any, is untouched")
+
+
+def on_rank0_then_everyone(action, explain_os_error) -> None:
+    """Run ``action`` on rank 0; if it raises a CheckpointError, or an OSError (whose one-line cause
+    ``explain_os_error`` turns into the message), every rank raises a CheckpointError with that message."""
     def attempt():
         try:
             action()
             return None
+        except CheckpointError as e:
+            return str(e)
         except OSError as e:
-            return f"{type(e).__name__}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
-    failure = _agree(attempt)
-    if failure:
-        raise CheckpointError(f"checkpoint {str(final)!r}: {doing} the save failed ({failure}); the previous "
-                              f"checkpoint there, if any, is untouched")
+            return explain_os_error(f"{type(e).__name__}: {e.strerror or e}"
+                                    + (f" ({e.filename})" if e.filename else ""))
+    message = _agree(attempt)
+    if message:
+        raise CheckpointError(message)
 
 
 # ---- load ------------------------------------------------------------------------------------------
 def resolve(path) -> Path:
     """The directory holding the checkpoint ``path``: itself, or the previous checkpoint a save crashed
     while switching left aside (window B)."""
-    final = Path(path).absolute()
+    final = paths.target(path)
     if final.is_dir():
         return final
-    aside = sorted(final.parent.glob(f"{final.name}.old-*")) if final.parent.is_dir() else []
-    if aside and (aside[0] / MANIFEST).is_file():
+    aside = [p for p in _leftovers(final, "old") if paths.is_checkpoint(p)] if final.parent.is_dir() else []
+    if aside:
         return aside[0]
+    if final.exists():
+        raise CheckpointError(f"{str(final)!r} is a file, not a checkpoint directory: pm.load reads what pm.save "
+                              f"wrote; a pm.export file is a plain state dict: load it with "
+                              f"model.load_state_dict(torch.load(path)) before autopar.compile")
     raise CheckpointError(f"no checkpoint at {str(final)!r} (no such directory); write one with pm.save(path) "
                           f"on every rank")
 

@@ -4,10 +4,11 @@ It lives in the runtime, not in passes/: it reads only the Plan and the IR, and 
 runtime's collectives and kernels, so the runtime can build a rank's module without the planner.
 
 Input:  ``ModelGraph``; a ``Stage`` whose ``shardings`` cover the nodes to emit; the rank's coordinate in
-        the stage mesh; the full values of parameters/buffers (sliced here to this rank's shards).
+        the stage mesh; a ``runtime.tensor_source`` source, asked for this rank's shard of each parameter/buffer.
 Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the stage outputs:
   * parameters and buffers are attributes holding this rank's shard (named like their placeholders);
-  * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm;
+  * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm
+    (under data="local" they arrive split along dim 0 already: ``local_data``);
   * before each op, each tensor input is moved from its producer's spec to the spec the op reads by
     the steps of ``autopar.redistribute`` (collectives from ``autopar.runtime.collectives``);
   * shape arguments (view, reshape, expand, unflatten) are rewritten to local shapes;
@@ -29,7 +30,7 @@ from autopar.errors import PlanError
 from autopar.ir.buckets import deferrable_syncs
 from autopar.ir.expert_rows import rows_source
 from autopar.ir.ops import OpView
-from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, local_slice, parse_spec
+from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, parse_spec
 from autopar.redistribute import grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
 from autopar.runtime import kernels as K
@@ -49,8 +50,10 @@ def shard_input(x: torch.Tensor, pieces: tuple) -> torch.Tensor:
 
 
 class _Emitter:
-    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str], defer: bool):
+    def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str], defer: bool,
+                 local_batch: bool = False):
         self.graph, self.stage, self.coord, self.mesh_index = graph, stage, coord, mesh_index
+        self.local_batch = local_batch  # data="local": inputs arrive already split along dim 0
         self.mesh_shape = tuple(stage.mesh_shape)
         self.requires_grad = requires_grad
         self.new = fx.Graph()
@@ -79,20 +82,21 @@ class _Emitter:
         return value
 
     # ---- placeholders --------------------------------------------------------------------------
-    def emit_placeholder(self, node: fx.Node, tensors: dict[str, torch.Tensor]) -> None:
+    def emit_placeholder(self, node: fx.Node, tensors) -> None:
         info = self.graph.placeholder(node.name)
         spec = self.spec_of(node.name)
         if info.kind == "input":
             x = self.new.placeholder(node.name)
-            pieces = tuple((p.dim, self.mesh_shape[a], self.coord[a]) for a, p in enumerate(spec) if p.is_shard())
+            pieces = tuple((p.dim, self.mesh_shape[a], self.coord[a]) for a, p in enumerate(spec)
+                           if p.is_shard() and not (self.local_batch and p.dim == 0))
             self.env[node.name] = self.new.call_function(shard_input, (x, pieces)) if pieces else x
             return
         if not node.users:
             return  # e.g. the unused placeholder of a tied weight; full_state_dict reads its alias
-        full = tensors[info.fqn]
-        local = local_slice(full.detach(), spec, self.mesh_shape, self.coord).clone().contiguous()
+        local = tensors.local(info.fqn, spec, self.mesh_shape, self.coord)
         if info.kind == "parameter":
-            self.root.register_parameter(node.name, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+            grad = tensors.requires_grad(info.fqn)
+            self.root.register_parameter(node.name, torch.nn.Parameter(local, requires_grad=grad))
         else:
             self.root.register_buffer(node.name, local)
         self.env[node.name] = self.new.get_attr(node.name)
@@ -252,9 +256,9 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
     return start
 
 
-def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
+def generate_stage_module(graph, stage, coord, mesh_index: int, tensors,
                           requires_grad: set[str], defer_param_sync: bool = True,
-                          recompute: dict[str, object] | None = None) -> fx.GraphModule:
+                          recompute: dict[str, object] | None = None, local_batch: bool = False) -> fx.GraphModule:
     """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).
 
     Signature: every user input (whole), then the values received from earlier stages, in
@@ -265,8 +269,11 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[st
 
     ``recompute``: {op name: region key} (``recompute.region_keys``); every node emitted for such an op,
     its input redistributions included, is tagged, and ``recompute_regions.outline_recompute`` runs each
-    run of tagged nodes under ``torch.utils.checkpoint``."""
-    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync)
+    run of tagged nodes under ``torch.utils.checkpoint``.
+
+    ``local_batch`` (data="local"): user inputs arrive as this rank's block of dim 0 (``local_data``), so
+    only their splits of other dims are taken here."""
+    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync, local_batch)
     owned = set(stage.shardings)
     for info in graph.placeholders:
         if info.kind == "input":

@@ -33,7 +33,7 @@ import warnings
 
 import torch
 
-from autopar.errors import CommunicationError, UsageError
+from autopar.errors import CommunicationError, OptionError
 from autopar.runtime import faults
 
 CHOICES = (True, False, "auto")
@@ -45,7 +45,7 @@ def resolve(option, device_type: str) -> bool:
         return option
     if option == "auto":
         return device_type == "cuda"
-    raise UsageError(f"compile={option!r} is not a choice; use compile=True (torch.compile every rank's module), "
+    raise OptionError(f"compile={option!r} is not a choice; use compile=True (torch.compile every rank's module), "
                      f"False (run eagerly) or 'auto' (on for CUDA clusters, off on CPU ranks)")
 
 

@@ -21,11 +21,18 @@ After the optimizer steps the shards, ``gather_params`` all-gathers them into th
 (levels 1 and 2; level 3 gathers at the next use).
 Gradients are reduced in the precision policy's ``reduce_dtype`` (a temporary copy when it is not float32).
 
+Accumulation over steps (``train_step(A); train_step(B); opt.step()``): what the group holds after the
+step must be R(A) + R(B), R the reduction, while autograd adds B's local gradient onto the buffer that
+holds R(A). ``Bucket.begin`` keeps the held part on exactly one rank of the group per element (the rank
+whose shard it is; level 0: the group's first rank) and zeroes it elsewhere, so the collective's sum is
+R(A) + R(B) with no copy; at levels 2-3 the reduced shard is added to the shard's gradient, not copied over it.
+
 ``sync_shared``: a parameter read by several stages (tied embeddings: GPT-2's token embedding is also
 its output projection) lives on every stage that reads it, each with its own layout. Each stage first
 gathers its whole gradient (a collective inside the stage); every rank of every holding stage then
 contributes G_s / n_s to one all-reduce over all holding ranks, so the sum is Σ_s G_s, and each rank keeps
-its shard. Identical gradients and identical optimizers keep the copies identical.
+its shard. Identical gradients and identical optimizers keep the copies identical. Accumulated over
+steps, the gradient held before the step (``take_shared``) is set aside and added back after the sum.
 """
 from __future__ import annotations
 
@@ -93,6 +100,38 @@ class Bucket:
                 view.copy_(p.grad)
             p.grad = view
 
+    def begin(self) -> None:
+        """Before a step's backward: reduce only what this step adds (see module docstring, accumulation).
+        The gradient already held (reduced by earlier steps, never zeroed since) stays on one rank of the
+        group per element, the one whose shard holds it (level 0: the group's first rank); the others hold
+        zero there, so the sum the collective forms counts it once. A gradient set to None is a zero one."""
+        me = groups.local_rank_in(self.key)
+        if self.level == 0:
+            self._grads_as_views()  # autograd then accumulates every microbatch in place into the flat buffer
+            if me != 0:
+                self.grad_flat.zero_()
+        elif self.level == 1:
+            kept = self._shard_grad_kept(self.grad_flat[self.lo:self.hi])
+            self._grads_as_views()
+            self.grad_flat[:self.lo].zero_()
+            self.grad_flat[self.hi:].zero_()
+            if not kept:
+                self.grad_flat[self.lo:self.hi].zero_()
+            self.shard.grad = self.grad_flat[self.lo:self.hi]
+        elif not self._shard_grad_kept(self.grad_shard):
+            self.grad_shard.zero_()
+            self.shard.grad = self.grad_shard
+
+    def _shard_grad_kept(self, storage: torch.Tensor) -> bool:
+        """Whether the shard's gradient is still ``storage`` (an optimizer's ``zero_grad`` may have set it to
+        None, or another tensor, which then is what it holds)."""
+        grad = self.shard.grad
+        if grad is None:
+            return False
+        if grad.data_ptr() != storage.data_ptr():
+            storage.copy_(grad)
+        return True
+
     def launch(self, reduce_dtype: torch.dtype) -> None:
         """Start this bucket's collective (asynchronously); see the module docstring for each level."""
         if self.level <= 1:
@@ -121,8 +160,9 @@ class Bucket:
                 self.grad_flat.copy_(self.out)
         elif self.level == 1:
             self.grad_flat[self.lo:self.hi].copy_(self.out)
-        else:
-            self.grad_shard.copy_(self.out)
+        else:  # the reduced sum of this step's gradients, added to what the shard held (``begin``)
+            self.grad_shard.add_(self.out)
+            self.shard.grad = self.grad_shard
         self.buffer = self.out = None
 
     def gather_params(self) -> None:
@@ -166,8 +206,7 @@ class GradSync:
         self.events.clear()
         for b in self.buckets:
             b.seen, b.expected = 0, len(b.params) * self.microbatches
-            if b.level <= 1:  # autograd then accumulates every microbatch in place into the flat buffer
-                b._grads_as_views()
+            b.begin()
 
     def _accumulated(self, bucket: Bucket) -> None:
         if not self.armed:
@@ -212,9 +251,21 @@ def _start(what: str, key: str, fn, *args, **kwargs):
     return faults.guard(what, key, fn, *args, async_op=True, **kwargs)
 
 
-def sync_shared(gm, stage, shared: dict[str, str], coord, mesh_index: int) -> None:
+def take_shared(gm, shared: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Before a step: the gradients the tied parameters hold (from earlier steps), which ``sync_shared``
+    adds back after summing this step's over the stages; the parameters start the step without one."""
+    held = {}
+    for name in sorted(shared):
+        param = getattr(gm, name, None)
+        if param is not None and param.grad is not None:
+            held[name] = param.grad.detach().clone()
+            param.grad = None
+    return held
+
+
+def sync_shared(gm, stage, shared: dict[str, str], coord, mesh_index: int, held: dict | None = None) -> None:
     """``shared``: {parameter placeholder held by this stage and others: its group key}; ``mesh_index``:
-    this stage's mesh id in the group registry."""
+    this stage's mesh id in the group registry; ``held``: ``take_shared``'s gradients from earlier steps."""
     for name in sorted(shared):
         param = getattr(gm, name, None)
         if param is None:
@@ -224,3 +275,5 @@ def sync_shared(gm, stage, shared: dict[str, str], coord, mesh_index: int) -> No
         full = gather_full(grad, spec, mesh_index) / len(stage.ranks)
         faults.guard("all_reduce", shared[name], dist.all_reduce, full, group=groups.get(shared[name]))
         param.grad = local_slice(full, spec, tuple(stage.mesh_shape), coord).clone()
+        if held and name in held:
+            param.grad.add_(held[name])

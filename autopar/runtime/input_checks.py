@@ -5,7 +5,9 @@ counts a target no rank owns as a zero logit: an out-of-range id or target that 
 (``IndexError``) would train on silently. A batch-split layout is no better: the rank holding the bad
 row raises and the others wait for it in their next collective. So ``ParallelModule`` checks, on every
 rank, the inputs every rank passes whole (the contract): same inputs, same verdict, every rank raises
-the same ``IndexRangeError`` (an ``IndexError``) before any collective.
+the same ``IndexRangeError`` (an ``IndexError``) before any collective. Under data="local" each rank
+checks its own share (``check_local_index_ranges``) and the ranks agree on the verdict in one all-gather
+(``local_data.LocalData.agree``).
 
 Which inputs: for each ``aten.embedding`` (indices < the table's rows) and each cross-entropy / NLL loss
 (0 <= target < classes, or == ignore_index), the index argument is followed back through value-preserving
@@ -107,10 +109,41 @@ def check_index_ranges(checks: list[IndexCheck], inputs: tuple, microbatches: in
             _check_one(check, _replay(check.chain, part))
 
 
-def _replay(chain: tuple, value: torch.Tensor) -> torch.Tensor:
+def check_local_index_ranges(checks: list[IndexCheck], inputs: tuple) -> None:
+    """``check_index_ranges`` on one rank's share of the batch (data="local"): the chain is replayed with
+    the leading size of each view/reshape/expand left free (-1), as the share has fewer rows than the
+    captured graph; a chain that still cannot replay on it checks the input as passed (every value of
+    it, a superset of what the model reads)."""
+    for check in checks:
+        value = inputs[check.input_index] if check.input_index < len(inputs) else None
+        if not isinstance(value, torch.Tensor) or value.is_floating_point():
+            continue
+        try:
+            index = _replay(check.chain, value, free_leading=True)
+        except (RuntimeError, IndexError):
+            index = value
+        _check_one(check, index)
+
+
+_SHAPED = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+
+
+def _free_leading(node, args: list) -> list:
+    """A shape argument whose first size is left to the data (-1), unless it has a -1 already."""
+    if getattr(node.target, "overloadpacket", None) not in _SHAPED or len(args) < 2:
+        return args
+    shape = list(args[1])
+    if shape and -1 not in shape:
+        shape[0] = -1
+    return [args[0], shape, *args[2:]]
+
+
+def _replay(chain: tuple, value: torch.Tensor, free_leading: bool = False) -> torch.Tensor:
     for node in chain:
         previous = node.all_input_nodes[0]
         args = [value if a is previous else a for a in node.args]
+        if free_leading:
+            args = _free_leading(node, args)
         kwargs = {k: value if v is previous else v for k, v in node.kwargs.items()}
         value = node.target(*args, **kwargs)
     return value

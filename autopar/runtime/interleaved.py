@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from autopar.ir.schedule import FORWARD, device_order
 from autopar.runtime import faults, gradsync
-from autopar.runtime.pipeline import PipelineRunner, _join, _split
+from autopar.runtime.pipeline import PipelineRunner, _join
 from autopar.runtime.spmd import StageModule
 
 
@@ -78,13 +78,14 @@ class InterleavedRunner(StageModule):
 
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
         m = self.plan.microbatches
-        pieces = _split(inputs, m)
+        pieces = {c.stage.index: c.microbatches(inputs, m) for c in self.chunks}
         pending, losses, live = [], [], {}
+        held = [gradsync.take_shared(c.gm, c.shared) for c in self.chunks]
         self.gradsync.begin()
         for kind, s, mb in device_order(self.stage.index, self.pp, self.plan.virtual_stages, m):
             chunk = self.by_stage[s]
             if kind == FORWARD:
-                live[s, mb] = chunk._forward(pieces[mb], mb, pending, loss_index)
+                live[s, mb] = chunk._forward(pieces[s][mb], mb, pending, loss_index)
                 if chunk.last:
                     losses.append(live[s, mb][2].detach())
             else:
@@ -92,23 +93,24 @@ class InterleavedRunner(StageModule):
         for work, _ in pending:
             work.wait()
         self.gradsync.finish()
-        for c in self.chunks:
-            gradsync.sync_shared(c.gm, c.stage, c.shared, c.coord, c.mesh_index)
+        for c, kept in zip(self.chunks, held):
+            gradsync.sync_shared(c.gm, c.stage, c.shared, c.coord, c.mesh_index, kept)
         return self._last_or_first()._broadcast_loss(losses)
 
     def forward(self, inputs: tuple) -> tuple:
         """Forward of every microbatch, chunk by chunk (no gradients); the last chunk's outputs on every rank."""
-        pieces = _split(inputs, self.plan.microbatches)
+        pieces = {c.stage.index: c.microbatches(inputs, self.plan.microbatches) for c in self.chunks}
         pending, outputs = [], []
         with torch.no_grad():
             for mb in range(self.plan.microbatches):
                 for c in self.chunks:
-                    results = c._forward(pieces[mb], mb, pending, None)[3]
+                    results = c._forward(pieces[c.stage.index][mb], mb, pending, None)[3]
                     if c.last:
                         outputs.append(results)
         for work, _ in pending:
             work.wait()
-        joined = [_join([o[i] for o in outputs]) for i in range(len(outputs[0]))] if outputs else None
+        joined = [self.chunks[0].in_order(_join([o[i] for o in outputs])) for i in range(len(outputs[0]))] \
+            if outputs else None
         box = [joined]
         faults.guard("broadcast", None, dist.broadcast_object_list, box, src=self.plan.stages[-1].ranks[0])
         return tuple(box[0])

@@ -2,7 +2,8 @@
 
 Contract (tests outside this repository rely on it):
   * ``pm(*inputs)`` runs forward on the global batch every rank passes and returns the full output on
-    every rank;
+    every rank; under ``autopar.compile(..., data="local")`` each rank passes only its share of the batch,
+    ``pm.data_shard`` = (index, count) (``runtime.local_data``), and outputs are still the global ones;
   * ``pm.train_step(*inputs)`` runs forward and backward of the model's loss, leaves each local shard's
     gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns
     the loss, identical on every rank and detached (``.item()`` it; backward has already run);
@@ -27,16 +28,19 @@ import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from autopar.errors import InputError
+from autopar.errors import InputError, UsageError
 from autopar.placement import parse_spec
+from autopar.runtime import faults
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
+from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
 from autopar.runtime.throughput import StepClock, model_flops, step_stats
 
 
-class ParallelModule(torch.nn.Module):
-    def __init__(self, plan, graph, runner, state_keys: list[str], unused: dict[str, torch.Tensor]):
+class ParallelModule(FixedPlacement, torch.nn.Module):
+    def __init__(self, plan, graph, runner, state_keys: list[str], unused: dict[str, torch.Tensor], local_data=None):
         super().__init__()
+        self._local_data = local_data  # ``runtime.local_data.LocalData`` under data="local", else None
         self.plan = plan
         self.runner = runner
         self._graph = graph
@@ -48,15 +52,21 @@ class ParallelModule(torch.nn.Module):
         watch_optimizers()
 
     # ---- running -------------------------------------------------------------------------------
-    def forward(self, *inputs):
+    @faults.collective_call("pm(...)")
+    def forward(self, *inputs, **named):
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)")
         self._check_inputs(inputs)
         flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
 
-    def train_step(self, *inputs) -> torch.Tensor:
+    @faults.collective_call("pm.train_step")
+    def train_step(self, *inputs, **named) -> torch.Tensor:
         """Forward + backward of the loss on the global batch; returns the loss, detached (backward has
-        run already, so there is nothing to call ``.backward()`` on) and the same on every rank."""
+        run already, so there is nothing to call ``.backward()`` on) and the same on every rank. Inputs
+        may be passed by forward's argument names as well."""
         self._clock.tick()
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)")
+        check_autograd_on("pm.train_step")
         self._check_inputs(inputs)
         if self._loss_index is None:
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
@@ -69,7 +79,27 @@ class ParallelModule(torch.nn.Module):
         skips overflowed steps (fp16) and all-gathers updated ZeRO shards. See ``autopar.runtime.optim``."""
         from autopar.runtime.optim import PlanOptimizer
 
-        return PlanOptimizer(self.runner, cls, **kwargs)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise UsageError(f"pm.optimizer(cls, **kwargs) takes a torch optimizer class and its arguments, e.g. "
+                             f"pm.optimizer(torch.optim.AdamW, lr=1e-3); got {cls!r}")
+        try:
+            return PlanOptimizer(self.runner, cls, **kwargs)
+        except TypeError as e:
+            if "argument" not in str(e):
+                raise
+            raise UsageError(f"pm.optimizer({cls.__name__}, ...): {e}; pass the arguments {cls.__name__} "
+                             f"takes") from None
+
+    def _input_names(self) -> list[str]:
+        return [p.name for p in self._graph.placeholders if p.kind == "input"]
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """``(index, count)``: the share of the batch this rank passes. Under data="local", rows
+        [index·B/count, (index+1)·B/count) of the global batch of B rows (the global batch is the count
+        shares in index order; ranks with the same share pass the same rows; ``runtime.local_data``);
+        under data="global", (0, 1): the whole batch."""
+        return (0, 1) if self._local_data is None else self._local_data.share
 
     def step_stats(self, warmup: int = 1) -> dict:
         """Throughput of the ``train_step`` calls so far on this rank: ``step_time`` (s, the mean wall-clock
@@ -99,6 +129,7 @@ class ParallelModule(torch.nn.Module):
                     out[key] = out[key].clone()
         return out
 
+    @faults.collective_call("pm.full_state_dict")
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """Full tensors for every key of the original ``model.state_dict()`` (a collective: call on all ranks).
 
@@ -138,6 +169,8 @@ class ParallelModule(torch.nn.Module):
         return whole
 
     def _check_inputs(self, inputs) -> None:
+        if self._local_data is not None:
+            return self._check_local_inputs(inputs)
         device = self.plan.cluster.get("device_type", "cpu")
         for i, t in enumerate(inputs):
             if isinstance(t, torch.Tensor) and t.device.type != device:
@@ -151,6 +184,26 @@ class ParallelModule(torch.nn.Module):
                              f"pass the same shapes and dtypes (every rank passes the global batch)"
                              f"{_advice(got, want)}")
         check_index_ranges(self._index_checks, inputs, self.plan.microbatches)
+
+    def _check_local_inputs(self, inputs) -> None:
+        """data="local": this rank's share checked here, then every rank's verdict agreed on (a collective),
+        so a wrong share or a bad index on one rank is the same error on all (``local_data.agree``)."""
+        self._local_data.agree(inputs, lambda: self._local_error(inputs))
+
+    def _local_error(self, inputs) -> str | Exception | None:
+        """What is wrong with this rank's correctly shaped share: its device, or an index out of range."""
+        from autopar.errors import IndexRangeError
+        from autopar.runtime.input_checks import check_local_index_ranges
+
+        device = self.plan.cluster.get("device_type", "cpu")
+        for i, t in enumerate(inputs):
+            if isinstance(t, torch.Tensor) and t.device.type != device:
+                return f"input {i} is on {t.device} but this cluster runs on {device}; move it there first"
+        try:
+            check_local_index_ranges(self._index_checks, inputs)
+        except IndexRangeError as e:
+            return e
+        return None
 
     def share_state_of(self, other: "ParallelModule") -> None:
         """Use ``other``'s parameter and buffer tensors in place of this module's own (``autopar.compile(...,
@@ -183,22 +236,37 @@ class ParallelModule(torch.nn.Module):
         self._unused = other._unused
 
     # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
-    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
+    @faults.collective_call("pm.save")
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+             position: dict | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
         ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
-        whole). ``step`` is recorded in its manifest. Call on every rank."""
+        whole). ``step``, ``position`` (JSON: where the run is, e.g. ``autopar.data.GlobalSampler.state_dict()``)
+        and the fp16 loss scaler are recorded in its manifest. Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer, step)
+        checkpoint.save(self, path, optimizer, step, position)
 
+    @faults.collective_call("pm.load")
     def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
-        must be built from ``pm.parameters()``), after checking every file against its manifest; returns
-        the manifest (``["step"]``). Call on every rank."""
+        must be built from ``pm.parameters()``), after checking every file against its manifest, and the loss
+        scaler; returns the manifest (``["step"]``, ``.get("position")``). Call on every rank."""
         from autopar.runtime import checkpoint
 
         return checkpoint.load(self, path, optimizer)
 
+    @faults.collective_call("pm.save_pretrained")
+    def save_pretrained(self, directory, prefix: str = "", max_shard_size="5GB") -> None:
+        """Hugging Face sharded safetensors (``model.safetensors.index.json``) of the state-dict keys under
+        ``prefix`` (taken off the keys), plus the model's config.json, in ``directory``: each tensor is
+        assembled inside one stage and written by one of its ranks; no rank holds the whole model; existing
+        files are replaced whole or kept. Call on every rank. See ``autopar.runtime.pretrained_save``."""
+        from autopar.runtime import pretrained_save
+
+        pretrained_save.save_pretrained(self, directory, prefix, max_shard_size)
+
+    @faults.collective_call("pm.export")
     def export(self, path) -> None:
         """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every
         parameter; for models too big for one device, use ``save`` + ``export_state_dict``). Call on every rank."""
@@ -212,6 +280,8 @@ def _advice(got: list, want: list) -> str:
     same_rest = len(got) == len(want) and all(
         g[1] == w[1] and g[0] is not None and len(g[0]) == len(w[0]) and tuple(g[0][1:]) == tuple(w[0][1:])
         for g, w in zip(got, want))
+    if len(got) == 1 and got[0][0] is None and got[0][1] in ("list", "tuple") and len(want) > 1:
+        return "; pass the tensors as separate arguments: pm.train_step(*batch), not pm.train_step(batch)"
     if same_rest and got and got[0][0] and got[0][0][0] < want[0][0][0]:
         return ("; for a smaller (last) batch, compile a module for it that shares this one's parameters: "
                 "small = autopar.compile(model, cluster, batch, share_with=pm) on every rank (the optimizer over "

@@ -48,9 +48,10 @@ class PipelineRunner(StageModule):
 
     # ---- steps ---------------------------------------------------------------------------------
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
-        chunks = _split(inputs, self.plan.microbatches)
+        chunks = self.microbatches(inputs, self.plan.microbatches)
         pending, live, losses = [], {}, []
         S = len(self.plan.stages)
+        held = gradsync.take_shared(self.gm, self.shared)
         self.gradsync.begin()
         for kind, mb in stage_order(self.plan.schedule, self.stage.index, S, self.plan.microbatches):
             if kind == FORWARD:
@@ -62,19 +63,19 @@ class PipelineRunner(StageModule):
         for work, _ in pending:
             work.wait()
         self.gradsync.finish()
-        gradsync.sync_shared(self.gm, self.stage, self.shared, self.coord, self.mesh_index)
+        gradsync.sync_shared(self.gm, self.stage, self.shared, self.coord, self.mesh_index, held)
         return self._broadcast_loss(losses)
 
     def forward(self, inputs: tuple) -> tuple:
         """Forward of every microbatch (no gradients); the last stage's outputs, joined, on every rank."""
-        chunks = _split(inputs, self.plan.microbatches)
+        chunks = self.microbatches(inputs, self.plan.microbatches)
         pending, outputs = [], []
         with torch.no_grad():
             for mb in range(self.plan.microbatches):
                 outputs.append(self._forward(chunks[mb], mb, pending, None)[3])
         for work, _ in pending:
             work.wait()
-        joined = [_join([o[i] for o in outputs]) for i in range(len(outputs[0]))] if self.last else None
+        joined = [self.in_order(_join([o[i] for o in outputs])) for i in range(len(outputs[0]))] if self.last else None
         box = [joined]
         faults.guard("broadcast", None, dist.broadcast_object_list, box, src=self.plan.stages[-1].ranks[0])
         return tuple(box[0])
@@ -153,13 +154,6 @@ def _routes(plan, graph) -> list[Route]:
             val = vals[value]
             routes.append(Route(len(routes), value, owner[value], stage, tuple(val.shape), val.dtype))
     return routes
-
-
-def _split(inputs: tuple, parts: int) -> list[tuple]:
-    if parts == 1:
-        return [tuple(inputs)]
-    pieces = [t.chunk(parts, dim=0) for t in inputs]
-    return [tuple(p[i] for p in pieces) for i in range(parts)]
 
 
 def _join(values: list):

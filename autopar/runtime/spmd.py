@@ -22,6 +22,7 @@ class StageModule(torch.nn.Module):
 
     gm: fx.GraphModule
     compiled = None  # ``runtime.compiled.CompiledModule`` of ``gm`` under compile=True, else None
+    local_data = None  # ``local_data.LocalData`` under data="local": this rank passes its share only
 
     def setup(self, policy, device_type: str, gradsync_: "gradsync.GradSync", scaler) -> None:
         self.policy, self.device_type, self.gradsync, self.scaler = policy, device_type, gradsync_, scaler
@@ -31,6 +32,20 @@ class StageModule(torch.nn.Module):
         hooks (``runtime.zero3``); compiled (``runtime.compiled``) when the module was built with compile on."""
         with self.policy.autocast(self.device_type), self.gradsync.units.hooks():
             return (self.compiled or self.gm)(*args)
+
+    def microbatches(self, inputs: tuple, count: int) -> list[tuple]:
+        """The inputs of each of ``count`` microbatches for this stage: chunks of the global batch along dim 0,
+        or under data="local" this rank's blocks of its share (``local_data``)."""
+        if self.local_data is not None:
+            return self.local_data.microbatches(inputs, self.stage.index)
+        if count == 1:
+            return [tuple(inputs)]
+        pieces = [t.chunk(count, dim=0) for t in inputs]
+        return [tuple(p[i] for p in pieces) for i in range(count)]
+
+    def in_order(self, value):
+        """A joined output with its rows in global order (``local_data.restore_order``)."""
+        return value if self.local_data is None else self.local_data.restore_order(value)
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else loss * self.scaler.scale
@@ -62,10 +77,10 @@ class SpmdRunner(StageModule):
         self.mesh_index = mesh_index
 
     def forward(self, inputs: tuple) -> tuple:
-        return tuple(self.run_module(*inputs))
+        return tuple(self.run_module(*self.microbatches(inputs, 1)[0]))
 
     def train_step(self, inputs: tuple, loss_index: int) -> torch.Tensor:
-        loss = self.run_module(*inputs)[loss_index]
+        loss = self.run_module(*self.microbatches(inputs, 1)[0])[loss_index]
         self.gradsync.begin()
         self.scaled(loss).backward()
         self.gradsync.finish()

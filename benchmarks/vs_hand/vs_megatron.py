@@ -54,7 +54,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import autopar  # noqa: E402
 from autopar.baselines import hand_grids, megatron_configs  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.presets import preset_gpus  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
@@ -148,7 +147,7 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
     """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
     ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
-    cluster = preset_gpus(preset, int(gpus))
+    cluster = autopar.Cluster.preset(preset, gpus=int(gpus))
     work = build_workload(family, name, precision)
     policy = precision or "fp32"
     start = time.perf_counter()
@@ -192,7 +191,7 @@ def replan(name: str, precision: str | None, header: str) -> int:
         if options.get("schedule") == "auto":  # the default now
             del options["schedule"]
         row["auto_step"], row["auto_plan"], row["plan_s"] = plan_autopar(
-            work, preset_gpus(preset, int(gpus)), precision or "fp32", options)
+            work, autopar.Cluster.preset(preset, gpus=int(gpus)), precision or "fp32", options)
         row["autopar_options"], row["replanned"] = options, report.machine_line("re-planned")
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
     return render_simulation(header, rows, name)

@@ -1,0 +1,142 @@
+"""Training-loop idioms against one device, run inside the shared parity launches (``tests/parity.py``).
+
+A case is ("loop", mesh, "<idiom>/<plan kind>", sabotage). Plan kinds (``plan_options``): "dp" (the batch
+split, parameters replicated: every gradient goes through the bucketed sync), "z1"/"z2"/"z3" (the same with
+that ZeRO level), "tp" (Megatron's MLP split on the last mesh axis, the batch on the first), "pp" (HF GPT-2
+in 2 stages of one device, 2 microbatches, 1F1B: its tied embedding goes through the cross-stage sync),
+"ppv2" (interleaved 1F1B: the 4-layer GPT example in 2 stages of 2 devices × 2 chunks), "fp16" (dp under
+fp16 with dynamic loss scaling). Idioms (``IDIOMS``), each 2 optimizer steps, compared with the same loop on a
+single-device copy: parameters (relative error per tensor with a nonzero gradient) and losses.
+
+Sabotages (negative controls): "old_sync" puts back the gradient sync that reduced what a rank already
+held again (accumulation counted it twice, or lost it at ZeRO-2/3).
+"""
+import copy
+
+import torch
+
+import autopar
+from autopar.runtime import gradsync
+from tests.models import FACTORIES
+from tests.parity import rel
+
+LR, EPS = 1e-3, 1e-6
+MLP_TP = {"p_fc1_weight": "S(0)", "p_fc1_bias": "S(0)", "p_fc2_weight": "S(1)"}
+
+
+def plan_options(kind: str, mesh: tuple) -> tuple[str, dict]:
+    """(model name, compile options) of a plan kind on ``mesh``."""
+    def spec(last: str, first: str = "S(0)") -> str:  # first axes ``first``, the last axis ``last`` (size 1: R)
+        return "".join("R" if size == 1 else (last if a == len(mesh) - 1 else first) for a, size in enumerate(mesh))
+
+    batch = {"x": spec("S(0)"), "y": spec("S(0)")}
+    if kind in ("dp", "z1", "z2", "z3", "fp16"):
+        zero = {"zero": int(kind[1])} if kind[0] == "z" else {"zero": 0}
+        precision = {"precision": "fp16"} if kind == "fp16" else {}
+        return "mlp", {"stages": 1, "pin": {"p_*": "R" * len(mesh), **batch}, **zero, **precision}
+    if kind == "tp":
+        pins = {name: spec(s, "R") for name, s in MLP_TP.items()}
+        return "mlp", {"stages": 1, "zero": 0, "pin": {"p_*": "R" * len(mesh), **pins, "x": spec("R"), "y": spec("R")}}
+    if kind == "pp":
+        stages = [{"layers": [k, k], "submesh": [1, 1]} for k in range(2)]
+        return "hf_gpt2", {"stages": stages, "microbatches": 2, "layers": 2, "schedule": "1f1b", "zero": 0}
+    if kind == "ppv2":
+        stages = [{"layers": [k, k], "submesh": [1, 2]} for k in range(4)]  # 2 devices x 2 chunks on 4 ranks
+        return "gpt4", {"stages": stages, "microbatches": 2, "layers": 4, "schedule": "interleaved",
+                        "virtual_stages": 2, "zero": 0}
+    raise ValueError(kind)
+
+
+def _other(batch: tuple) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for t in batch:
+        if t.dtype.is_floating_point:
+            out.append(torch.randn(t.shape, generator=g, dtype=t.dtype))
+        else:
+            out.append(torch.randint(0, int(t.max()) + 1, t.shape, generator=g, dtype=t.dtype))
+    return tuple(out)
+
+
+class Reference:
+    """The single-device copy: AdamW(LR, EPS); fp16 plans are compared under the same autocast + GradScaler."""
+
+    def __init__(self, model, precision: str = "fp32"):
+        self.model = copy.deepcopy(model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, eps=EPS)
+        self.fp16 = precision == "fp16"
+        self.scaler = torch.amp.GradScaler("cpu") if self.fp16 else None
+        self.moved: set[str] = set()
+
+    def backward(self, batch) -> float:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16):
+            loss = self.model(*batch)
+        (self.scaler.scale(loss) if self.fp16 else loss).backward()
+        return loss.item()
+
+    def step(self) -> None:
+        norms = {k: float(p.grad.norm()) for k, p in self.model.named_parameters() if p.grad is not None}
+        top = max(norms.values(), default=0.0)
+        self.moved |= {k for k, n in norms.items() if n > 1e-6 * top}
+        if self.fp16:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad()
+
+
+def idiom_accumulate(pm, opt, ref: Reference, batches: list) -> float:
+    """``train_step(A); train_step(B); opt.step()``, twice."""
+    err = 0.0
+    for _ in range(2):
+        for batch in batches:
+            loss = pm.train_step(*batch).item()
+            err = max(err, abs(loss - ref.backward(batch)) / abs(loss))
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    return err
+
+
+IDIOMS = {"accum": idiom_accumulate}
+
+
+def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
+    idiom, kind = layout.split("/")
+    model_name, options = plan_options(kind, mesh)
+    model, batch = FACTORIES[model_name]()
+    batches = [batch, _other(batch)]
+    ref = Reference(model, options.get("precision", "fp32"))
+    cluster = autopar.Cluster.local(world, mesh_shape=mesh)
+    pm = autopar.compile(model, cluster, batch, **options)
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    loss_err = IDIOMS[idiom](pm, opt, ref, batches)
+    full = pm.full_state_dict()
+    errors = {k: rel(full[k], v) for k, v in ref.model.state_dict().items() if k in ref.moved}
+    worst = max(errors, key=errors.get)
+    return {"loss_err": loss_err, "param_err": errors[worst], "worst_param": worst, "compared": len(errors),
+            "loss": loss_err, "zero": sorted({lvl for s in pm.plan.stages for lvl in s.zero.values()}),
+            "stages": len(pm.plan.stages), "virtual_stages": pm.plan.virtual_stages,
+            "sharded_params": sum(1 for s in pm.plan.stages for n, sh in s.shardings.items()
+                                  if n.startswith("p_") and "S" in sh.out)}
+
+
+def sabotage(kind) -> callable:
+    """Negative controls (see module docstring); returns the undo."""
+    if kind == "old_sync":
+        original = gradsync.Bucket.begin
+
+        def old_begin(self):  # the sync before it kept what a rank held: reduced again, or overwritten
+            if self.level <= 1:
+                self._grads_as_views()
+            elif self.shard.grad is not None:
+                self.grad_shard.zero_()
+        gradsync.Bucket.begin = old_begin
+        original_take = gradsync.take_shared
+        gradsync.take_shared = lambda gm, shared: {}  # tied parameters: the held gradient summed again
+
+        def undo():
+            gradsync.Bucket.begin, gradsync.take_shared = original, original_take
+        return undo
+    return lambda: None

@@ -1,0 +1,62 @@
+"""Training-loop idioms are exact under every plan kind: each case runs a loop on the sharded module and on a
+single-device copy (``tests/loop_cases.py``), inside the shared parity launches of 2 and 4 gloo ranks.
+
+Tolerances (fp32): loss relative error <= 1e-5, parameter relative error <= 1e-4 per tensor with a gradient;
+fp16 (against one device under the same autocast + GradScaler): 1e-3 both. Every negative control puts back
+the defect its idiom had and must fail the same check.
+"""
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ACCUM_2 = ["dp", "z1", "z2", "z3", "tp", "pp", "fp16"]
+ACCUM_4 = ["tp", "z3", "ppv2"]
+CASES = {
+    2: [("loop", (1, 2), f"accum/{k}", None) for k in ACCUM_2]
+       + [("loop", (1, 2), f"accum/{k}", "old_sync") for k in ("dp", "z2", "tp", "pp")],
+    4: [("loop", (2, 2), f"accum/{k}", None) for k in ACCUM_4]
+       + [("loop", (2, 2), f"accum/{k}", "old_sync") for k in ("z3", "ppv2")],
+}
+PARITY_CASES = CASES  # launched with the other parity suites' (conftest.parity_runs)
+PARITY_TIMEOUT = 600
+
+PARITY = [c for cases in CASES.values() for c in cases if not c[3]]
+NEGATIVE = [c for cases in CASES.values() for c in cases if c[3]]
+
+
+@pytest.fixture(scope="module")
+def results(parity_runs):
+    return {case: parity_runs[case] for case in PARITY + NEGATIVE}
+
+
+def _id(case):
+    return f"{case[1][0] * case[1][1]}ranks-{case[2]}" + (f"-{case[3]}" if case[3] else "")
+
+
+def _tolerance(case) -> float:
+    return 1e-3 if case[2].endswith("fp16") else 1e-4
+
+
+def _exact(r: dict, case) -> bool:
+    loss_tolerance = 1e-3 if case[2].endswith("fp16") else 1e-5
+    return r["loss_err"] <= loss_tolerance and r["param_err"] <= _tolerance(case)
+
+
+@pytest.mark.parametrize("case", PARITY, ids=_id)
+def test_loop_idiom_matches_single_device(results, case):
+    for r in results[case]:  # every rank's view of the trained weights
+        assert r["compared"] > 0, r
+        assert _exact(r, case), r
+
+
+@pytest.mark.parametrize("case", NEGATIVE, ids=_id)
+def test_negative_control_fails_the_same_check(results, case):
+    assert not _exact(results[case][0], case), f"the sabotage went unnoticed: {results[case][0]}"
+
+
+def test_plan_kinds_are_what_they_claim(results):
+    two = {c[2]: results[c][0] for c in CASES[2]}
+    assert [two[f"accum/z{k}"]["zero"] for k in (1, 2, 3)] == [[1], [2], [3]]
+    assert two["accum/tp"]["sharded_params"] == 3 and two["accum/pp"]["stages"] == 2
+    four = {c[2]: results[c][0] for c in CASES[4]}
+    assert four["accum/ppv2"]["virtual_stages"] == 2 and four["accum/tp"]["sharded_params"] == 3
