@@ -65,7 +65,28 @@ def test_model_flops_count_forward_and_backward_of_every_matmul():
     model, batch = make_mlp(batch_size=16)
     f1, f2, f3 = (2 * 16 * i * o for i, o in ((32, 128), (128, 128), (128, 16)))
     # forward 1x each; backward: weight gradients of all three, input gradients of fc2 and fc3 (x needs none)
-    assert model_flops(capture(model, batch), 2) == pytest.approx(2 * (2 * f1 + 3 * f2 + 3 * f3))
+    flops, how = model_flops(capture(model, batch), 2)
+    assert flops == pytest.approx(2 * (2 * f1 + 3 * f2 + 3 * f3)) and how.startswith("flop_counter")
+
+
+def test_model_flops_fall_back_to_three_times_the_forward_per_op(monkeypatch):
+    """Negative control of the whole-graph count: an op flop_counter refuses sends it to the per-op count."""
+    from torch.utils import flop_counter
+
+    model, batch = make_mlp(batch_size=16)
+    graph = capture(model, batch)
+    original = flop_counter.FlopCounterMode.__exit__
+    calls = []
+
+    def refuse_once(self, *args):
+        original(self, *args)
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("a formula refused")
+    monkeypatch.setattr(flop_counter.FlopCounterMode, "__exit__", refuse_once)
+    f1, f2, f3 = (2 * 16 * i * o for i, o in ((32, 128), (128, 128), (128, 16)))
+    flops, how = model_flops(graph, 1)
+    assert flops == pytest.approx(3 * (f1 + f2 + f3)) and "3 x forward" in how
 
 
 def test_tokens_come_from_an_integer_input_and_samples_otherwise():

@@ -108,7 +108,7 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         for the plan's precision. See ``autopar.runtime.throughput``."""
         if self._flops is None:
             self._flops = model_flops(self._graph, self.plan.microbatches)
-        return step_stats(self._clock, self.plan, self._flops, warmup)
+        return step_stats(self._clock, self.plan, *self._flops[:1], warmup, self._flops[1])
 
     @property
     def code(self) -> str:
