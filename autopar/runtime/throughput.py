@@ -129,6 +129,7 @@ def step_stats(clock: StepClock, plan, flops: float, warmup: int = 1, counted: s
     devices = plan.num_devices
     achieved = flops / step_time
     return {"steps": len(gaps), "step_time": step_time, f"{unit}_per_step": work, f"{unit}_per_s": work / step_time,
-            "model_flops": flops, "flops_counted": counted, "flops_per_s": achieved, "peak_flops": peak, "peak_dtype": dtype,
+            "model_flops": flops, "flops_counted": counted, "flops_per_s": achieved, "peak_flops": peak,
+            "peak_dtype": dtype,
             "devices": devices, "mfu": achieved / (peak * devices) if peak > 0 else None,
             "measures": "wall-clock between the starts of consecutive train_step calls"}
