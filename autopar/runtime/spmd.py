@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.runtime import gradsync
+from autopar.runtime.offload import saved_on_host
 
 
 class StageModule(torch.nn.Module):
@@ -22,6 +23,7 @@ class StageModule(torch.nn.Module):
 
     gm: fx.GraphModule
     local_data = None  # ``local_data.LocalData`` under data="local": this rank passes its share only
+    offload_optimizer = offload_activations = False  # CPU offload of this stage (``runtime.offload``)
 
     def setup(self, policy, device_type: str, gradsync_: "gradsync.GradSync", scaler) -> None:
         self.policy, self.device_type, self.gradsync, self.scaler = policy, device_type, gradsync_, scaler
@@ -29,7 +31,8 @@ class StageModule(torch.nn.Module):
     def run_module(self, *args):
         """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
         hooks (``runtime.zero3``)."""
-        with self.policy.autocast(self.device_type), self.gradsync.units.hooks():
+        with saved_on_host(self.offload_activations, self.device_type), self.policy.autocast(self.device_type), \
+                self.gradsync.units.hooks():
             return self.gm(*args)
 
     def microbatches(self, inputs: tuple, count: int) -> list[tuple]:
