@@ -153,7 +153,8 @@ def recompute_option(text: str):
 
 def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     """One case. A layout may carry flags after ":": "rc-<full | layer glob>" recomputes those layers in
-    backward; "z<level>" forces that ZeRO level (the optimizer then comes from ``pm.optimizer``); "ckpt"
+    backward; "z<level>" forces that ZeRO level (the optimizer then comes from ``pm.optimizer``); "offopt" and
+    "offact" offload the optimizer (stepped on host copies, from ``pm.optimizer``) and the activations; "ckpt"
     saves module and optimizer after step 2 and loads them into a module compiled from perturbed weights
     with a fresh optimizer, which takes step 3 ("ckpt-noopt": loads the module only, a negative control);
     "c" runs every generated module under torch.compile (``compile=True``) and records the graphs dynamo
@@ -175,12 +176,14 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     key = (model_name, tuple(mesh), world, layout, rc)  # a negative control reuses its case's budget
     cluster, options = on_rank_zero(lambda: _remembered(key, options_of_case))
     options = {**options, "zero": zero} if zero is not None else options
+    offload = {kind: True for kind, flag in (("optimizer", "offopt"), ("activations", "offact")) if flag in flags}
+    options = {**options, "offload": offload} if offload else options
     compiled = "c" in flags
     if compiled:
         _inductor_in_a_fresh_cache()
     graphs_before = _dynamo_graphs()
     pm = autopar.compile(model, cluster, batch, **options, recompute=recompute, compile=compiled)
-    opt = _optimizer(pm, zero)
+    opt = _optimizer(pm, zero or offload.get("optimizer"))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     loss_err, moved = 0.0, set()
     counted = _count_collectives()
@@ -227,6 +230,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "wires": [t.get("wire") for t in pm.plan.transfers], "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
+            "offload": pm.plan.planner.get("offload", {}),
             "zero": sorted({lvl for s in stages for lvl in s.zero.values()}),
             "graphs": graphs, "compile_failures": compile_failures(pm.runner),
             "keys_match": list(full) == list(reference.state_dict()),
@@ -356,7 +360,8 @@ def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     between pipeline stages; "offsets" misplaces each shard-to-shard piece;
     "accumulate" keeps only the last microbatch's gradients; "replay" skips the collectives
     when a recomputed region re-runs in backward; "cp_swap" skips context parallelism's load-balancing swap;
-    "kv_grad" drops the sum of gathered keys' and values' gradients."""
+    "kv_grad" drops the sum of gathered keys' and values' gradients; "host_step" never copies the host-stepped
+    values back; "host_acts" brings offloaded activations back as zeros."""
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
@@ -463,6 +468,19 @@ def _sabotage(kind) -> callable:
         original = collectives._reduce_scatter
         collectives._reduce_scatter = lambda x, dim, key: collectives._chunk(x, dim, key).contiguous()
         return lambda: setattr(collectives, "_reduce_scatter", original)
+    if kind == "host_step":  # the host copies are stepped but never copied back into the parameters
+        from autopar.runtime import offload
+
+        original = offload.HostCopies.push_params
+        offload.HostCopies.push_params = lambda self: None
+        return lambda: setattr(offload.HostCopies, "push_params", original)
+    if kind == "host_acts":  # activations come back from host memory as zeros
+        from autopar.runtime import spmd
+
+        original = spmd.saved_on_host
+        spmd.saved_on_host = lambda active, device_type: torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t.to("cpu", copy=True), torch.zeros_like) if active else original(active, device_type)
+        return lambda: setattr(spmd, "saved_on_host", original)
     if kind == "transfer":
         original = pipeline.send_backward
         pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)

@@ -27,6 +27,7 @@ from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.offload import offloaded
 from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
@@ -88,8 +89,11 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
     sync = gradsync.GradSync(runner.gm, graph, stage, mesh_index, plan.microbatches, plan.bucket_bytes,
                              policy.reduce_dtype, timeout, gather_dtype=policy.compute_dtype)  # ZeRO-3's gathers
     runner.setup(policy, device_type, sync, LossScaler(policy) if policy.loss_scaling else None)
+    offload = offloaded(plan, stage.index)
+    runner.offload_optimizer, runner.offload_activations = offload["optimizer"], offload["activations"]
     reasons = (["scales the loss (fp16)"] if policy.loss_scaling else []) + \
-        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else [])
+        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else []) + \
+        (["keeps optimizer state in host memory (offload)"] if offload["optimizer"] else [])
     if reasons:
         mark_needs_builder(runner, " and ".join(reasons))
 
