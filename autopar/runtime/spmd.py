@@ -31,16 +31,10 @@ class StageModule(torch.nn.Module):
 
     def run_module(self, *args):
         """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
-<<<<<<< HEAD
         hooks (``runtime.zero3``); compiled (``runtime.compiled``) when the module was built with compile on."""
-        with self.policy.autocast(self.device_type), self.gradsync.units.hooks():
-            return (self.compiled or self.gm)(*args)
-=======
-        hooks (``runtime.zero3``)."""
         with saved_on_host(self.offload_activations, self.device_type), self.policy.autocast(self.device_type), \
                 self.gradsync.units.hooks():
-            return self.gm(*args)
->>>>>>> main
+            return (self.compiled or self.gm)(*args)
 
     def microbatches(self, inputs: tuple, count: int) -> list[tuple]:
         """The inputs of each of ``count`` microbatches for this stage: chunks of the global batch along dim 0,
