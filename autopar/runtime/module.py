@@ -54,7 +54,7 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
     # ---- running -------------------------------------------------------------------------------
     @faults.collective_call("pm(...)")
     def forward(self, *inputs, **named):
-        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)")
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)", self._local_data is not None)
         self._check_inputs(inputs)
         flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
@@ -65,7 +65,8 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         run already, so there is nothing to call ``.backward()`` on) and the same on every rank. Inputs
         may be passed by forward's argument names as well."""
         self._clock.tick()
-        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)")
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)",
+                             self._local_data is not None)
         check_autograd_on("pm.train_step")
         self._check_inputs(inputs)
         if self._loss_index is None:

@@ -31,8 +31,8 @@ class StageModule(torch.nn.Module):
 
     def run_module(self, *args):
         """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
-        hooks (``runtime.zero3``), activations saved on the host under offload; compiled (``runtime.compiled``)
-        when the module was built with compile on."""
+        hooks (``runtime.zero3``), activations saved on the host under activation offload (``runtime.offload``);
+        compiled (``runtime.compiled``) when the module was built with compile on."""
         with saved_on_host(self.offload_activations, self.device_type), self.policy.autocast(self.device_type), \
                 self.gradsync.units.hooks():
             return (self.compiled or self.gm)(*args)
