@@ -5,8 +5,8 @@
 Each of ``--ranks`` gloo ranks builds a Hugging Face Llama (hidden 2048, intermediate 5632, vocabulary
 32000, 18 layers: 1.06 B parameters, 4.2 GB in fp32) on the meta device and compiles it data parallel at
 ZeRO-3: (1) ``init``: weights from the model's own init (``init_seed``); (2) ``pm.save_pretrained`` writes
-them as sharded safetensors; (3) ``weights=``: a fresh meta model loads those files under the same plan,
-each rank reading only its slices. Per phase and rank it prints the resident memory before the phase (freed
+them as sharded safetensors; (3) in a second launch (fresh processes), ``weights=``: a meta model loads
+those files, each rank reading only its slices. Per phase and rank it prints the resident memory before the phase (freed
 heap trimmed first: glibc's malloc_trim), the peak (VmHWM of /proc/self/status, reset before each phase
 through /proc/self/clear_refs), the resident memory after it, the bytes of this rank's shards (parameters,
 ZeRO-3 shards and buffers: distinct storages), and the bound ``before + shards + largest tensor + 1 GiB``.
@@ -98,26 +98,40 @@ def phase(name: str, fn) -> tuple:
     start = time.perf_counter()
     out = fn()
     return out, {"phase": name, "rss_before": before, "peak": status("VmHWM"), "peak_reset": reset,
-                 "seconds": time.perf_counter() - start, "rss_after": status("VmRSS")}
+                 "seconds": time.perf_counter() - start, "rss_after": status("VmRSS"),
+                 "anon_after": status("RssAnon"), "file_after": status("RssFile")}
 
 
-def run(rank: int, layers: int, ranks: int, directory: str) -> list:
-    model = meta_model(layers)
+def run_init_and_save(rank: int, layers: int, ranks: int, directory: str) -> list:
+    """Phases 1 and 2 in one launch."""
+    model, cluster, batch = meta_model(layers), *setup(ranks)
+    rows = []
+    pm, row = phase("init (meta, init_seed)", lambda: autopar.compile(model, cluster, batch, **OPTIONS))
+    rows.append({**row, "shards": held_bytes(pm)})
+    _, row = phase("pm.save_pretrained", lambda: pm.save_pretrained(directory, prefix="model.", max_shard_size="500MB"))
+    rows.append({**row, "shards": held_bytes(pm)})
+    return annotate(rows, model, rank)
+
+
+def run_weights(rank: int, layers: int, ranks: int, directory: str) -> list:
+    """Phase 3 in fresh processes (nothing retained from the first two)."""
+    model, cluster, batch = meta_model(layers), *setup(ranks)
+    pm, row = phase("weights= (meta, safetensors)", lambda: autopar.compile(
+        model, cluster, batch, weights=directory, prefix="model.", **OPTIONS))
+    return annotate([{**row, "shards": held_bytes(pm)}], model, rank)
+
+
+OPTIONS = {"stages": 1, "zero": 3, "pin": {"p_*": "RR", "input_ids": "RS(0)", "labels": "RS(0)"}}
+
+
+def setup(ranks: int) -> tuple:
+    ids = torch.randint(0, 32000, (ranks, 32), generator=torch.Generator().manual_seed(0))
+    return autopar.Cluster.local(ranks, mesh_shape=(1, ranks)), (ids, ids.clone())
+
+
+def annotate(rows: list, model, rank: int) -> list:
     largest = max(p.numel() * p.element_size() for p in model.parameters())
     n_params = sum(p.numel() for p in model.parameters())
-    cluster = autopar.Cluster.local(ranks, mesh_shape=(1, ranks))
-    ids = torch.randint(0, 32000, (ranks, 32), generator=torch.Generator().manual_seed(0))
-    options = {"stages": 1, "zero": 3, "pin": {"p_*": "RR", "input_ids": "RS(0)", "labels": "RS(0)"}}
-    rows = []
-    pm, row = phase("init (meta, init_seed)", lambda: autopar.compile(model, cluster, (ids, ids.clone()), **options))
-    rows.append({**row, "shards": held_bytes(pm)})
-    save, plan = pm.save_pretrained, pm.plan  # the second compile takes this plan (no planning again)
-    _, row = phase("pm.save_pretrained", lambda: save(directory, prefix="model.", max_shard_size="1GB"))
-    rows.append({**row, "shards": held_bytes(pm)})
-    pm = save = None  # the first module is dropped before the second compile
-    again, row = phase("weights= (meta, safetensors)", lambda: autopar.compile(
-        meta_model(layers), cluster, (ids, ids.clone()), plan, weights=directory, prefix="model."))
-    rows.append({**row, "shards": held_bytes(again)})
     for r in rows:
         r.update(rank=rank, largest=largest, params=n_params)
     return rows
@@ -131,7 +145,9 @@ def main() -> None:
     args = parser.parse_args()
     directory = args.out or tempfile.mkdtemp(prefix="autopar-meta-rss-")
     try:
-        results = autopar.launch(run, args.ranks, args.layers, args.ranks, directory, timeout=1800)
+        results = autopar.launch(run_init_and_save, args.ranks, args.layers, args.ranks, directory, timeout=1800)
+        results = [a + b for a, b in zip(results, autopar.launch(run_weights, args.ranks, args.layers, args.ranks,
+                                                                  directory, timeout=1800))]
     finally:
         if args.out is None:
             shutil.rmtree(directory, ignore_errors=True)
