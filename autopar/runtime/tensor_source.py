@@ -58,8 +58,10 @@ class Source:
         raise NotImplementedError
 
     def local(self, fqn: str, spec, mesh_shape, coord) -> torch.Tensor:
+        """This coordinate's shard, read-only (codegen's pending values are copied from, never into): a view
+        where the slice is contiguous, so a replicated or ZeRO-3 parameter costs no second full tensor."""
         full = self.full(fqn)
-        return local_slice(full.detach(), spec, tuple(mesh_shape), tuple(coord)).clone().contiguous()
+        return local_slice(full.detach(), spec, tuple(mesh_shape), tuple(coord)).contiguous()
 
 
 class UserTensors(Source):
