@@ -12,15 +12,16 @@ Sabotages (negative controls): "old_sync" puts back the gradient sync that reduc
 held again (accumulation counted it twice, or lost it at ZeRO-2/3).
 """
 import copy
+import types
 
 import torch
 
 import autopar
-from autopar.runtime import gradsync
+from autopar.runtime import clipping, gradsync
 from tests.models import FACTORIES
 from tests.parity import rel
 
-LR, EPS = 1e-3, 1e-6
+LR, EPS, SGD_LR = 1e-3, 1e-6, 0.1
 MLP_TP = {"p_fc1_weight": "S(0)", "p_fc1_bias": "S(0)", "p_fc2_weight": "S(1)"}
 
 
@@ -67,6 +68,8 @@ class Reference:
         self.fp16 = precision == "fp16"
         self.scaler = torch.amp.GradScaler("cpu") if self.fp16 else None
         self.moved: set[str] = set()
+        self.norms: list[tuple[float, float]] = []  # (autopar's clipping norm, the true one) per step
+        self.refused = None  # torch's norm of autopar's gradients was refused, naming pm.clip_grad_norm_
 
     def backward(self, batch) -> float:
         with torch.autocast("cpu", dtype=torch.float16, enabled=self.fp16):
@@ -86,8 +89,9 @@ class Reference:
         self.opt.zero_grad()
 
 
-def idiom_accumulate(pm, opt, ref: Reference, batches: list) -> float:
+def idiom_accumulate(pm, ref: Reference, batches: list) -> float:
     """``train_step(A); train_step(B); opt.step()``, twice."""
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
     err = 0.0
     for _ in range(2):
         for batch in batches:
@@ -99,7 +103,59 @@ def idiom_accumulate(pm, opt, ref: Reference, batches: list) -> float:
     return err
 
 
-IDIOMS = {"accum": idiom_accumulate}
+def _steps(pm, opt, ref: Reference, batches: list, after_backward=None) -> float:
+    """One optimizer step per batch on both; ``after_backward(ref)`` runs between backward and step."""
+    err = 0.0
+    for batch in batches:
+        loss = pm.train_step(*batch).item()
+        err = max(err, abs(loss - ref.backward(batch)) / abs(loss))
+        if after_backward is not None:
+            after_backward(ref)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    return err
+
+
+def idiom_plain_optimizer(pm, ref: Reference, batches: list) -> float:
+    """``torch.optim.AdamW(pm.parameters())``, three steps (ZeRO shards and fp16 scaling under the hood)."""
+    return _steps(pm, torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS), ref, batches + batches[:1])
+
+
+def idiom_clip(pm, ref: Reference, batches: list) -> float:
+    """Clip to half the true norm each step: the plain torch call on step 1, ``pm.clip_grad_norm_`` on step 2
+    (the returned norms are recorded in ``ref.norms``: (autopar's, the reference's)); torch's norm of this
+    rank's gradients (a stale reference to the unpatched function) must be refused."""
+    opt = pm.optimizer(torch.optim.SGD, lr=SGD_LR)  # SGD: AdamW's update hardly depends on the gradient's scale
+    ref.opt = torch.optim.SGD(ref.model.parameters(), lr=SGD_LR)
+    err = 0.0
+    for step, batch in enumerate(batches):
+        loss = pm.train_step(*batch).item()
+        err = max(err, abs(loss - ref.backward(batch)) / abs(loss))
+        if ref.fp16:
+            ref.scaler.unscale_(ref.opt)
+        grads = [p.grad for p in ref.model.parameters() if p.grad is not None]
+        true = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if step == 0:
+            mine = torch.nn.utils.clip_grad_norm_(pm.parameters(), 0.5 * true)
+        else:
+            mine = pm.clip_grad_norm_(0.5 * true)
+        torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 0.5 * true)
+        ref.norms.append((float(mine), true))
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    pm.train_step(*batches[0])
+    try:  # torch's function as imported before autopar patched it
+        clipping._ORIGINAL["clip"](pm.parameters(), 1e-3)
+        ref.refused = False
+    except autopar.errors.UsageError as e:
+        ref.refused = "pm.clip_grad_norm_" in str(e)
+    opt.zero_grad()
+    return err
+
+
+IDIOMS = {"accum": idiom_accumulate, "plainopt": idiom_plain_optimizer, "clip": idiom_clip}
 
 
 def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
@@ -110,14 +166,14 @@ def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
     ref = Reference(model, options.get("precision", "fp32"))
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
     pm = autopar.compile(model, cluster, batch, **options)
-    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
-    loss_err = IDIOMS[idiom](pm, opt, ref, batches)
+    loss_err = IDIOMS[idiom](pm, ref, batches)
     full = pm.full_state_dict()
     errors = {k: rel(full[k], v) for k, v in ref.model.state_dict().items() if k in ref.moved}
     worst = max(errors, key=errors.get)
     return {"loss_err": loss_err, "param_err": errors[worst], "worst_param": worst, "compared": len(errors),
             "loss": loss_err, "zero": sorted({lvl for s in pm.plan.stages for lvl in s.zero.values()}),
             "stages": len(pm.plan.stages), "virtual_stages": pm.plan.virtual_stages,
+            "norms": ref.norms, "refused": ref.refused,
             "sharded_params": sum(1 for s in pm.plan.stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out)}
 
@@ -139,4 +195,15 @@ def sabotage(kind) -> callable:
         def undo():
             gradsync.Bucket.begin, gradsync.take_shared = original, original_take
         return undo
+    if kind == "no_adopt":  # a plain optimizer stepping the parameters instead of this rank's ZeRO shards
+        from autopar.runtime import plain_optim
+
+        original_adopt = plain_optim.adopt
+        plain_optim.adopt = lambda optimizer: [r for r in {id(getattr(p, "_autopar_runner", None)): getattr(
+            p, "_autopar_runner", None) for g in optimizer.param_groups for p in g["params"]}.values() if r is not None]
+        return lambda: setattr(plain_optim, "adopt", original_adopt)
+    if kind == "local_norm":  # each rank clips by the norm of its own gradients (torch's call, unrouted)
+        original_faults = clipping.faults
+        clipping.faults = types.SimpleNamespace(guard=lambda *args, **kwargs: None)
+        return lambda: setattr(clipping, "faults", original_faults)
     return lambda: None

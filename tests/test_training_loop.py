@@ -9,13 +9,18 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-ACCUM_2 = ["dp", "z1", "z2", "z3", "tp", "pp", "fp16"]
-ACCUM_4 = ["tp", "z3", "ppv2"]
+ALL_2 = ["dp", "z1", "z2", "z3", "tp", "pp", "fp16"]
+ALL_4 = ["tp", "z3", "ppv2"]
+RUNS_2 = {"accum": ALL_2, "clip": ALL_2, "plainopt": ["z1", "z2", "z3", "fp16"]}
+RUNS_4 = {"accum": ALL_4, "clip": ALL_4}
+CONTROLS_2 = [("accum", k, "old_sync") for k in ("dp", "z2", "tp", "pp")] + [("clip", "tp", "local_norm"),
+                                                                         ("plainopt", "z2", "no_adopt")]
+CONTROLS_4 = [("accum", "z3", "old_sync"), ("accum", "ppv2", "old_sync"), ("clip", "ppv2", "local_norm")]
 CASES = {
-    2: [("loop", (1, 2), f"accum/{k}", None) for k in ACCUM_2]
-       + [("loop", (1, 2), f"accum/{k}", "old_sync") for k in ("dp", "z2", "tp", "pp")],
-    4: [("loop", (2, 2), f"accum/{k}", None) for k in ACCUM_4]
-       + [("loop", (2, 2), f"accum/{k}", "old_sync") for k in ("z3", "ppv2")],
+    2: [("loop", (1, 2), f"{i}/{k}", None) for i, kinds in RUNS_2.items() for k in kinds]
+       + [("loop", (1, 2), f"{i}/{k}", s) for i, k, s in CONTROLS_2],
+    4: [("loop", (2, 2), f"{i}/{k}", None) for i, kinds in RUNS_4.items() for k in kinds]
+       + [("loop", (2, 2), f"{i}/{k}", s) for i, k, s in CONTROLS_4],
 }
 PARITY_CASES = CASES  # launched with the other parity suites' (conftest.parity_runs)
 PARITY_TIMEOUT = 600
@@ -52,6 +57,22 @@ def test_loop_idiom_matches_single_device(results, case):
 @pytest.mark.parametrize("case", NEGATIVE, ids=_id)
 def test_negative_control_fails_the_same_check(results, case):
     assert not _exact(results[case][0], case), f"the sabotage went unnoticed: {results[case][0]}"
+
+
+@pytest.mark.parametrize("case", [c for c in PARITY if c[2].startswith("clip/")], ids=_id)
+def test_clipping_uses_the_true_global_norm_on_every_rank(results, case):
+    """Both steps clip (to half the true norm): the norm autopar returns equals one device's, bit for bit the
+    same on every rank; torch's own clipping of this rank's tensors is refused, naming pm.clip_grad_norm_."""
+    norms = [r["norms"] for r in results[case]]
+    assert all(n == norms[0] for n in norms), f"ranks clipped by different norms: {norms}"
+    for mine, true in norms[0]:
+        assert abs(mine - true) <= _tolerance(case) * true, norms[0]
+    assert all(r["refused"] for r in results[case]), results[case][0]
+
+
+def test_a_rank_local_norm_is_caught(results):
+    r = [x["norms"] for x in results[("loop", (1, 2), "clip/tp", "local_norm")]]
+    assert r[0] != r[1], "negative control: ranks that skip the all-reduce disagree on the norm"
 
 
 def test_plan_kinds_are_what_they_claim(results):

@@ -25,7 +25,7 @@ from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.optim import LossScaler, mark_needs_builder
+from autopar.runtime.optim import LossScaler
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
 
@@ -75,10 +75,6 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
     sync = gradsync.GradSync(runner.gm, graph, stage, mesh_index, plan.microbatches, plan.bucket_bytes,
                              policy.reduce_dtype, timeout, gather_dtype=policy.compute_dtype)  # ZeRO-3's gathers
     runner.setup(policy, device_type, sync, LossScaler(policy) if policy.loss_scaling else None)
-    reasons = (["scales the loss (fp16)"] if policy.loss_scaling else []) + \
-        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else [])
-    if reasons:
-        mark_needs_builder(runner, " and ".join(reasons))
 
 
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,

@@ -45,6 +45,7 @@ from autopar.errors import CheckpointError
 from autopar.placement import parse_spec
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime import checkpoint_paths as paths
+from autopar.runtime import plain_optim
 from autopar.runtime.checkpoint_zero import bucket_entries
 
 FORMAT = 2  # 2: manifest.json, staging directory switched in by rename
@@ -192,6 +193,7 @@ def _unread_entries(pm) -> dict[str, torch.Tensor]:
 # ---- optimizer -------------------------------------------------------------------------------------
 def _optimizer_entries(pm, optimizer, fqns: set[str]) -> dict[str, dict]:
     """{fqn: {state name: DTensor (parameter-shaped) | tensor | object}} for the parameters in ``fqns``."""
+    plain_optim.runners_of(optimizer)  # ZeRO: the optimizer steps (and holds state for) the bucket shards
     stage = _my_stage(pm)
     held = {}
     for info in pm._graph.placeholders:
@@ -254,7 +256,8 @@ def _materialize_state(optimizer) -> None:
         p.grad = torch.zeros_like(p)
     for g in optimizer.param_groups:
         g["lr"] = 0.0
-    optimizer.step()
+    with plain_optim.bare_step(optimizer):
+        optimizer.step()
     for g, lr in zip(optimizer.param_groups, saved_lrs):
         g["lr"] = lr
     for p, grad in zip(params, saved_grads):

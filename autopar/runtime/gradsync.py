@@ -55,7 +55,7 @@ class Bucket:
     """One gradient-sync bucket of a stage (see module docstring)."""
 
     def __init__(self, gm, spec: dict, mesh_index: int, mesh_shape):
-        self.names, self.level, self.ways = spec["names"], spec["level"], spec["ways"]
+        self.names, self.level, self.ways, self.axes = spec["names"], spec["level"], spec["ways"], spec["axes"]
         self.params = [getattr(gm, n) for n in self.names]
         self.numel = spec["numel"]
         self.key = _group_key(mesh_index, spec["axes"], mesh_shape)
