@@ -48,6 +48,33 @@ def plan_options(kind: str, mesh: tuple) -> tuple[str, dict]:
     raise ValueError(kind)
 
 
+class BatchNormMLP(torch.nn.Module):
+    """The MLP's shapes with a BatchNorm and a dropout: what ``pm.train()``/``pm.eval()`` must switch."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = torch.nn.Linear(32, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 16)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.fc2(self.drop(torch.relu(self.bn(self.fc1(x))))), y)
+
+
+def _with_modes(model_name: str):
+    """(model, batch) with dropout (and, for the MLP, BatchNorm): the eval idiom's model for a plan kind."""
+    from tests.models import make_mlp, make_small_gpt
+
+    if model_name == "mlp":
+        _, batch = make_mlp()
+        torch.manual_seed(0)
+        model = BatchNormMLP()
+        with torch.no_grad():  # running statistics that differ from the batch's
+            model.bn.running_mean.uniform_(-1, 1)
+            model.bn.running_var.uniform_(0.5, 2)
+        return model, batch
+    return make_small_gpt(n_layer=4 if model_name == "gpt4" else 2, dropout=0.1)
+
+
 def _other(batch: tuple) -> tuple:
     g = torch.Generator().manual_seed(1)
     out = []
@@ -155,13 +182,82 @@ def idiom_clip(pm, ref: Reference, batches: list) -> float:
     return err
 
 
-IDIOMS = {"accum": idiom_accumulate, "plainopt": idiom_plain_optimizer, "clip": idiom_clip}
+def idiom_eval(pm, ref: Reference, batches: list) -> float:
+    """``pm.eval()``: forward equals the model's ``eval()`` forward (dropout off, BatchNorm on its running
+    statistics, which stay as they were); ``pm.train()`` turns dropout back on (two forwards differ) and a
+    second ``pm.eval()`` agrees again. ``ref.moved`` becomes the buffers, compared after the eval forwards."""
+    err = 0.0
+    for _ in range(2):
+        pm.eval()
+        ref.model.eval()
+        with torch.no_grad():
+            mine, true = pm(*batches[0]).item(), ref.model(*batches[0]).item()
+        err = max(err, abs(mine - true) / abs(true))
+        pm.train()
+        ref.model.train()
+        with torch.no_grad():  # BatchNorm's running statistics move alike (dropout comes after it)
+            ref.dropout_on = pm(*batches[1]).item() != pm(*batches[1]).item()
+            ref.model(*batches[1]), ref.model(*batches[1])
+    ref.modes = (pm.training, all(m.training for m in pm.modules()))
+    pm.eval()
+    ref.model.eval()
+    ref.moved = set(ref.model.state_dict())  # buffers (and the untouched parameters)
+    return err
+
+
+def _decay_groups(named: dict) -> list[dict]:
+    """No weight decay on biases and norms (by name), 0.1 elsewhere: the usual split."""
+    def plain(name):
+        return name.endswith("bias") or "ln" in name
+    return [{"params": [n for n in named if plain(n)], "weight_decay": 0.0},
+            {"params": [n for n in named if not plain(n)], "weight_decay": 0.1}]
+
+
+def idiom_groups(pm, ref: Reference, batches: list) -> float:
+    """``pm.optimizer(AdamW, param_groups=[{"params": ["*bias", ...], "weight_decay": 0}], ...)`` by the
+    model's names (globs), stepped by a ``LambdaLR`` schedule; the reference builds the same groups from
+    ``named_parameters`` and the same schedule. Three steps."""
+    named = {n: p for n, p in ref.model.named_parameters() if p.requires_grad}
+    globs = ["*bias"] + (["*ln*"] if any("ln" in n for n in named) else [])  # a glob matching nothing is an error
+    groups = [{"params": globs, "weight_decay": 0.0}]
+    try:
+        opt = pm.optimizer(torch.optim.AdamW, param_groups=groups, lr=LR, eps=EPS, weight_decay=0.1)
+    except autopar.errors.UsageError as e:  # ZeRO: groups that split one shard
+        ref.refused = str(e)
+        return _steps(pm, pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS), ref, [])
+    ref.opt = torch.optim.AdamW([{"params": [named[n] for n in g["params"]], "weight_decay": g["weight_decay"]}
+                                 for g in _decay_groups(named)], lr=LR, eps=EPS)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    ref_schedule = torch.optim.lr_scheduler.LambdaLR(ref.opt, lambda step: 1.0 / (1 + step))
+    err = 0.0
+    for batch in batches + batches[:1]:
+        loss = pm.train_step(*batch).item()
+        err = max(err, abs(loss - ref.backward(batch)) / abs(loss))
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        schedule.step()
+        ref_schedule.step()
+    ref.lrs = [g["lr"] for g in opt.param_groups]
+    return err
+
+
+IDIOMS = {"accum": idiom_accumulate, "plainopt": idiom_plain_optimizer, "clip": idiom_clip, "eval": idiom_eval,
+          "groups": idiom_groups}
+FROZEN = ("fc1.*", "*h.0.*", "blocks.0.*", "*wpe*")  # frozen by the "frozen" flag, in every model
 
 
 def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
-    idiom, kind = layout.split("/")
+    """``layout``: "<idiom>/<plan kind>", or "<idiom>/<plan kind>/frozen" with the FROZEN parameters frozen
+    (``requires_grad_(False)``) before compiling."""
+    import fnmatch
+
+    idiom, kind, *flags = layout.split("/")
     model_name, options = plan_options(kind, mesh)
-    model, batch = FACTORIES[model_name]()
+    model, batch = _with_modes(model_name) if idiom == "eval" else FACTORIES[model_name]()
+    for name, p in model.named_parameters():
+        if "frozen" in flags and any(fnmatch.fnmatchcase(name, g) for g in FROZEN):
+            p.requires_grad_(False)
     batches = [batch, _other(batch)]
     ref = Reference(model, options.get("precision", "fp32"))
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
@@ -169,13 +265,20 @@ def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
     loss_err = IDIOMS[idiom](pm, ref, batches)
     full = pm.full_state_dict()
     errors = {k: rel(full[k], v) for k, v in ref.model.state_dict().items() if k in ref.moved}
-    worst = max(errors, key=errors.get)
-    return {"loss_err": loss_err, "param_err": errors[worst], "worst_param": worst, "compared": len(errors),
+    worst = max(errors, key=errors.get, default=None)  # None: no step was taken (a refused case)
+    return {"loss_err": loss_err, "param_err": errors.get(worst, 0.0), "worst_param": worst, "compared": len(errors),
             "loss": loss_err, "zero": sorted({lvl for s in pm.plan.stages for lvl in s.zero.values()}),
             "stages": len(pm.plan.stages), "virtual_stages": pm.plan.virtual_stages,
-            "norms": ref.norms, "refused": ref.refused,
+            "norms": ref.norms, "refused": ref.refused, "lrs": getattr(ref, "lrs", None),
+            "frozen_equal": _frozen_equal(model, full), "dropout_on": getattr(ref, "dropout_on", None),
             "sharded_params": sum(1 for s in pm.plan.stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out)}
+
+
+def _frozen_equal(model, full: dict) -> bool | None:
+    """Whether every frozen parameter came out as it went in (None: nothing frozen)."""
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    return all(torch.equal(full[n], dict(model.named_parameters())[n]) for n in frozen) if frozen else None
 
 
 def sabotage(kind) -> callable:
@@ -195,6 +298,18 @@ def sabotage(kind) -> callable:
         def undo():
             gradsync.Bucket.begin, gradsync.take_shared = original, original_take
         return undo
+    if kind == "one_group":  # pm.optimizer ignoring param_groups: every parameter decays
+        from autopar.runtime import optim
+
+        original_groups = optim.named_groups
+        optim.named_groups = lambda named, groups: [{"params": list({id(t): t for t in named.values()}.values())}]
+        return lambda: setattr(optim, "named_groups", original_groups)
+    if kind == "no_eval":  # pm.eval() that leaves the generated modules in training mode
+        from autopar.runtime import modes
+
+        original_set = modes.set_training
+        modes.set_training = lambda runner, mode: 0
+        return lambda: setattr(modes, "set_training", original_set)
     if kind == "no_adopt":  # a plain optimizer stepping the parameters instead of this rank's ZeRO shards
         from autopar.runtime import plain_optim
 

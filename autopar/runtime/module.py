@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from autopar.errors import InputError
 from autopar.placement import parse_spec
-from autopar.runtime import clipping, plain_optim
+from autopar.runtime import clipping, modes, plain_optim
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
 
@@ -116,6 +116,13 @@ class ParallelModule(torch.nn.Module):
         shares in index order; ranks with the same share pass the same rows; ``runtime.local_data``);
         under data="global", (0, 1): the whole batch."""
         return (0, 1) if self._local_data is None else self._local_data.share
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """As ``nn.Module.train``, and the generated modules' dropout, BatchNorm and attention dropout switch
+        to ``mode`` as the model's own would (``runtime.modes``); ``pm.eval()`` is ``pm.train(False)``."""
+        super().train(mode)
+        modes.set_training(self.runner, mode)
+        return self
 
     @property
     def code(self) -> str:
