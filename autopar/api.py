@@ -8,17 +8,20 @@ import pickle
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import Cluster
-from autopar.driver import plan_model
-from autopar.errors import ClusterError, PlanError, UsageError
+from autopar.errors import ClusterError, OptionError, PlanError, UsageError
+from autopar.hardware.cluster import Cluster
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
-from autopar.options import PlanOptions, first_microbatch
 from autopar.passes.capture import capture, normalize_inputs
 from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
+from autopar.planner.driver import plan_model
+from autopar.planner.options import first_microbatch, plan_options
+from autopar.runtime import faults
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.pretrained_files import hf_config_of, open_weights, weights_source
+from autopar.runtime.tensor_source import on_meta_for, retarget_meta_device
 
 # How long other ranks wait for a rank 0 that is still planning (a large model may plan for minutes). A
 # rank 0 whose planning fails broadcasts the error at once, so no rank waits this out on a failure.
@@ -28,12 +31,13 @@ _PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
 def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) -> Plan:
     """Plan ``model`` for ``cluster`` without running it (works on the meta device). See PlanOptions."""
     _check_cluster(cluster)
-    return plan_model(model, cluster, example_inputs, PlanOptions(**options))
+    return plan_model(model, cluster, example_inputs, plan_options(options))
 
 
+@faults.collective_call("autopar.compile")
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
             timeout: float | None = None, share_with: ParallelModule | None = None, data: str = "global",
-            **options) -> ParallelModule:
+            weights=None, prefix: str = "", init_seed: int = 0, **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
@@ -44,8 +48,14 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     module uses its very tensors, so training either trains both and one optimizer serves them.
     data: "global" (every rank passes the global batch) or "local" (each rank passes only its share,
     ``pm.data_shard``; ``example_inputs`` stay the global batch, whose shapes the plan is made for).
+    weights: a Hugging Face safetensors file, a directory of them (``model.safetensors.index.json``), or a
+    checkpoint written by ``pm.save`` under any plan; each rank reads only the slices it holds. ``prefix``:
+    the part of the model's state-dict keys the files lack (e.g. ``"model."`` for a wrapper module).
+    init_seed: a model on the meta device without ``weights`` is initialized by its own init code, one
+    tensor at a time, to the same weights whatever the plan (``autopar.init_weights`` gives them on one device).
     """
     _check_cluster(cluster)
+    _check_compile_arguments(model, plan, timeout, share_with, options)
     if data not in ("global", "local"):
         raise UsageError(f"data={data!r}: pass data='global' (every rank passes the whole batch) or "
                          f"data='local' (each rank passes its share, pm.data_shard)")
@@ -57,8 +67,8 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
         raise ClusterError(f"cluster {cluster.name!r} has {cluster.num_devices} devices but the process group has "
                            f"{world} ranks; launch {cluster.num_devices} processes or describe the cluster you run "
                            f"on (e.g. Cluster.local({world}))")
-    _check_real_weights(model)
-    example_inputs = normalize_inputs(example_inputs)
+    opened = open_weights(model, weights, prefix)  # bad files fail here, before planning
+    example_inputs = on_meta_for(model, normalize_inputs(example_inputs))
     if share_with is not None:
         options = _keep_layout_of(share_with.plan, options)
     chosen = _agree_on_plan(model, cluster, example_inputs, plan, options, data)
@@ -66,7 +76,12 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
                            resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
-    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data)
+    retarget_meta_device(graph.gm, chosen.cluster.get("device_type", "cpu"))
+    source, checkpoint_dir = weights_source(model, graph, opened, init_seed)
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data, source)
+    if checkpoint_dir is not None:
+        built.load(checkpoint_dir)
+    built.hf_config = hf_config_of(model)
     if share_with is not None:
         built.share_state_of(share_with)
     return built
@@ -91,11 +106,28 @@ def _check_cluster(cluster) -> None:
                            f"Cluster.from_json(path)), got {type(cluster).__name__}")
 
 
-def _check_real_weights(model: torch.nn.Module) -> None:
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.device.type == "meta":
-            raise ClusterError(f"parameter {name!r} is on the meta device: autopar.plan works on meta models, "
-                               f"but compile needs real weights; build the model on CPU (or load a checkpoint)")
+def _check_compile_arguments(model, given, timeout, share_with, options: dict) -> None:
+    """Every rank checks the arguments before any collective, so a mistake raises alike on each."""
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"autopar.compile expects a torch.nn.Module instance, got {_what(model)}; build the model "
+                         f"first (model = MyModel(...)) and pass it")
+    if given is not None and not isinstance(given, Plan):
+        raise UsageError(f"plan= must be an autopar.Plan, got {_what(given)}; read a saved one with "
+                         f"autopar.Plan.from_json(path)")
+    if given is not None and options:
+        raise UsageError(f"plan= is given, so the planner options {sorted(options)} would be ignored; drop them "
+                         f"(the plan already fixes them), or drop plan= to plan with them")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                    and timeout > 0):
+        raise OptionError(f"timeout={timeout!r} is not a valid value of option 'timeout'; use a positive number "
+                          f"of seconds (or None: autopar.launch's timeout, else 300)")
+    if share_with is not None and not isinstance(share_with, ParallelModule):
+        raise UsageError(f"share_with= must be a module returned by autopar.compile, got {_what(share_with)}")
+    plan_options(options, also=("plan", "timeout", "share_with", "data", "weights", "prefix", "init_seed"))
+
+
+def _what(value) -> str:
+    return f"the class {value.__name__}" if isinstance(value, type) else f"a {type(value).__name__}"
 
 
 def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: dict, data: str = "global") -> Plan:
@@ -134,7 +166,7 @@ def _agree_on_plan(model, cluster, example_inputs, given: Plan | None, options: 
 def _plan_or_error(model, cluster, example_inputs, given: Plan | None, options: dict) -> tuple:
     """("plan", JSON) or ("error", the exception, or a PlanError with its text when it cannot be pickled)."""
     try:
-        chosen = given if given is not None else plan_model(model, cluster, example_inputs, PlanOptions(**options))
+        chosen = given if given is not None else plan_model(model, cluster, example_inputs, plan_options(options))
         return "plan", chosen.to_json()
     except Exception as e:  # noqa: BLE001 - every rank must learn of any failure, not only rank 0
         try:

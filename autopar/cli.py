@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from autopar.errors import AutoparError
-from autopar.profiler_device import KINDS as DEVICE_KINDS
+from autopar.profiling.profiler_device import KINDS as DEVICE_KINDS
 
 EXIT_OK, EXIT_AUTOPAR_ERROR, EXIT_USAGE, EXIT_UNEXPECTED = 0, 1, 2, 3
 
@@ -152,11 +152,11 @@ def cmd_show(args) -> int:
 
 def cmd_profile(args) -> int:
     try:
-        from autopar.profiler import profile_cluster
+        from autopar.profiling.profiler import profile_cluster
     except ModuleNotFoundError as e:
-        if e.name not in ("autopar.profiler",):
+        if e.name not in ("autopar.profiling.profiler",):
             raise
-        raise AutoparError("`autopar profile` needs autopar.profiler, which this installation lacks; "
+        raise AutoparError("`autopar profile` needs autopar.profiling.profiler, which this installation lacks; "
                            "update autopar, or describe the cluster with a preset") from None
     # profile_cluster shows its own progress bar
     cluster = profile_cluster(nprocs=args.nprocs, quick=args.quick, out=args.out, device=args.device)
@@ -184,7 +184,7 @@ def _is_cluster_file(value: str) -> bool:
 
 def load_cluster(value: str, nodes: int | None):
     """A preset name (with ``nodes``) or a cluster JSON file; errors are ClusterErrors naming the choices."""
-    from autopar.cluster import Cluster
+    from autopar.hardware.cluster import Cluster
 
     if _is_cluster_file(value):
         return Cluster.from_json(value)
@@ -255,8 +255,8 @@ def call_factory(factory, text: str):
 
 def write_outputs(plan, args) -> None:
     """Write whichever of --out, --html, --trace were given; an unwritable path is an AutoparError."""
-    from autopar.trace import write_chrome_trace
-    from autopar.visualize import write_html
+    from autopar.views.trace import write_chrome_trace
+    from autopar.views.visualize import write_html
 
     writers = [(getattr(args, "out", None), plan.to_json, "plan (reload: autopar show)"),
                (args.html, lambda p: write_html(plan, p), "HTML report (open in a browser)"),

@@ -21,6 +21,10 @@ class PlanError(AutoparError):
     """A plan is malformed, or belongs to another model, inputs or cluster."""
 
 
+class OptionError(PlanError):
+    """A planner or compile option has an unknown name, a value of the wrong type, or a value it cannot take."""
+
+
 class InfeasibleError(AutoparError):
     """No plan fits the per-device memory budget."""
 

@@ -18,6 +18,7 @@ then raises within that time:
 from __future__ import annotations
 
 import datetime
+import inspect
 import multiprocessing.connection
 import os
 import pickle
@@ -50,7 +51,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 60.0,
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
         return [_run_under_torchrun(fn, args, backend, timeout)]
     _refuse_inside_a_starting_rank()
-    _check_launch_arguments(fn, nprocs, backend)
+    _check_launch_arguments(fn, nprocs, backend, timeout, args)
     with tempfile.TemporaryDirectory(prefix="autopar-launch-") as out_dir:
         store = _store_listening_on(store_host, timeout)
         faults.mark_supervised(store)
@@ -62,7 +63,7 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 60.0,
         killed = _supervise(procs, store, grace=min(timeout, _MAX_GRACE_S))
         if killed or any(p.exitcode != 0 for p in procs):
             raise _failure(procs, out_dir, killed)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(nprocs)]
+        return [_read_result(out_dir, r) for r in range(nprocs)]
 
 
 def _store_listening_on(host: str, timeout: float):
@@ -103,9 +104,16 @@ def _refuse_inside_a_starting_rank() -> None:
     raise UsageError(_NO_MAIN_GUARD)
 
 
-def _check_launch_arguments(fn, nprocs, backend: str) -> None:
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"launch: nprocs must be a positive integer, got {nprocs!r}")
+def _check_launch_arguments(fn, nprocs, backend: str, timeout, args: tuple) -> None:
+    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
+        raise UsageError(f"launch: nprocs must be a positive int (the number of ranks), got {nprocs!r}")
+    if not (isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0):
+        raise UsageError(f"launch: timeout must be a positive number of seconds (how long a collective may "
+                         f"wait), got {timeout!r}")
+    if not isinstance(backend, str) or backend.lower() not in ("gloo", "nccl", "mpi", "ucc", "xccl"):
+        raise UsageError(f"launch: backend={backend!r} is not a torch.distributed backend; use 'gloo' (CPUs, the "
+                         f"default) or 'nccl' (CUDA GPUs)")
+    _check_callable_with_rank(fn, args)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ClusterError("launch: backend 'nccl' needs CUDA GPUs, but torch.cuda.is_available() is False; "
                            "use backend='gloo' (the default) on CPU, e.g. with autopar.Cluster.local(n)")
@@ -120,6 +128,66 @@ def _check_launch_arguments(fn, nprocs, backend: str) -> None:
         raise UsageError(f"launch: fn must be a module-level function that spawned processes can import "
                           f"(not a lambda or a nested function), got {getattr(fn, '__qualname__', fn)!r} "
                           f"({type(e).__name__}: {e}); define it at the top level of a .py file") from None
+
+
+def _check_callable_with_rank(fn, args: tuple) -> None:
+    """launch calls ``fn(rank, *args)``: refuse what cannot take that call, before any process starts."""
+    if not callable(fn):
+        raise UsageError(f"launch: fn must be a function that takes the rank (fn(rank, *args)), got {fn!r}")
+    try:
+        inspect.signature(fn).bind(0, *args)
+    except TypeError as e:
+        raise UsageError(f"launch calls fn(rank, *args) on each rank, and "
+                          f"{getattr(fn, '__qualname__', fn)}{_signature(fn)} cannot take {1 + len(args)} "
+                          f"positional argument(s) ({e}); add the rank as its first parameter") from None
+    except ValueError:  # no signature to read (a builtin): let the call itself decide
+        pass
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _save_result(result, path: str, rank: int) -> None:
+    """The rank's return value, for the parent; a module or anything unpicklable is a UsageError."""
+    if any(isinstance(leaf, torch.nn.Module) for leaf in _leaves(result)):
+        raise UsageError(f"launch: rank {rank}'s fn returned a {_module_in(result)}, which cannot leave its "
+                         f"process (its tensors are this rank's shards, its process group ends with the rank); "
+                         f"return plain data instead, e.g. pm.full_state_dict(), the losses, or None")
+    try:
+        torch.save(result, path)
+    except Exception as e:
+        raise UsageError(f"launch: rank {rank}'s return value (a {type(result).__name__}) cannot be sent back to "
+                         f"the caller ({type(e).__name__}: {e}); return plain data (tensors, numbers, strings, "
+                         f"lists and dicts of them)") from None
+
+
+def _leaves(value, depth: int = 0):
+    if depth > 8:
+        return
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v, depth + 1)
+    elif isinstance(value, (list, tuple, set)):
+        for v in value:
+            yield from _leaves(v, depth + 1)
+    else:
+        yield value
+
+
+def _module_in(result) -> str:
+    return next(type(leaf).__name__ for leaf in _leaves(result) if isinstance(leaf, torch.nn.Module))
+
+
+def _read_result(out_dir: str, rank: int):
+    try:
+        return torch.load(os.path.join(out_dir, f"rank{rank}.pt"), weights_only=False)
+    except Exception as e:
+        raise UsageError(f"launch: rank {rank}'s return value cannot be read back ({type(e).__name__}: {e}); "
+                         f"return plain data (tensors, numbers, strings, lists and dicts of them)") from None
 
 
 def _init(rank: int, world: int, backend: str, timeout: float, store=None) -> None:
@@ -159,7 +227,7 @@ def _worker(rank: int, fn, world: int, host: str, port: int, backend: str, timeo
         _wait_for_every_rank(store, rank, world)
         _init(rank, world, backend, timeout, store)
         faults.register(store, rank, world)
-        torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        _save_result(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"), rank)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent before this process ends
         _fail(rank, out_dir, e)
     faults.unregister()

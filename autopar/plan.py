@@ -240,7 +240,7 @@ class Plan:
     def summary(self, max_rows: int = 60, glue: bool = False) -> str:
         """Per stage: time, memory, parameter layouts by block part, collectives, main ops; ``glue=True``
         also lists the glue ops (mask, position and shape arithmetic)."""
-        from autopar.report import plan_summary
+        from autopar.views.report import plan_summary
 
         return plan_summary(self, max_rows=max_rows, glue=glue)
 
@@ -312,22 +312,14 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
 
 
 def _read_text(source) -> str:
-    try:
-        with open(source, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise PlanError(f"cannot read plan file {str(source)!r}: {e.strerror}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PlanError(f"plan file {str(source)!r} is not UTF-8 JSON text (byte {e.start}: "
-                        f"{raw[e.start:e.start + 1]!r}); give a plan written by Plan.to_json or "
-                        f"`autopar plan --out`") from None
+    from autopar.ir.text_files import read_json_text
+
+    return read_json_text(source, "plan file", PlanError, "give a plan written by Plan.to_json or `autopar plan --out`")
 
 
 def _plan_from_dict(d: dict[str, Any]) -> Plan:
-    from autopar.cluster import Cluster
     from autopar.errors import ClusterError
+    from autopar.hardware.cluster import Cluster
     from autopar.plan_schema import check_plan_dict
 
     check_plan_dict(d)

@@ -9,7 +9,7 @@ ring algorithms (Thakur et al. 2005; NCCL's bus-bandwidth convention):
     all_to_all(m)      = α +  (n-1)/n · m / β        m = the local size
     send(m)            = α +            m / β
 
-Topology and algorithm (presets carry both, with sources in ``autopar.presets``):
+Topology and algorithm (presets carry both, with sources in ``autopar.hardware.presets``):
 
     α(kind, n) = latency + hop_latency · steps(kind, n)
     steps: all_reduce min(2(n-1) ring, 2·ceil(log2 n) tree: NCCL picks the tree where latency dominates),
@@ -40,7 +40,7 @@ import math
 import numpy as np
 from torch.distributed.tensor import Shard
 
-from autopar.cluster import Cluster, Link
+from autopar.hardware.cluster import Cluster, Link
 from autopar.placement import P, R, Spec, local_shape
 from autopar.redistribute import Step, redistribute_steps
 

@@ -16,7 +16,10 @@ input gradients. Pure views, and ops whose output aliases an input (``contiguous
 dropout with p = 0: found by the fake-tensor probe of ``cost_models.saved_tensors``), move no data.
 
 B is the cluster's *achieved* memory bandwidth (presets: peak × the fraction a streaming kernel reaches,
-cited there), so non-matmul ops are priced by the bandwidth they really get. Every roofline time is then
+cited there), so non-matmul ops are priced by the bandwidth they really get. Normalizations, activations
+and softmaxes (``NORM_ACT_OPS``) reach much less than a streaming kernel (row reductions, transcendentals,
+several kernels per op): where the cluster measured their rate (``Cluster.norm_act_bandwidth``, profiled),
+B is that rate for them (``memory_bound_bandwidth``). Every roofline time is then
 multiplied by ``Cluster.compute_time_scale``, the preset's calibrated end-to-end factor (on a profiled CPU
 cluster, the profiler's measured one).
 
@@ -26,7 +29,9 @@ Attention is priced by the kernel the model really runs (``attention_kernel``): 
 (GPUs with bf16 tensor cores, sm80+: flash for fp16/bf16 without a mask and head dim <= 256 and divisible
 by 8; otherwise memory-efficient; CPU clusters keep the plain roofline, their rates being measured).
 
-    fused (flash, efficient):  t = flops · causal / (F · ATTENTION_RATE[kernel]) vs bytes of q, k, v, out
+    fused (flash, efficient):  t = flops · causal / (F · rate[kernel]) vs bytes of q, k, v, out
+                               rate = ATTENTION_RATE, or for flash the cluster's measured
+                               ``attention_efficiency`` where it has one (``attention_rate``)
                                causal = 1/2 with is_causal (the kernels skip the masked tiles), else 1
     math (scores materialized): t = flops / F + b·h·s_q·s_k · itemsize · SCORE_PASSES / B
 
@@ -179,6 +184,13 @@ _FUSED_TARGETS = {"_scaled_dot_product_flash_attention": "flash", "_scaled_dot_p
                   "_scaled_dot_product_attention_math": "math"}
 
 
+def attention_rate(kernel: str, cluster) -> float:
+    """Fused attention's rate as a fraction of the matmul curve's: the cluster's measured one for flash
+    (``Cluster.attention_efficiency``), else ``ATTENTION_RATE``."""
+    measured = getattr(cluster, "attention_efficiency", 0.0)
+    return measured if measured and kernel == "flash" else ATTENTION_RATE[kernel]
+
+
 def attention_kernel(node: fx.Node, cluster) -> str | None:
     """"flash", "efficient" or "math" for an attention node on ``cluster`` (module docstring), None for any
     other node and for the composite op on CPU clusters."""
@@ -210,7 +222,24 @@ def attention_time(node: fx.Node, kernel: str, flops: float, io_bytes: float, st
         passes = SCORE_PASSES if differentiable else SCORE_PASSES_FORWARD
         return flops / rate + scores * passes / cluster.memory_bandwidth
     causal = 0.5 if (node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)) else 1.0
-    return max(flops * causal / (rate * ATTENTION_RATE[kernel]), io_bytes / cluster.memory_bandwidth)
+    return max(flops * causal / (rate * attention_rate(kernel, cluster)), io_bytes / cluster.memory_bandwidth)
+
+
+# Ops (ATen overload packets) priced at ``Cluster.norm_act_bandwidth`` where the cluster has one: norms,
+# activations with transcendentals, softmaxes and the losses built on them.
+NORM_ACT_OPS = frozenset({
+    "layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm", "group_norm", "native_group_norm",
+    "batch_norm", "_native_batch_norm_legit_functional", "gelu", "silu", "tanh", "sigmoid", "softmax", "_softmax",
+    "log_softmax", "_log_softmax", "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss_nd"})
+
+
+def memory_bound_bandwidth(node: fx.Node, cluster) -> float:
+    """Bytes/s a memory-bound op of ``node``'s kind achieves: ``norm_act_bandwidth`` for ``NORM_ACT_OPS``
+    where the cluster measured it, else ``memory_bandwidth``."""
+    measured = getattr(cluster, "norm_act_bandwidth", 0.0)
+    if measured and getattr(getattr(node.target, "overloadpacket", None), "__name__", "") in NORM_ACT_OPS:
+        return measured
+    return cluster.memory_bandwidth
 
 
 def moves_no_data(node: fx.Node) -> bool:
@@ -247,7 +276,8 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
     dtype = floating[0].dtype if floating else torch.float32
     name = str(dtype).replace("torch.", "")
     rate = cluster.matmul_flops(name, fwd_flops * strategy.work_fraction)
-    return with_host_time(scale * max(flops / rate, moved / cluster.memory_bandwidth), overhead, cluster)
+    bandwidth = memory_bound_bandwidth(node, cluster)
+    return with_host_time(scale * max(flops / rate, moved / bandwidth), overhead, cluster)
 
 
 # Bytes each optimizer step moves per parameter element, in units of the parameter's itemsize:

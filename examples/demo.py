@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import autopar  # noqa: E402
-from autopar.driver import PlanOptions, memory_bounds  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
+from autopar.planner.driver import PlanOptions, memory_bounds  # noqa: E402
 from examples.gpt import GPT, GPTConfig, make_batch, make_gpt, suite_config  # noqa: E402
 
 STEPS = 5

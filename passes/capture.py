@@ -18,6 +18,7 @@ import io
 import logging
 import os
 import sys
+import sysconfig
 import traceback
 
 import torch
@@ -51,6 +52,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:
         inline_higher_order_ops(ep.graph_module, _trainable(ep))
         raise
     _strip_assertions(gm)
+    if _data_dependent_node(gm) is not None:
+        _refuse_data_dependent_shapes(model, example_inputs)
     placeholders = _describe_placeholders(ep, gm)
     aliases = _param_aliases(model, ep)
     buffers = [k for k, _ in model.named_buffers()]
@@ -58,6 +61,27 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> ModelGraph:
     return ModelGraph(gm=gm, placeholders=placeholders, out_spec=ep.call_spec.out_spec,
                       param_aliases=aliases, buffer_keys=buffers, constants=dict(ep.constants),
                       input_signature=signature)
+
+
+def _data_dependent_node(gm: fx.GraphModule) -> fx.Node | None:
+    """The first op whose output shape depends on tensor values (an unbacked symbol: nonzero, a boolean
+    mask index, unique, ...); autopar plans fixed shapes, so no such op can be sharded or pipelined."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return next((n for n in gm.graph.nodes if n.op == "call_function"
+                 and free_unbacked_symbols(n.meta.get("val"))), None)
+
+
+def _refuse_data_dependent_shapes(model: torch.nn.Module, example_inputs: tuple) -> None:
+    """CaptureError naming the op and the model line (exported again with stack traces to find it)."""
+    from autopar.passes.capture_hops import model_line
+
+    node = _data_dependent_node(_export(model, example_inputs, stack_traces=True).graph_module)
+    op = str(node.target).removesuffix(".default")
+    raise CaptureError(f"cannot plan {type(model).__name__}: {op}{model_line(node)} returns a tensor whose shape "
+                       f"depends on the input's values, and autopar plans fixed shapes. Fix: keep the shape fixed, "
+                       f"e.g. torch.where(mask, x, 0) and (x * mask).sum() / mask.sum() instead of x[mask], "
+                       f"torch.nonzero_static(x, size=n) instead of nonzero, or do it outside forward")
 
 
 def normalize_inputs(example_inputs) -> tuple:
@@ -131,7 +155,9 @@ def _user_frame(e: BaseException):
     """The innermost traceback frame outside torch and autopar: the user's model code."""
     packages = [sys.modules[name] for name in ("autopar", "autopar.passes", "autopar.cost_models")]  # loaded
     ours = [os.path.dirname(torch.__file__) + os.sep] + [d + os.sep for p in packages for d in p.__path__]
+    stdlib, site = sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["purelib"] + os.sep
     frames = traceback.extract_tb(e.__traceback__)
+    frames = [f for f in frames if not f.filename.startswith(stdlib) or f.filename.startswith(site)]  # inspect.py
     user = [f for f in frames if not any(f.filename.startswith(d) for d in ours)
             and "site-packages/torch" not in f.filename and "<" not in f.filename]
     return user[-1] if user else None

@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError
+from autopar.hardware.cluster import Cluster
 from autopar.ir.units import fmt_bytes
 from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory

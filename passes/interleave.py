@@ -34,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-from autopar.errors import PlanError
+from autopar.errors import OptionError, PlanError
 from autopar.ir.schedule import FORWARD, INTERLEAVED, device_orders, inflight, simulate_schedule
 from autopar.passes.inter_op import ChosenStage, StageChoice, StageCosts
 
@@ -46,12 +46,12 @@ def check_schedule(schedule: str, virtual_stages, stages) -> None:
     if virtual_stages is None:
         return
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
-        raise PlanError(f"virtual_stages={virtual_stages!r} must be a positive int (model chunks per device)")
+        raise OptionError(f"virtual_stages={virtual_stages!r} must be a positive int (model chunks per device)")
     if virtual_stages > 1 and schedule not in (INTERLEAVED, "auto"):
-        raise PlanError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (or 'auto'), got "
+        raise OptionError(f"virtual_stages={virtual_stages} needs schedule='interleaved' (or 'auto'), got "
                         f"schedule={schedule!r}")
     if isinstance(stages, (list, tuple)) and len(stages) % virtual_stages:
-        raise PlanError(f"{len(stages)} manual stages do not split into virtual_stages={virtual_stages} chunks per "
+        raise OptionError(f"{len(stages)} manual stages do not split into virtual_stages={virtual_stages} chunks per "
                         f"device; list pp·v stages, chunk j on the submesh of chunk j mod pp")
 
 

@@ -24,9 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from autopar.cluster import Cluster
 from autopar.cost_models.communication import axis_links, redistribute_cost
 from autopar.cost_models.memory import TrainingSpec
+from autopar.hardware.cluster import Cluster
 from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp, units_of
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.intra_op_groups import Group, GroupBuilder

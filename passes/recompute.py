@@ -46,7 +46,7 @@ import fnmatch
 
 import numpy as np
 
-from autopar.errors import PlanError
+from autopar.errors import OptionError
 from autopar.ir.recompute import ATTENTION_CORE, region_keys
 
 MODES = ("none", "full", "selective", "auto")
@@ -59,7 +59,7 @@ def check_policy(policy) -> None:
         return
     if isinstance(policy, dict) and policy and all(isinstance(k, str) and v in MODES for k, v in policy.items()):
         return
-    raise PlanError(f"recompute={policy!r} is not a recompute option; use 'auto', 'none', 'full' or a dict "
+    raise OptionError(f"recompute={policy!r} is not a recompute option; use 'auto', 'none', 'full' or a dict "
                     f"{{layer glob: 'none' | 'full' | 'selective' | 'auto'}}, e.g. {{'blocks.*': 'full'}}")
 
 
@@ -69,6 +69,12 @@ def layer_modes(policy, graph, layers) -> list[str]:
     if isinstance(policy, str):
         return [policy] * layers.count
     paths = [_module_paths(graph, names) | {str(layer)} for layer, names in enumerate(layers.nodes)]
+    everywhere = sorted(set().union(*paths))
+    for glob in policy:
+        if not any(fnmatch.fnmatchcase(p, glob) for p in everywhere):
+            shown = ", ".join(repr(p) for p in [p for p in everywhere if not p.isdigit()][:4])
+            raise OptionError(f"recompute glob {glob!r} matches no layer: it is matched against module paths "
+                              f"(here {shown or 'none'}, ...) and layer indices 0..{layers.count - 1}; fix the glob")
     out = []
     for here in paths:
         match = next((mode for glob, mode in policy.items() if any(fnmatch.fnmatchcase(p, glob) for p in here)),

@@ -17,13 +17,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.cluster import Cluster
 from autopar.cost_models.memory import cast_inputs, saved_nodes
-from autopar.fidelity import peak_allocated_bytes
+from autopar.hardware.cluster import Cluster
 from autopar.ir.ops import requires_grad_nodes
 from autopar.ir.precision import apply_to_graph, resolve
 from autopar.passes import intra_op_groups
 from autopar.passes.capture import capture
+from autopar.profiling.fidelity import peak_allocated_bytes
 
 N, C, V = 64, 16, 512  # tokens, width, vocabulary
 BF16 = torch.bfloat16

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.driver import PlanOptions, memory_bounds
 from autopar.errors import ClusterError, InfeasibleError
 from autopar.passes.capture import capture
+from autopar.planner.driver import PlanOptions, memory_bounds
 from tests.models import MLP, make_small_gpt
 
 
@@ -76,7 +76,8 @@ def runtime_mistakes(rank: int) -> dict:
     out = {"world size": _outcome(lambda: autopar.compile(model, autopar.Cluster.local(4), batch))}
     with torch.device("meta"):
         meta_model = copy.deepcopy(model).to("meta")
-    out["meta weights"] = _outcome(lambda: autopar.compile(meta_model, autopar.Cluster.local(2), batch))
+    out["meta weights"] = _outcome(lambda: autopar.compile(meta_model, autopar.Cluster.local(2), batch,
+                                                           weights="/nonexistent/model.safetensors"))
     other_model, other_batch = make_small_gpt(n_layer=3)
     other_plan = autopar.plan(other_model, autopar.Cluster.local(2), other_batch)
     out["plan of another model"] = _outcome(lambda: autopar.compile(model, autopar.Cluster.local(2), batch,
@@ -99,7 +100,7 @@ def mistakes():
 
 @pytest.mark.parametrize("case,error,needles", [
     ("world size", "ClusterError", ["4 devices", "2 ranks", "Cluster.local(2)"]),
-    ("meta weights", "ClusterError", ["meta device", "real weights"]),
+    ("meta weights", "CheckpointError", ["does not exist", ".safetensors file"]),
     ("plan of another model", "PlanError", ["another model", "re-plan"]),
     ("input shapes", "InputError", ["(4, 32)", "(8, 32)", "global batch"]),
     ("input dtype", "InputError", ["torch.float32", "torch.int64"]),

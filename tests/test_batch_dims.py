@@ -11,9 +11,9 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 import autopar
-from autopar.options import first_microbatch
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
+from autopar.planner.options import first_microbatch
 from tests.zoo_models import gpt2, llama
 
 

@@ -13,8 +13,8 @@ import pytest
 
 import autopar
 from autopar.cli import main
+from autopar.hardware.presets import PRESETS
 from autopar.plan import Plan
-from autopar.presets import PRESETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN_CMD = ["plan", "examples/gpt.py:make_gpt", "--cluster", "dgx-a100", "--nodes", "2"]
@@ -113,7 +113,7 @@ def test_unwritable_output_is_an_autopar_error(planned, capsys):
 
 
 def test_profile_writes_the_cluster_file(tmp_path, capsys, monkeypatch):
-    profiler = pytest.importorskip("autopar.profiler", reason="autopar.profiler is not written yet")
+    profiler = pytest.importorskip("autopar.profiling.profiler", reason="autopar.profiling.profiler is not written yet")
     calls = []
 
     def fake_profile(nprocs=None, *, quick=False, out=None, **_):

@@ -108,3 +108,25 @@ def test_the_console_script_exits_1_with_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "autopar.cli", "show", str(path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 1 and done.stderr.count("\n") == 1 and "not UTF-8" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("kind", ["plan", "cluster"])
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo", "huge"])
+def test_files_it_would_not_finish_reading_are_refused_before_reading(tmp_path, kind, special):
+    """/dev/zero never ends, a FIFO blocks, a sparse file past the size limit is no plan: each is refused
+    from its ``stat`` alone (a read of /dev/zero or the FIFO would not return)."""
+    import os
+
+    from autopar.ir.text_files import MAX_JSON_BYTES
+
+    path = tmp_path / "file.json"
+    if special == "fifo":
+        os.mkfifo(path)
+    elif special == "huge":
+        with open(path, "wb") as f:
+            f.truncate(MAX_JSON_BYTES + 1)
+    else:
+        path = special
+    code, err = run(command(kind, path))
+    assert_one_line_error(code, err, special)
+    assert ("not a regular file" if special != "huge" else "more than any") in err, err

@@ -13,16 +13,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.cost_models.communication import axis_links, redistribute_cost
 from autopar.cost_models.compute import compute_time, optimizer_step_time
 from autopar.cost_models.memory import TrainingSpec, saved_nodes
 from autopar.cost_models.saved_tensors import saved_rule
 from autopar.errors import ClusterError
-from autopar.fidelity import peak_allocated_bytes, spearman
+from autopar.hardware.cluster import Cluster, CollectiveFit, Link
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.passes.capture import capture
 from autopar.placement import R, S, local_shape
+from autopar.profiling.fidelity import peak_allocated_bytes, spearman
 from examples.gpt import GPTConfig, make_gpt
 
 B, T, C, H = 2, 8, 16, 2  # batch, tokens, width, heads (head dim 8)

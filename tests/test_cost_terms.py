@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.cost_models.communication import AxisLink, algorithm_steps, axis_links
 from autopar.cost_models.compute import ATTENTION_RATE, SCORE_PASSES, attention_kernel, compute_time, node_flops
 from autopar.errors import ClusterError
+from autopar.hardware.cluster import Cluster, CollectiveFit, Link
+from autopar.hardware.presets import GEMM_RAMP, gemm_curve, usable_memory
 from autopar.passes.capture import capture
 from autopar.passes.stage_dp import stage_dp
 from autopar.placement import R
 from autopar.plan import Stage
-from autopar.plan_builder import charge_microbatch_overhead, predict
-from autopar.presets import GEMM_RAMP, gemm_curve, usable_memory
-from autopar.profiler_training import _share, in_mesh_fits, meshes_of, training_matmul_factor
+from autopar.planner.plan_builder import charge_microbatch_overhead, predict
+from autopar.profiling.profiler_training import _share, in_mesh_fits, meshes_of, training_matmul_factor
 from examples.gpt import GPT, GPTConfig, make_batch
 
 GB, MiB, GiB = 1e9, 2**20, 2**30
@@ -255,7 +255,7 @@ def test_charge_zero3_adds_each_direction_exposed_part_at_the_gather_dtype():
     in fp32; forward 1.2 s hides all but 0.1, backward 0.2 s leaves 0.25. Gathered in bf16 (scale 1/2),
     g = 0.2: forward and backward each show one unit's 0.05 s. Memory adds the units held at once."""
     from autopar.plan import Stage
-    from autopar.plan_builder import charge_zero3
+    from autopar.planner.plan_builder import charge_zero3
 
     def stage(scale):
         predicted = {"forward": 1.2, "backward": 0.2, "latency": 1.4, "grad_sync": 0.8, "zero3_share": 1.0,

@@ -1,10 +1,9 @@
-"""``autopar.exact_checks``: the planner's answer re-solved exactly where the stage DP's scaled prices are
+"""``autopar.planner.exact_checks``: the planner's answer re-solved exactly where the stage DP's scaled prices are
 furthest off. Planned on simulated clusters (meta device)."""
 import pytest
 import torch
 
 import autopar
-from autopar.presets import preset_gpus
 from examples.gpt import GPT, SC21_TABLE1, make_batch, sc21_config
 
 
@@ -16,7 +15,7 @@ def sc21_plan(name: str, gpus: int, **options) -> autopar.Plan:
     with torch.device("meta"):
         model = GPT(cfg).half()
     batch = make_batch(cfg, SC21_TABLE1[name][3], device="meta")
-    return autopar.plan(model, preset_gpus("dgx-a100", gpus), batch, precision="fp16", **options)
+    return autopar.plan(model, autopar.Cluster.preset("dgx-a100", gpus=gpus), batch, precision="fp16", **options)
 
 
 def test_a_one_stage_plan_is_solved_again_at_fewer_microbatches_while_faster():
@@ -36,7 +35,7 @@ def test_a_one_stage_plan_is_solved_again_at_fewer_microbatches_while_faster():
 def test_a_tie_goes_to_the_single_stage_solve():
     import types
 
-    from autopar.exact_checks import or_single_stage
+    from autopar.planner.exact_checks import or_single_stage
 
     dp = types.SimpleNamespace(predicted={"step_time": 1.0}, planner={})
     single = types.SimpleNamespace(predicted={"step_time": 1.0 + 1e-15}, planner={})  # a tie up to round-off

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.cluster import Link
 from autopar.cost_models.communication import UNREACHABLE_SECONDS, axis_links, redistribute_cost
 from autopar.errors import InfeasibleError
+from autopar.hardware.cluster import Link
 from autopar.placement import EXPERT_ROWS, P, R, local_shape, parse_spec, spec_str
-from autopar.presets import dgx_h100
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import kernels
 from examples.hf_causal_lm import MIXTRAL_8X7B as MIXTRAL
@@ -55,7 +54,7 @@ def _grouped_mms(plan) -> dict:
 
 def test_mixtral_shaped_plan_splits_experts_across_devices_when_memory_binds(mixtral_shaped):
     model, batch = mixtral_shaped
-    cluster = dgx_h100(1).with_memory(24 * GiB)
+    cluster = autopar.Cluster.preset("dgx-h100", 1).with_memory(24 * GiB)
     # ZeRO held out: its sharded optimizer state would let whole experts fit (tests/test_zero_planner.py)
     with pytest.raises(InfeasibleError):  # memory binds: whole experts on every device do not fit
         _plan(model, batch, cluster, pin={"p_*experts*": "RR"}, zero=0)
@@ -75,7 +74,8 @@ def test_slow_link_and_plentiful_memory_keep_experts_whole(mixtral_shaped):
     """1 GB/s between devices, 1 TiB each: the planner replicates the experts; the reason is the link: the
     expert-parallel plan (forced) predicts more communication and a longer step."""
     model, batch = mixtral_shaped
-    slow = dataclasses.replace(dgx_h100(1), intra_node=Link(latency=5e-5, bandwidth=1e9)).with_memory(2**40)
+    slow = dataclasses.replace(autopar.Cluster.preset("dgx-h100", 1),
+                               intra_node=Link(latency=5e-5, bandwidth=1e9)).with_memory(2**40)
     plan = _plan(model, batch, slow)
     assert all(sh.out == "RR" for sh in _experts(plan).values())
     assert not any(sh.kernels for sh in _grouped_mms(plan).values())
@@ -90,7 +90,7 @@ def test_expert_rows_spec_text_and_moves():
     assert redistribute_steps((EXPERT_ROWS,), (P,)) == []  # disjoint summands are summands: a relabel
     assert [s.kind for s in redistribute_steps((EXPERT_ROWS,), (R,))] == ["all_reduce"]
     assert [s.kind for s in redistribute_steps((R,), (EXPERT_ROWS,))] == ["unreachable"]
-    links = axis_links(dgx_h100(1), (1, 8))
+    links = axis_links(autopar.Cluster.preset("dgx-h100", 1), (1, 8))
     assert redistribute_cost((64, 64), 2, (R, R), (R, EXPERT_ROWS), (1, 8), links)[0] == UNREACHABLE_SECONDS
     assert redistribute_cost((64, 64), 2, (R, EXPERT_ROWS), (R, P), (1, 8), links) == (0.0, 0.0)
     assert local_shape((64, 32), (R, EXPERT_ROWS), (1, 8)) == (8, 32)  # expected rows: a balanced router

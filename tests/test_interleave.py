@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.cluster import Link
 from autopar.errors import PlanError
+from autopar.hardware.cluster import Link
 from autopar.ir.schedule import BACKWARD, FORWARD, device_order, inflight, simulate_schedule
-from autopar.options import PlanOptions
+from autopar.planner.options import PlanOptions
 from tests.test_pipeline_planner import FourBlocks
 
 
@@ -110,7 +110,7 @@ def test_auto_falls_back_to_the_dp_stages_when_an_interleaved_chunk_does_not_fit
     under a 1-byte budget, so the real ILP finds it infeasible. A chunk is no DP cell: the same DP stages
     are solved again un-interleaved and the plan says why, instead of the DP being re-run on a ruled-out
     cell it never priced (which gave the same chunks again until the retries ran out)."""
-    from autopar import driver
+    from autopar.planner import driver
 
     real, rejected = driver.solve_intra_op, []
 
@@ -133,13 +133,12 @@ def test_interleaved_chunks_share_their_device_memory():
     """GPT-6.7B on 16 V100s (fp16, batch 1024): "auto" interleaves two 1×8 stages into four chunks. Each
     chunk's exact solve gets its share of the device (``_LayerPrices.shares``), so a device's chunks stay
     within 16 GB together; solved with the whole device each, the same plan predicted 27.5 GiB."""
-    from autopar.presets import preset_gpus
     from examples.gpt import GPT, make_batch, suite_config
 
     cfg = suite_config("6.7B")
     with torch.device("meta"):
         model = GPT(cfg).half()
-    plan = autopar.plan(model, preset_gpus("p3.16xlarge", 16), make_batch(cfg, 1024, device="meta"))
+    plan = autopar.plan(model, autopar.Cluster.preset("p3.16xlarge", gpus=16), make_batch(cfg, 1024, device="meta"))
     assert plan.schedule == "interleaved" and plan.virtual_stages > 1, plan.planner["virtual_stages"]
     pp = len(plan.stages) // plan.virtual_stages
     per_device = [sum(s.predicted["peak_memory"] for s in plan.stages[d::pp]) for d in range(pp)]

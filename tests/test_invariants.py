@@ -1,14 +1,14 @@
-"""PlanOptions(debug=True) checks every pass's invariants (autopar.invariants), and each check can fail."""
+"""PlanOptions(debug=True) checks every pass's invariants (autopar.planner.invariants), and each check can fail."""
 import dataclasses
 
 import pytest
 
 import autopar
-from autopar import invariants
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import Layers, cluster_layers, find_repeated_blocks
 from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice
 from autopar.passes.strategies import generate_strategies
+from autopar.planner import invariants
 from examples.gpt import make_gpt
 
 

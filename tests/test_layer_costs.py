@@ -4,7 +4,6 @@ import numpy as np
 import torch
 
 import autopar
-from autopar.options import PlanOptions, training_spec
 from autopar.passes.batch_dims import batch_dims, rescale
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
@@ -13,6 +12,7 @@ from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.layer_costs import layer_costs, zero2_variant
 from autopar.passes.strategies import generate_strategies
+from autopar.planner.options import PlanOptions, training_spec
 from examples.gpt import GPT, GPTConfig, make_batch
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, n_embd=64)

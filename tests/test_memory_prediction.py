@@ -2,7 +2,7 @@
 
 Measured per rank, as the fidelity benchmark measures it: the storages held before a step (parameters,
 optimizer state, gradient-sync buffers) plus the peak of the running sum of allocations during one step
-(``autopar.fidelity.peak_allocated_bytes``). Each plan must be predicted within 10 % of the larger rank's
+(``autopar.profiling.fidelity.peak_allocated_bytes``). Each plan must be predicted within 10 % of the larger rank's
 measurement. Two terms are checked by negative controls that plan the same layouts without them:
 
 * with every layer recomputed, backward's replay of the last layer re-creates its activations while only
@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.distributed]
 
 def _plans(without_terms: bool) -> dict[str, str]:
     """The layouts' plans, with or without the replay rows and the one-step gradient release."""
-    from autopar import plan_builder
     from autopar.passes import intra_op
+    from autopar.planner import plan_builder
 
     model, batch = make_gpt(CONFIG, batch_size=BATCH)
     cluster = autopar.Cluster.local(2)
@@ -49,7 +49,7 @@ def _plans(without_terms: bool) -> dict[str, str]:
 
 
 def _measure(rank: int, plans: dict[str, str]) -> dict[str, float]:
-    from autopar.fidelity import peak_allocated_bytes
+    from autopar.profiling.fidelity import peak_allocated_bytes
 
     model, batch = make_gpt(CONFIG, batch_size=BATCH)
     out = {}

@@ -15,8 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.cluster import Link
 from autopar.errors import PlanError
+from autopar.hardware.cluster import Link
 from examples.gpt import GPT, GPTConfig, make_batch
 
 MID = GPTConfig(vocab_size=51200, seq_len=1024, n_layer=8, n_head=16, n_embd=2048)  # 0.6B parameters

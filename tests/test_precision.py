@@ -15,9 +15,9 @@ import pytest
 
 import autopar
 from autopar.cost_models.memory import TrainingSpec, held_state_bytes
-from autopar.driver import PlanOptions
 from autopar.errors import InfeasibleError, PlanError, PrecisionError
 from autopar.ir.precision import POLICIES, check_device
+from autopar.planner.driver import PlanOptions
 from tests.models import FACTORIES
 from tests.precision_cases import STEPS, options, run_all
 
@@ -275,7 +275,7 @@ def test_plan_records_and_shows_the_policy():
 
 
 def test_exposed_sync_charges_only_what_backward_does_not_hide():
-    from autopar.plan_builder import exposed_sync
+    from autopar.planner.plan_builder import exposed_sync
 
     assert exposed_sync(1.0, 10.0, 1, 0.0) == 1.0            # one bucket: starts when backward ends
     assert exposed_sync(1.0, 10.0, 4, 0.0) == 0.25           # hidden but the last bucket

@@ -13,13 +13,14 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.cost_models.communication import AxisLink, axis_links, redistribute_messages
 from autopar.cost_models.compute import compute_time, node_flops
 from autopar.errors import ClusterError
+from autopar.hardware.cluster import Cluster, CollectiveFit, Link
 from autopar.passes.capture import capture
 from autopar.placement import R
-from autopar.profiler import MIN_BETA, fit_alpha_beta, group_sizes, profile_cluster
+from autopar.profiling.probes import MIN_BETA, fit_alpha_beta
+from autopar.profiling.profiler import group_sizes, profile_cluster
 
 MiB = 2**20
 
@@ -178,7 +179,7 @@ def test_profile_rejects_bad_arguments_before_starting_ranks():
 
 
 def test_cpu_machines_profile_on_gloo_and_gpu_machines_on_nccl():
-    from autopar.profiler_device import ProbeDevice
+    from autopar.profiling.profiler_device import ProbeDevice
 
     assert ProbeDevice.choose("cpu", 2).backend == "gloo"
     auto = ProbeDevice.choose("auto", 1)
@@ -208,7 +209,7 @@ def _pipeline_rank(cluster, c: float, calls: float, counts=(2, 8), waits: float 
 
 def test_microbatch_overhead_is_the_cpu_slope_its_ops_do_not_explain():
     """s_r = n_r · op_overhead + 2c per rank; waits (wall clock only) do not count; the median over ranks."""
-    from autopar.profiler_pipeline import microbatch_overhead
+    from autopar.profiling.profiler_pipeline import microbatch_overhead
 
     cluster = Cluster(**{**Cluster.local(2).__dict__, "op_overhead": 2e-5})
     ranks = [_pipeline_rank(cluster, 3e-4, 8.0, waits=1e-3), _pipeline_rank(cluster, 3e-4, 6.0, waits=5e-3)]
@@ -268,3 +269,5 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert not any("@" in key for key in cluster.intra_node.fits)
     # the pipeline runtime's host time: a real 2-stage pipeline timed at 2 and 8 microbatches
     assert 0.0 <= cluster.microbatch_overhead < 0.1 and "microbatch_overhead" in cluster.source
+    # norms, activations and softmax forward + backward: slower than a streaming add, never zero
+    assert 0 < cluster.norm_act_bandwidth < 2 * cluster.memory_bandwidth and "norm/activation" in cluster.source

@@ -13,12 +13,12 @@ import torch
 import torch.fx as fx
 
 import autopar
-from autopar.cluster import Link
 from autopar.errors import PlanError
+from autopar.hardware.cluster import Link
 from autopar.passes.recompute import LayerRecompute, check_policy
 from autopar.plan import Plan
 from autopar.runtime.recompute_regions import outline_recompute
-from autopar.visualize import plan_to_html
+from autopar.views.visualize import plan_to_html
 from examples.gpt import GPT, GPTConfig, make_batch
 
 CFG = GPTConfig(vocab_size=8192, seq_len=1024, n_layer=4, n_head=16, n_embd=1024)
@@ -67,7 +67,7 @@ def test_bad_recompute_option_names_the_fix(bad):
     with pytest.raises(PlanError, match="recompute="):
         check_policy(bad)
     with pytest.raises(PlanError, match="'auto', 'none', 'full'"):
-        autopar.driver.PlanOptions(recompute=bad)
+        autopar.planner.driver.PlanOptions(recompute=bad)
 
 
 def test_plan_json_with_a_bad_recompute_mode_is_one_plan_error():

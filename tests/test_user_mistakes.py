@@ -31,11 +31,15 @@ Here:
   27. compiling a second model (another mesh) in the same process: the first one keeps working
   28. run-time inputs on another device than the cluster's
   29. pipeline microbatches that do not divide the batch
+  30. inputs by keyword; train_step under no_grad / inference_mode; .half()/.to()/.cuda() on the module;
+      load_state_dict of a full model.state_dict(); pm.optimizer/save/load/export given the wrong things;
+      a list passed as one input (option, compile and launch mistakes: test_option_mistakes)
 
 Most cases need no process group, or a 1-rank group in this process; two need real ranks and share
 one 2-rank launch.
 """
 import copy
+import re
 import warnings
 
 import pytest
@@ -228,6 +232,77 @@ def test_inputs_on_another_device_at_run_time_name_the_device(mlp_module):
     pm, _, batch = mlp_module
     with pytest.raises(InputError, match="input 0 is on meta"):
         pm.train_step(*(t.to("meta") for t in batch))
+
+
+def test_inputs_by_keyword_are_bound_to_forwards_names(mlp_module):
+    pm, model, (x, y) = mlp_module
+    assert pm.train_step(x=x, y=y).item() == pytest.approx(model(x, y).item(), rel=1e-5)
+    assert pm(x, y=y).item() == pytest.approx(model(x, y).item(), rel=1e-5)
+    pm.zero_grad()
+    with pytest.raises(InputError, match=r"unknown input name\(s\) \['target'\]; the plan's inputs are \['x', 'y'\]"):
+        pm.train_step(x, target=y)
+    with pytest.raises(InputError, match=r"\['x'\] given both by position and by name"):
+        pm(x, x=x)
+    with pytest.raises(InputError, match=r"input\(s\) \['y'\] missing"):
+        pm.train_step(x=x)
+
+
+def test_train_step_where_autograd_is_off_says_where(mlp_module):
+    pm, _, batch = mlp_module
+    with torch.no_grad(), pytest.raises(UsageError, match=r"cannot run under torch.no_grad\(\)"):
+        pm.train_step(*batch)
+    with torch.inference_mode(), pytest.raises(UsageError, match=r"torch.inference_mode\(\)"):
+        pm.train_step(*batch)
+    with torch.no_grad():
+        assert pm(*batch).dim() == 0  # forward alone runs there
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda pm: pm.half(), "casting the module to torch.float16"),
+    (lambda pm: pm.to(torch.float64), "casting the module to torch.float64"),
+    (lambda pm: pm.bfloat16(), "precision='bf16'"),
+    (lambda pm: pm.to("meta"), "cannot move to meta"),
+    (lambda pm: pm.cuda(), "cannot move to cuda"),
+    (lambda pm: pm.type(torch.float16), "not supported"),
+])
+def test_casting_or_moving_the_module_is_refused_and_changes_nothing(mlp_module, call, needle):
+    pm, model, batch = mlp_module
+    with pytest.raises(UsageError, match=re.escape(needle)):
+        call(pm)
+    assert pm.to("cpu") is pm and pm.float() is pm and pm.cpu() is pm  # no-ops are allowed, as in torch
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in pm.parameters())
+    assert pm(*batch).item() == pytest.approx(model(*batch).item(), rel=1e-5)
+
+
+def test_loading_a_full_state_dict_into_the_module_says_how(mlp_module):
+    pm, model, _ = mlp_module
+    with pytest.raises(UsageError, match="original model's keys"):
+        pm.load_state_dict(model.state_dict())
+    pm.load_state_dict(pm.state_dict())  # negative control: its own state dict loads
+
+
+@pytest.mark.parametrize("call,error,needle", [
+    (lambda pm: pm.optimizer("adamw", lr=1e-3), UsageError, "takes a torch optimizer class"),
+    (lambda pm: pm.optimizer(torch.optim.AdamW(pm.parameters())), UsageError, "takes a torch optimizer class"),
+    (lambda pm: pm.optimizer(torch.optim.AdamW, learning_rate=1e-3), UsageError, "'learning_rate'"),
+    (lambda pm: pm.save(None), CheckpointError, "path must be a non-empty str"),
+    (lambda pm: pm.export(3), CheckpointError, "path must be a non-empty str"),
+    (lambda pm: pm.load(""), CheckpointError, "path must be a non-empty str"),
+    (lambda pm: pm.save("unused-ckpt", "adam"), CheckpointError, "optimizer must be the torch optimizer"),
+    (lambda pm: pm.save("unused-ckpt", step="one"), CheckpointError, "step must be None or a non-negative int"),
+    (lambda pm: pm.load(__file__), CheckpointError, "is a file, not a checkpoint directory"),
+])
+def test_misused_module_methods_get_one_clear_error(mlp_module, call, error, needle):
+    pm, _, _ = mlp_module
+    with pytest.raises(error) as err:
+        call(pm)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_a_list_batch_says_unpack_it(mlp_module):
+    pm, _, batch = mlp_module
+    with pytest.raises(InputError, match=r"pm.train_step\(\*batch\), not pm.train_step\(batch\)"):
+        pm.train_step(list(batch))
 
 
 # ---- two real ranks ----------------------------------------------------------------------------------------

@@ -20,9 +20,9 @@ import autopar
 from autopar.ir.schedule import simulate_schedule, stage_order
 from autopar.ir.units import fmt_bytes
 from autopar.plan import Collective, NodeSharding, Plan, Stage
-from autopar.trace import bubble_fraction, schedule_to_chrome_trace, write_chrome_trace
-from autopar.visualize import placement_cells, plan_to_html, write_html
-from autopar.visualize_groups import compress_ranges, group_ops, group_placeholders
+from autopar.views.trace import bubble_fraction, schedule_to_chrome_trace, write_chrome_trace
+from autopar.views.visualize import placement_cells, plan_to_html, write_html
+from autopar.views.visualize_groups import compress_ranges, group_ops, group_placeholders
 from examples.gpt import make_gpt
 
 CHROMIUM = "/usr/bin/chromium"
@@ -303,8 +303,8 @@ def test_png_parser_agrees_with_known_images(tmp_path):
 
 def test_the_step_bar_adds_up_to_the_predicted_step_time():
     """Its parts are wall time (busiest stage's work + bubble + grad sync), not sums over stages."""
-    from autopar.plan_builder import predict
-    from autopar.visualize import _step_parts
+    from autopar.planner.plan_builder import predict
+    from autopar.views.visualize import _step_parts
 
     model, batch = make_gpt()
     plan = two_stage_variant(autopar.plan(model, autopar.Cluster.preset("dgx-a100", nodes=2), batch), 8)
@@ -316,7 +316,7 @@ def test_the_step_bar_adds_up_to_the_predicted_step_time():
 
 def test_the_report_replays_the_schedule_the_prediction_used():
     """``trace.simulate_plan`` (the report, the Chrome trace) and ``predict`` give the same makespan."""
-    from autopar.trace import simulate_plan
+    from autopar.views.trace import simulate_plan
 
     cluster = autopar.Cluster.preset("p3.16xlarge", nodes=2)
     model, batch = make_gpt()

@@ -131,12 +131,11 @@ def test_the_grid_offers_interleaving_as_megatron_allows_it():
 def test_an_interleaved_grid_point_is_scored_with_the_interleaved_schedule():
     """A v = 2 config plans 4 chunks round robin on 2 devices and is priced by the interleaved schedule."""
     from autopar.baselines.megatron_configs import capture_once, score_config
-    from autopar.presets import preset_gpus
 
     with torch.device("meta"):
         model = GPT(TINY_GPT)
     graph, recapture = capture_once(model, make_batch(TINY_GPT, 16, device="meta"))
-    cluster = preset_gpus("dgx-a100", 2)
+    cluster = autopar.Cluster.preset("dgx-a100", gpus=2)
     scored = {v: score_config(graph, cluster, MegatronConfig(dp=1, tp=1, pp=2, microbatches=4, virtual_stages=v),
                               4, recapture) for v in (1, 2)}
     plan = scored[2].plan
@@ -225,11 +224,11 @@ def test_shared_captures_score_each_config_as_a_fresh_capture_does():
     from autopar.baselines.hand_search import capture_once, precapture
     from autopar.baselines.megatron_configs import score_config
     from autopar.passes.batch_dims import rescale_is_exact
-    from autopar.presets import preset_gpus
 
     with torch.device("meta"):
         model = GPT(TINY_GPT)
-    batch, cluster = make_batch(TINY_GPT, TINY_GPT.seq_len, device="meta"), preset_gpus("p3.16xlarge", 8)
+    batch = make_batch(TINY_GPT, TINY_GPT.seq_len, device="meta")
+    cluster = autopar.Cluster.preset("p3.16xlarge", gpus=8)
     configs = [MegatronConfig(dp=2, tp=2, pp=2, microbatches=4, precision="fp16"),
                MegatronConfig(dp=2, tp=2, pp=2, microbatches=4, recompute="selective", precision="fp16"),
                MegatronConfig(dp=2, tp=2, pp=2, microbatches=16, distributed_optimizer=True, precision="fp16"),
@@ -326,7 +325,7 @@ def test_every_op_has_a_rule_and_the_model_plans_on_8_gpus(factory, cfg):
 
 
 def test_moe_plan_shards_experts_when_they_do_not_fit():
-    from autopar.driver import PlanOptions, memory_bounds
+    from autopar.planner.driver import PlanOptions, memory_bounds
 
     model, batch = moe.make_moe(moe.MoEConfig(n_layer=2, n_expert=8, n_embd=256, group_size=32), batch_size=16)
     cluster = autopar.Cluster.preset("p3.16xlarge")
@@ -461,7 +460,6 @@ def test_replan_plans_the_autopar_side_again_and_keeps_the_hand_grid(tmp_path, m
     step as ``autopar.plan`` gives now), its hand grid and options other than the default schedule kept."""
     import json
 
-    from autopar.presets import preset_gpus
     from benchmarks.vs_hand import vs_megatron, vs_megatron_report
 
     monkeypatch.setattr(vs_megatron_report, "RESULTS", str(tmp_path))
@@ -475,8 +473,9 @@ def test_replan_plans_the_autopar_side_again_and_keeps_the_hand_grid(tmp_path, m
     assert vs_megatron.replan("simulate", "fp16", "# header") == 0
     (new,) = json.loads((tmp_path / "vs_megatron_simulate.json").read_text())
     work = vs_megatron.build_workload("gpt", "350M", "fp16")
-    now = autopar.plan(work.model, preset_gpus("dgx-a100", 1), work.batch, precision="fp16", time_limit=300.0)
+    now = autopar.plan(work.model, autopar.Cluster.preset("dgx-a100", gpus=1), work.batch, precision="fp16",
+                       time_limit=300.0)
     assert new["auto_step"] == pytest.approx(float(now.predicted["step_time"]), rel=1e-9)
-    assert new["auto_plan"] == vs_megatron.describe_plan(now) and new["auto_step"] != 99.0
+    assert new["auto_plan"] == vs_megatron_report.describe_plan(now) and new["auto_step"] != 99.0
     assert {k: new[k] for k in hand} == hand, "the hand grid is kept as saved"
     assert new["autopar_options"] == {"time_limit": 300.0} and new["replanned"].startswith("# re-planned")

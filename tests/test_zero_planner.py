@@ -82,7 +82,7 @@ def test_prefetched_zero3_on_h100s_charges_only_the_gathers_compute_does_not_hid
     import copy
 
     from autopar.cost_models.zero3 import exposed_gather
-    from autopar.plan_builder import predict
+    from autopar.planner.plan_builder import predict
 
     with torch.device("meta"):
         model = GPT(CFG)

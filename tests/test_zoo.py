@@ -45,7 +45,6 @@ PARITY = [c for cases in CASES.values() for c in cases if not c[3]]
 NEGATIVE = [c for cases in CASES.values() for c in cases if c[3]]
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", PARITY, ids=_id)
 def test_zoo_training_matches_single_device(results, case):
@@ -63,7 +62,6 @@ def test_zoo_training_matches_single_device(results, case):
     assert r["ranks_agree"], "train_step must return the same loss on every rank"
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", NEGATIVE, ids=_id)
 def test_zoo_negative_control_breaks_parity(results, case):
@@ -250,7 +248,7 @@ def _reject_first_stage_choice(monkeypatch, always: bool = False) -> list:
     """Wrap the real intra-op solver: the first stage cell the planner solves (or every one, ``always``) is
     solved under a 1-byte budget, so the real ILP finds it infeasible, as when the DP's scaled estimate of a
     stage fits but its exact solve at the chosen microbatch does not. Returns the rejected cells."""
-    from autopar import driver
+    from autopar.planner import driver
 
     real, rejected = driver.solve_intra_op, []
 

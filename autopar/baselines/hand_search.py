@@ -35,10 +35,10 @@ import dataclasses
 import functools
 import math
 
-from autopar.driver import plan_graph
 from autopar.errors import InfeasibleError
-from autopar.options import PlanOptions, first_microbatch
 from autopar.passes.forked import parallel_map
+from autopar.planner.driver import plan_graph
+from autopar.planner.options import PlanOptions, first_microbatch
 
 # The memory budget of "memory ignored": far above any device (1 PiB), finite so the ILP's rows stay numeric.
 UNBOUNDED_MEMORY = 2.0 ** 50

@@ -56,7 +56,7 @@ TP_DEGREES = (1, 2, 4, 8)
 # Megatron's --recompute-granularity: none, selective (attention core of every block), full (every block);
 # as autopar recompute options (the blocks are the layers of a Megatron config's plan).
 RECOMPUTE_LEVERS = {"none": "none", "selective": {"*": "selective"}, "full": "full"}
-MAX_MICROBATCHES = 512  # autopar.options.MAX_MICROBATCHES: the same range autopar searches
+MAX_MICROBATCHES = 512  # autopar.planner.options.MAX_MICROBATCHES: the same range autopar searches
 # Model chunks per device the grid offers when pp > 1 (and pp·v divides the blocks). The bubble shrinks as
 # 1/v while the sends between devices grow as v, so the gain flattens fast; v = 2 and 4 keep the grid's size
 # at about twice the pipelined layouts' (pass ``virtual_stages`` to widen it, up to interleave.MAX_VIRTUAL).

@@ -1,8 +1,8 @@
 """Turn a Plan into this rank's ``ParallelModule``: weights, process groups, generated code, runner.
 
 Steps, in order, on every rank (all are collective):
-  1. ``broadcast_state``: rank 0's parameters and buffers go to every rank (as DDP does), so shards
-     come from one set of weights even if ranks initialized differently;
+  1. the weights' source (``runtime.tensor_source``): the user's tensors (rank 0's values where a rank's
+     differ, as DDP does), a meta model's own init, or files; it gives each shard, never the whole model;
   2. ``build_groups``: a process group per mesh axis of every stage;
   3. codegen for this rank's stage (or, interleaved, each of its model chunks) and mesh coordinate; the
      runner that executes it.
@@ -20,6 +20,7 @@ from autopar.ir.ops import requires_grad_nodes
 from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
+from autopar.placement import parse_spec
 from autopar.runtime import gradsync, groups
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
@@ -28,6 +29,7 @@ from autopar.runtime.module import ParallelModule
 from autopar.runtime.optim import LossScaler
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
+from autopar.runtime.tensor_source import UserTensors
 
 
 def model_tensors(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
@@ -38,14 +40,24 @@ def model_tensors(model: torch.nn.Module, graph) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def broadcast_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Copies of ``tensors`` holding rank 0's values (the user's model is left untouched)."""
-    out = {}
-    for name in sorted(tensors):
-        t = tensors[name].detach().clone()
-        dist.broadcast(t, src=0)
-        out[name] = t.requires_grad_(tensors[name].requires_grad)
-    return out
+def shards_needed(plan, graph, rank: int) -> dict[str, list[tuple]]:
+    """{fqn: [(spec, mesh shape, coordinate)]}: every parameter/buffer/constant shard this rank places."""
+    meshes = stage_meshes(plan)
+    needs: dict[str, list[tuple]] = {}
+    for stage in plan.stages_of_rank(rank):
+        coord = groups.coordinate(meshes[stage.index], rank)
+        for info in graph.placeholders:
+            node = graph.gm.graph.find_nodes(op="placeholder", target=info.name)[0]
+            if info.kind != "input" and info.name in stage.shardings and node.users:
+                spec = parse_spec(stage.shardings[info.name].out)
+                needs.setdefault(info.fqn, []).append((spec, tuple(stage.mesh_shape), coord))
+    return needs
+
+
+def unread_state_keys(model_state_keys: list[str], graph) -> list[str]:
+    """State-dict keys the graph never reads (kept whole beside the module for ``full_state_dict``)."""
+    read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
+    return [k for k in model_state_keys if graph.param_aliases.get(k, k) not in read]
 
 
 def stage_meshes(plan) -> list[np.ndarray]:
@@ -78,12 +90,18 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
 
 
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
-                          data: str = "global") -> ParallelModule:
+                          data: str = "global", source=None) -> ParallelModule:
     """``graph``: the model captured at one microbatch (the global batch when there is one). ``data``:
-    "global" (every rank passes the global batch) or "local" (its share: ``local_data``)."""
+    "global" (every rank passes the global batch) or "local" (its share: ``local_data``). ``source``: a
+    ``runtime.tensor_source`` source (default: the user's real tensors, agreed with rank 0's)."""
     rank = dist.get_rank()
     local = LocalData(plan, graph, rank, make_group(timeout)) if data == "local" else None
-    tensors = broadcast_state(model_tensors(model, graph))
+    state_keys = list(model.state_dict(keep_vars=True).keys())
+    unread = unread_state_keys(state_keys, graph)
+    if source is None:
+        source = UserTensors(model_tensors(model, graph))
+        source.agree_with_rank0(shards_needed(plan, graph, rank), set(unread))
+    tensors = source
     meshes = stage_meshes(plan)
     shared, shared_groups = shared_parameters(plan, graph)
     base = groups.build_groups(meshes, timeout, shared_groups)
@@ -108,7 +126,5 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
         runner = InterleavedRunner(runners, plan)
         runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
         runner.local_data = local
-    state_keys = list(model.state_dict().keys())
-    read = {p.fqn for p in graph.placeholders if graph.gm.graph.find_nodes(op="placeholder", target=p.name)[0].users}
-    unused = {k: tensors[k] for k in state_keys if graph.param_aliases.get(k, k) not in read and k in tensors}
+    unused = {k: source.full(k) for k in unread if k in source.templates}
     return ParallelModule(plan, graph, runner, state_keys, unused, local)

@@ -52,9 +52,16 @@ FORMAT = 2  # 2: manifest.json, staging directory switched in by rename
 
 
 # ---- public entry points -------------------------------------------------------------------------
-def save(pm, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
+def save(pm, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+         position: dict | None = None) -> None:
     """Write ``pm``'s shards (and ``optimizer``'s state) as the checkpoint directory ``path``, all or
-    nothing; ``step`` is recorded in the manifest. Collective."""
+    nothing; ``step``, ``position`` (rank 0's JSON-able record of where the run is, e.g. its data sampler's
+    ``state_dict()``) and the fp16 loss scaler's state are recorded in the manifest. Collective."""
+    paths.check_path_argument(path, "pm.save")
+    _check_optimizer_argument(optimizer, "pm.save")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise CheckpointError(f"pm.save(path, step={step!r}): step must be None or a non-negative int (the "
+                              f"training step the checkpoint holds, returned by pm.load(path)['step'])")
     held = _held_tensors(pm)
     owners = _lowest_stage_holding(held)
     model = {fqn: t for fqn, (t, stage_index) in held.items() if owners[fqn] == stage_index}
@@ -62,12 +69,25 @@ def save(pm, path, optimizer: torch.optim.Optimizer | None = None, step: int | N
     if optimizer is not None:
         state["optim"] = _optimizer_entries(pm, optimizer, set(model))
         state["optim_groups"] = _param_group_hyperparameters(optimizer)
-    files.save_atomically(state, path, step, pm.plan.digest())
+    extra = {"position": _json_checked(position)} if position is not None else {}
+    scaler = getattr(pm.runner, "scaler", None)
+    if scaler is not None:
+        extra["loss_scaler"] = {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "skipped": scaler.skipped}
+    files.save_atomically(state, path, step, pm.plan.digest(), extra)
+
+
+def _json_checked(position: dict) -> dict:
+    try:
+        return json.loads(json.dumps(position))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"pm.save(position=...) must be JSON (dicts, lists, numbers, strings): {e}") from None
 
 
 def load(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Fill ``pm``'s shards (and ``optimizer``'s state) in place from the checkpoint at ``path``, whatever
     plan and world size saved it. Collective. Verifies every file first; returns the manifest."""
+    paths.check_path_argument(path, "pm.load")
+    _check_optimizer_argument(optimizer, "pm.load")
     directory = files.resolve(path)
     manifest = files.verify(directory)
     metadata = files.read_metadata(directory)
@@ -85,7 +105,16 @@ def load(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
     if optimizer is not None:
         _restore_objects(pm, optimizer, state["optim"])
         _set_param_group_hyperparameters(optimizer, state["optim_groups"], directory)
+    _restore_loss_scaler(pm, manifest.get("loss_scaler"))
     return manifest
+
+
+def _restore_loss_scaler(pm, saved: dict | None) -> None:
+    """The saved fp16 loss scale and its growth count, where this plan scales the loss too."""
+    scaler = getattr(pm.runner, "scaler", None)
+    if scaler is not None and saved:
+        scaler.scale, scaler.clean_steps, scaler.skipped = float(saved["scale"]), int(saved["clean_steps"]), \
+            int(saved["skipped"])
 
 
 def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
@@ -108,10 +137,18 @@ def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
 def export(pm, path) -> None:
     """Write ``pm``'s full state dict with ``torch.save`` from rank 0 (gathers every parameter: use it for
     models that fit one device; for others, ``save`` and then ``export_state_dict`` offline). Collective."""
+    paths.check_path_argument(path, "pm.export")
     final = paths.target(path)
     files.on_rank0_then_everyone(lambda: paths.check_export_target(final, list(pm._state_keys)), _export_failed(final))
     state = pm.full_state_dict()
     files.on_rank0_then_everyone(lambda: _write_replacing(state, final), _export_failed(final))
+
+
+def _check_optimizer_argument(optimizer, call: str) -> None:
+    if optimizer is None or hasattr(optimizer, "param_groups") and hasattr(optimizer, "state"):
+        return
+    raise CheckpointError(f"{call}(path, optimizer): optimizer must be the torch optimizer you step (built from "
+                          f"pm.parameters() or by pm.optimizer(...)), or None; got a {type(optimizer).__name__}")
 
 
 def _export_failed(final):

@@ -62,8 +62,9 @@ _CRASH_EXIT_CODE = 43
 
 
 # ---- save ------------------------------------------------------------------------------------------
-def save_atomically(state: dict, path, step: int | None, plan_digest: str) -> None:
-    """Write ``state`` (a DCP state dict) as the checkpoint ``path`` (see the module docstring). Collective."""
+def save_atomically(state: dict, path, step: int | None, plan_digest: str, extra: dict | None = None) -> None:
+    """Write ``state`` (a DCP state dict) as the checkpoint ``path`` (see the module docstring); ``extra``:
+    more JSON entries of the manifest (the run's position, the loss scaler). Collective."""
     final = paths.target(path)
     token = _agree(lambda: uuid.uuid4().hex[:12])
     staging = final.parent / f"{final.name}.tmp-{token}"
@@ -78,7 +79,7 @@ def save_atomically(state: dict, path, step: int | None, plan_digest: str) -> No
     if dist.is_initialized():
         dist.barrier()
     manifest = {"format": MANIFEST_FORMAT, "step": step, "plan_digest": plan_digest,
-                "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1, **(extra or {})}
     _on_rank0_then_everyone(final, "finishing", lambda: _finish(staging, final, manifest, token))
 
 
@@ -198,6 +199,10 @@ def resolve(path) -> Path:
     aside = [p for p in _leftovers(final, "old") if paths.is_checkpoint(p)] if final.parent.is_dir() else []
     if aside:
         return aside[0]
+    if final.exists():
+        raise CheckpointError(f"{str(final)!r} is a file, not a checkpoint directory: pm.load reads what pm.save "
+                              f"wrote; a pm.export file is a plain state dict: load it with "
+                              f"model.load_state_dict(torch.load(path)) before autopar.compile")
     raise CheckpointError(f"no checkpoint at {str(final)!r} (no such directory); write one with pm.save(path) "
                           f"on every rank")
 

@@ -30,6 +30,11 @@ _OWNED_FILE = re.compile(r"^(?:(?:__\d+)?\.metadata|__\d+_\d+\.distcp)(?:\.tmp)?
 _SHOWN = 5
 
 
+def check_path_argument(path, call: str) -> None:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise CheckpointError(f"{call}(path): path must be a non-empty str or pathlib.Path, got {path!r}")
+
+
 def target(path) -> Path:
     """The absolute path a save or load of ``path`` works on: ``.``/``..`` and symbolic links resolved
     (so a link to a checkpoint directory elsewhere keeps pointing at it, and the staging directory

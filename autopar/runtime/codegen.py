@@ -4,7 +4,7 @@ It lives in the runtime, not in passes/: it reads only the Plan and the IR, and 
 runtime's collectives and kernels, so the runtime can build a rank's module without the planner.
 
 Input:  ``ModelGraph``; a ``Stage`` whose ``shardings`` cover the nodes to emit; the rank's coordinate in
-        the stage mesh; the full values of parameters/buffers (sliced here to this rank's shards).
+        the stage mesh; a ``runtime.tensor_source`` source, asked for this rank's shard of each parameter/buffer.
 Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the stage outputs:
   * parameters and buffers are attributes holding this rank's shard (named like their placeholders);
   * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm
@@ -30,9 +30,10 @@ from autopar.errors import PlanError
 from autopar.ir.buckets import deferrable_syncs
 from autopar.ir.expert_rows import rows_source
 from autopar.ir.ops import OpView
-from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, local_slice, parse_spec
+from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, parse_spec
 from autopar.redistribute import grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
+from autopar.runtime import context_parallel as CP
 from autopar.runtime import kernels as K
 from autopar.runtime.groups import group_key
 from autopar.runtime.recompute_regions import outline_recompute
@@ -82,7 +83,7 @@ class _Emitter:
         return value
 
     # ---- placeholders --------------------------------------------------------------------------
-    def emit_placeholder(self, node: fx.Node, tensors: dict[str, torch.Tensor]) -> None:
+    def emit_placeholder(self, node: fx.Node, tensors) -> None:
         info = self.graph.placeholder(node.name)
         spec = self.spec_of(node.name)
         if info.kind == "input":
@@ -93,10 +94,10 @@ class _Emitter:
             return
         if not node.users:
             return  # e.g. the unused placeholder of a tied weight; full_state_dict reads its alias
-        full = tensors[info.fqn]
-        local = local_slice(full.detach(), spec, self.mesh_shape, self.coord).clone().contiguous()
+        local = tensors.local(info.fqn, spec, self.mesh_shape, self.coord)
         if info.kind == "parameter":
-            self.root.register_parameter(node.name, torch.nn.Parameter(local, requires_grad=full.requires_grad))
+            grad = tensors.requires_grad(info.fqn)
+            self.root.register_parameter(node.name, torch.nn.Parameter(local, requires_grad=grad))
         else:
             self.root.register_buffer(node.name, local)
         self.env[node.name] = self.new.get_attr(node.name)
@@ -190,6 +191,11 @@ class _Emitter:
             return K.vocab_parallel_embedding, [args[0], args[1], start], {}
         if "ce_batch" in tags or "ce_class" in tags:
             return self._loss_kernel(node, view, ins, axes, args)
+        if "causal_context" in tags:
+            (axis,) = axes("causal_context")
+            return CP.causal_context_attention, list(args[:3]), dict(
+                group=self.group(axis), dropout_p=view.kwarg("dropout_p", 0.0), scale=view.kwarg("scale"),
+                enable_gqa=view.kwarg("enable_gqa", False))
         if "local_experts" in tags:
             first = _chunk_offset(ins[1], 0, view.in_shapes[1][0], self.mesh_shape, self.coord)
             native = node.target is aten._grouped_mm.default
@@ -256,7 +262,7 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
     return start
 
 
-def generate_stage_module(graph, stage, coord, mesh_index: int, tensors: dict[str, torch.Tensor],
+def generate_stage_module(graph, stage, coord, mesh_index: int, tensors,
                           requires_grad: set[str], defer_param_sync: bool = True,
                           recompute: dict[str, object] | None = None, local_batch: bool = False) -> fx.GraphModule:
     """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).

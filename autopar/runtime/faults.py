@@ -22,6 +22,7 @@ a failure for which no rank is found dead stays what it was, except a timeout, w
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import socket
@@ -30,7 +31,7 @@ import time
 
 import torch.distributed as dist
 
-from autopar.errors import CommunicationError
+from autopar.errors import AutoparError, CommunicationError
 
 HEARTBEAT_S = 0.5
 STALE_BEATS = 4
@@ -55,10 +56,13 @@ class _Registration:
         self.thread.start()
 
     def _beat(self, store) -> None:
-        key = f"hb/{self.rank}"
+        key, published = f"hb/{self.rank}", None
         while not self.stop.wait(HEARTBEAT_S):
             try:
                 store.add(key, 1)
+                if _DOING[0] != published:  # what this rank is doing, for a peer stuck in a one-rank call
+                    published = _DOING[0]
+                    store.set(f"at/{self.rank}", published)
             except Exception:  # the store is gone: nothing left to tell
                 return
 
@@ -79,7 +83,68 @@ def unregister() -> None:
     global _REG
     if _REG is not None:
         _REG.stop.set()
+        try:
+            _REG.store.set(f"at/{_REG.rank}", f"returned from its function (its last autopar call: {_LAST[0]})")
+        except Exception:  # the store is gone: nothing left to tell
+            pass
         _REG = None
+
+
+# ---- which autopar call each rank is in: a collective called on some ranks only ------------------------
+_DOING = ["has made no autopar call yet"]
+_LAST = ["none"]
+_INSIDE = [False]
+
+
+def collective_call(name: str):
+    """Decorator of an autopar call every rank must make (``pm.save``, ``pm.train_step``, ...): while it
+    runs, the heartbeat publishes "in <name>" (no store traffic on the call's own path); a failure inside
+    it, when some peer is not in the same call, becomes a CommunicationError saying so (``one_rank_call``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if _INSIDE[0]:  # a call inside another (export gathers the state): the outer one counts
+                return fn(*args, **kwargs)
+            _DOING[0], _INSIDE[0] = f"is in {name}", True
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                explained = _explain_one_rank_call(e, name)
+                if explained is e:
+                    raise
+                raise explained from e
+            finally:
+                _DOING[0], _LAST[0], _INSIDE[0] = f"is outside autopar's calls (its last: {name})", name, False
+        return run
+    return wrap
+
+
+def _explain_one_rank_call(error: BaseException, name: str) -> BaseException:
+    """A CommunicationError naming the peers that are not in ``name`` when ``error`` is a failure of
+    torch.distributed (or already explained as one); else ``error``."""
+    if _REG is None or (isinstance(error, AutoparError) or not isinstance(error, (RuntimeError, CommunicationError))):
+        return error
+    elsewhere = one_rank_call(f"is in {name}")
+    if not elsewhere:
+        return explain(error, name)
+    peers = "; ".join(f"rank {r} {doing}" for r, doing in sorted(elsewhere.items()))
+    explained = CommunicationError(
+        f"{name} is a collective that every rank must call, but rank {_REG.rank} called it alone: {peers}. Fix: "
+        f"call {name} on every rank (not under `if rank == 0:`); it writes each file once by itself")
+    report_failure(explained)
+    return explained
+
+
+def one_rank_call(mine: str) -> dict[int, str]:
+    """{peer: what it is doing} for the peers not in the call ``mine``, after one heartbeat's wait (each
+    rank publishes its call with its heartbeat)."""
+    time.sleep(2 * HEARTBEAT_S)
+    peers = [r for r in range(_REG.world) if r != _REG.rank]
+    try:
+        doing = _read_all(_REG.store, "at", peers)
+    except Exception:  # the store is gone: no evidence either way
+        return {}
+    return {r: doing.get(r, "has made no autopar call yet") for r in peers if doing.get(r) != mine}
 
 
 def mark_supervised(store) -> None:

@@ -28,14 +28,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from autopar.errors import InputError
+from autopar.errors import InputError, UsageError
 from autopar.placement import parse_spec
-from autopar.runtime import clipping, modes, plain_optim
+from autopar.runtime import clipping, faults, modes, plain_optim
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
+from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
 
 
-class ParallelModule(torch.nn.Module):
+class ParallelModule(FixedPlacement, torch.nn.Module):
     def __init__(self, plan, graph, runner, state_keys: list[str], unused: dict[str, torch.Tensor], local_data=None):
         super().__init__()
         self._local_data = local_data  # ``runtime.local_data.LocalData`` under data="local", else None
@@ -53,14 +54,20 @@ class ParallelModule(torch.nn.Module):
         clipping.patch_torch()
 
     # ---- running -------------------------------------------------------------------------------
-    def forward(self, *inputs):
+    @faults.collective_call("pm(...)")
+    def forward(self, *inputs, **named):
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)")
         self._check_inputs(inputs)
         flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
 
-    def train_step(self, *inputs) -> torch.Tensor:
+    @faults.collective_call("pm.train_step")
+    def train_step(self, *inputs, **named) -> torch.Tensor:
         """Forward + backward of the loss on the global batch; returns the loss, detached (backward has
-        run already, so there is nothing to call ``.backward()`` on) and the same on every rank."""
+        run already, so there is nothing to call ``.backward()`` on) and the same on every rank. Inputs
+        may be passed by forward's argument names as well."""
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)")
+        check_autograd_on("pm.train_step")
         self._check_inputs(inputs)
         if self._loss_index is None:
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
@@ -85,12 +92,21 @@ class ParallelModule(torch.nn.Module):
         of each bucket, under fp16 it unscales and skips overflowed steps (``runtime.plain_optim``)."""
         from autopar.runtime.optim import named_groups
 
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise UsageError(f"pm.optimizer(cls, **kwargs) takes a torch optimizer class and its arguments, e.g. "
+                             f"pm.optimizer(torch.optim.AdamW, lr=1e-3); got {cls!r}")
         named = self.named_model_parameters()
         if param_groups is None:
             groups = list({id(t): t for t in named.values() if t is not None and t.requires_grad}.values())
         else:
             groups = named_groups(named, param_groups)
-        optimizer = cls(groups, **kwargs)
+        try:
+            optimizer = cls(groups, **kwargs)
+        except TypeError as e:
+            if "argument" not in str(e):
+                raise
+            raise UsageError(f"pm.optimizer({cls.__name__}, ...): {e}; pass the arguments {cls.__name__} "
+                             f"takes") from None
         plain_optim.runners_of(optimizer)
         return optimizer
 
@@ -108,6 +124,9 @@ class ParallelModule(torch.nn.Module):
             if canonical in by_fqn:
                 out[key] = by_fqn[canonical]
         return out
+
+    def _input_names(self) -> list[str]:
+        return [p.name for p in self._graph.placeholders if p.kind == "input"]
 
     @property
     def data_shard(self) -> tuple[int, int]:
@@ -143,6 +162,7 @@ class ParallelModule(torch.nn.Module):
                     out[key] = out[key].clone()
         return out
 
+    @faults.collective_call("pm.full_state_dict")
     def full_state_dict(self) -> "OrderedDict[str, torch.Tensor]":
         """Full tensors for every key of the original ``model.state_dict()`` (a collective: call on all ranks).
 
@@ -249,22 +269,37 @@ class ParallelModule(torch.nn.Module):
         self._unused = other._unused
 
     # ---- checkpoints (autopar.runtime.checkpoint) -----------------------------------------------------
-    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None) -> None:
+    @faults.collective_call("pm.save")
+    def save(self, path, optimizer: torch.optim.Optimizer | None = None, step: int | None = None,
+             position: dict | None = None) -> None:
         """Sharded checkpoint (torch.distributed.checkpoint) of this module and ``optimizer`` in the directory
         ``path``: each rank writes only its shards; all or nothing (a crash leaves the previous checkpoint
-        whole). ``step`` is recorded in its manifest. Call on every rank."""
+        whole). ``step``, ``position`` (JSON: where the run is, e.g. ``autopar.data.GlobalSampler.state_dict()``)
+        and the fp16 loss scaler are recorded in its manifest. Call on every rank."""
         from autopar.runtime import checkpoint
 
-        checkpoint.save(self, path, optimizer, step)
+        checkpoint.save(self, path, optimizer, step, position)
 
+    @faults.collective_call("pm.load")
     def load(self, path, optimizer: torch.optim.Optimizer | None = None) -> dict:
         """Load a checkpoint written by ``save`` under any plan and world size, in place (``optimizer``
-        must be built from ``pm.parameters()``), after checking every file against its manifest; returns
-        the manifest (``["step"]``). Call on every rank."""
+        must be built from ``pm.parameters()``), after checking every file against its manifest, and the loss
+        scaler; returns the manifest (``["step"]``, ``.get("position")``). Call on every rank."""
         from autopar.runtime import checkpoint
 
         return checkpoint.load(self, path, optimizer)
 
+    @faults.collective_call("pm.save_pretrained")
+    def save_pretrained(self, directory, prefix: str = "", max_shard_size="5GB") -> None:
+        """Hugging Face sharded safetensors (``model.safetensors.index.json``) of the state-dict keys under
+        ``prefix`` (taken off the keys), plus the model's config.json, in ``directory``: each tensor is
+        assembled inside one stage and written by one of its ranks; no rank holds the whole model; existing
+        files are replaced whole or kept. Call on every rank. See ``autopar.runtime.pretrained_save``."""
+        from autopar.runtime import pretrained_save
+
+        pretrained_save.save_pretrained(self, directory, prefix, max_shard_size)
+
+    @faults.collective_call("pm.export")
     def export(self, path) -> None:
         """``torch.save`` the full single-device state dict to ``path`` from rank 0 (gathers every
         parameter; for models too big for one device, use ``save`` + ``export_state_dict``). Call on every rank."""
@@ -278,6 +313,8 @@ def _advice(got: list, want: list) -> str:
     same_rest = len(got) == len(want) and all(
         g[1] == w[1] and g[0] is not None and len(g[0]) == len(w[0]) and tuple(g[0][1:]) == tuple(w[0][1:])
         for g, w in zip(got, want))
+    if len(got) == 1 and got[0][0] is None and got[0][1] in ("list", "tuple") and len(want) > 1:
+        return "; pass the tensors as separate arguments: pm.train_step(*batch), not pm.train_step(batch)"
     if same_rest and got and got[0][0] and got[0][0][0] < want[0][0][0]:
         return ("; for a smaller (last) batch, compile a module for it that shares this one's parameters: "
                 "small = autopar.compile(model, cluster, batch, share_with=pm) on every rank (the optimizer over "

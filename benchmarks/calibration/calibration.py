@@ -29,7 +29,7 @@ input kept). Precision comes from the model's dtype (``.half()``), which the cos
 
 --fit: the preset's one end-to-end constant per GPU type, ``Cluster.compute_time_scale``, is fitted on the rows
 marked "fit" only (one per GPU type): s ← s · (geometric mean of their ratios), twice (compute scales with s,
-communication does not). Paste the printed values into autopar/presets.py; hold-out rows show whether they
+communication does not). Paste the printed values into autopar/hardware/presets.py; hold-out rows show whether they
 transfer. Results: benchmarks/results/calibration.md.
 """
 from __future__ import annotations
@@ -49,10 +49,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, score_options, spec_text  # noqa: E402
-from autopar.driver import PlanOptions  # noqa: E402
-from autopar.fidelity import log_ratio_summary  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
-from autopar.presets import preset_gpus  # noqa: E402
+from autopar.planner.driver import PlanOptions  # noqa: E402
+from autopar.profiling.fidelity import log_ratio_summary  # noqa: E402
 from benchmarks.calibration.published import LLAMAS, PENDING, RUNS, Run, published_step_time  # noqa: E402
 from benchmarks.calibration.published_schedule import published_prediction  # noqa: E402
 from examples.gpt import GPT, GPTConfig, make_batch  # noqa: E402
@@ -65,7 +64,7 @@ PLANNER_OPTIONS = {f.name for f in dataclasses.fields(PlanOptions)}
 
 def cluster_for(run: Run, scale: float | None = None) -> autopar.Cluster:
     """The preset for the run's GPUs (``preset_gpus``), with ``scale`` as its compute_time_scale when given."""
-    cluster = preset_gpus(run.preset, run.gpus)
+    cluster = autopar.Cluster.preset(run.preset, gpus=run.gpus)
     if scale is not None:
         cluster = dataclasses.replace(cluster, compute_time_scale=scale)
     return cluster
@@ -134,7 +133,7 @@ def capture_run(run: Run):
     if run.model != "gpt":
         return capture_llama(run)
     cfg = GPTConfig(vocab_size=run.vocab, seq_len=run.seq, n_layer=run.layers, n_head=run.heads,
-                    n_embd=run.hidden, dropout=0.1, attention="materialized")
+                    n_embd=run.hidden, dropout=run.dropout, attention=run.attention)
     with torch.device("meta"):
         model = GPT(cfg).to(DTYPES[run.precision])
     return capture(model, make_batch(cfg, run.batch, device="meta"))

@@ -74,6 +74,8 @@ class Run:
     model: str = "gpt"
     zero: int = 0
     tokens_per_s: float = 0.0
+    attention: str = "materialized"  # GPT rows: ``examples.gpt.GPTConfig.attention`` as the run's system ran it
+    dropout: float = 0.1
 
 
 def _alpa_stage(first, last, submesh, mesh):
@@ -170,6 +172,29 @@ RUNS += [
         tflops=titan_tflops("llama3.1-8b", 8192, 5762), role="fit", **LLAMA_8B),
     Run(name="titan 8B@128", source=TITAN, gpus=128, batch=256, tokens_per_s=5605,
         tflops=titan_tflops("llama3.1-8b", 8192, 5605), **LLAMA_8B),
+]
+
+# MosaicML llm-foundry on 8 A100 80GB (one node, NVLink): MPT models trained with FSDP FULL_SHARD, amp_bf16
+# (bf16 autocast over fp32 master weights; FSDP "PURE" keeps the sharded parameters in bf16 for the gathers),
+# no activation checkpointing, flash attention, no dropout, no biases, ALiBi instead of learned positions,
+# vocabulary 50368 (scripts/train/benchmarking/README.md of mosaicml/llm-foundry, table "A100 80GB with
+# 1600 Gbps node-node interconnect (RoCE)", rows at sequence 2048; model shapes from
+# scripts/train/yamls/pretrain/mpt-{125m,350m,760m,1b}.yaml). Planned as ``examples.gpt`` with one fused
+# attention call (its biases and positional table are < 0.5 % of the FLOPs) and compared on the published
+# tokens/s per GPU. All hold-out rows: a system, a parallelism (pure FSDP, no pipeline or tensor parallel)
+# and a recompute policy (none) that no fitted row has.
+FOUNDRY = "llm-foundry MPT benchmarks (A100 80GB table)"
+MPT = dict(preset=A100, gpus=8, seq=2048, vocab=50368, layout="fsdp", precision="bf16", zero=3, recompute="none",
+           attention="sdpa", dropout=0.0)
+RUNS += [
+    Run(name="foundry 125M@8", source=FOUNDRY, hidden=768, layers=12, heads=12, batch=512, microbatches=2,
+        tokens_per_s=141737, tflops=0.4445 * 312, **MPT),
+    Run(name="foundry 350M@8", source=FOUNDRY, hidden=1024, layers=24, heads=16, batch=512, microbatches=2,
+        tokens_per_s=58782, tflops=0.5162 * 312, **MPT),
+    Run(name="foundry 760M@8", source=FOUNDRY, hidden=1536, layers=24, heads=12, batch=384, microbatches=2,
+        tokens_per_s=32434, tflops=0.5685 * 312, **MPT),
+    Run(name="foundry 1.3B@8", source=FOUNDRY, hidden=2048, layers=24, heads=16, batch=448, microbatches=4,
+        tokens_per_s=20513, tflops=0.5986 * 312, **MPT),
 ]
 
 # Published but not predicted yet, with what is missing.

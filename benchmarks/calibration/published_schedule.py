@@ -31,7 +31,7 @@ import copy
 import re
 
 from autopar.cost_models.compute import node_flops
-from autopar.plan_builder import predict
+from autopar.planner.plan_builder import predict
 
 GRAD_SYNCS = ("overlapped", "after_backward")
 MATMULS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default")

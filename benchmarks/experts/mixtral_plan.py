@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.presets import dgx_h100  # noqa: E402
 from examples.hf_causal_lm import MIXTRAL_8X7B, CausalLMLoss  # noqa: E402
 
 SEQ = 4096
@@ -56,7 +55,7 @@ def expert_layout(plan) -> str:
 
 def run(nodes: int, layers: int, batch: int) -> str:
     model, inputs, n_params = mixtral(layers, batch)
-    cluster = dgx_h100(nodes)
+    cluster = autopar.Cluster.preset("dgx-h100", nodes)
     wall, cpu = time.perf_counter(), time.process_time()
     try:
         with warnings.catch_warnings():

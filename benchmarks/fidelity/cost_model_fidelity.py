@@ -62,7 +62,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from autopar.fidelity import peak_allocated_bytes, relative_error, spearman  # noqa: E402
+from autopar.profiling.fidelity import peak_allocated_bytes, relative_error, spearman  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS_BY_WORLD, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
@@ -186,14 +186,15 @@ def _local_collectives():
 def load_or_profile(path: str | None, out: str, world: int) -> tuple[autopar.Cluster, str]:
     """The cluster file given, else a fresh ``world``-rank ``autopar profile`` (written to ``out``), which measures
     everything the cost model reads: isolated probes, in-mesh collective fits, op_overhead, and the
-    training-matmul factor (``autopar.profiler_training``). A file without in-mesh fits predates that
+    training-matmul factor (``autopar.profiling.profiler_training``). A file without in-mesh fits predates that
     profiler: re-profile rather than plan with half the measurements."""
     if path:
         cluster = autopar.Cluster.from_json(path)
-        from autopar.profiler_training import meshes_of
+        from autopar.profiling.profiler_training import meshes_of
 
         if meshes_of(world) and not any("@" in key for key in cluster.intra_node.fits):
-            print(f"# warning: {path} has no in-mesh collective fits (profiled before autopar.profiler_training); "
+            print(f"# warning: {path} has no in-mesh collective fits (profiled before "
+                  f"autopar.profiling.profiler_training); "
                   f"re-run `autopar profile --nprocs {world} --out {path}` for the full measurement", flush=True)
         return cluster, path
     print(f"# no --cluster given: profiling {world} local ranks first (writes {out})", flush=True)

@@ -128,7 +128,7 @@ def plans_for(world: int) -> list[PlanSpec]:
 
 def takes_stages() -> bool:
     """Whether this planner's PlanOptions has ``stages`` (the pipeline planner)."""
-    from autopar.driver import PlanOptions
+    from autopar.planner.driver import PlanOptions
 
     return any(f.name == "stages" for f in dataclasses.fields(PlanOptions))
 

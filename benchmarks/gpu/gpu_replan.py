@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from autopar.fidelity import relative_error, spearman  # noqa: E402
+from autopar.profiling.fidelity import relative_error, spearman  # noqa: E402
 from benchmarks.gpu.gpu_models import GPT_SIZES, LLAMA_SIZES  # noqa: E402
 from examples.gpt import GPT, make_batch  # noqa: E402
 from examples.hf_causal_lm import CausalLMLoss  # noqa: E402

@@ -14,6 +14,7 @@ Modes per model: ``plain`` (the model under ``torch.autocast``), ``plain_compile
 ``autopar`` (``autopar.compile``, eager) and ``autopar_compiled`` (``compile=True`` where ``autopar.compile``
 takes it, else the generated graph module's forward under ``torch.compile``: the result records which).
 Section ``long``: Llama-1B plans at sequences 8K-32K with recompute, predicted vs measured step and memory.
+Section ``scale``: Llama-3-8B built on the meta device, trained with the levers the planner picks (``scale_rank``).
 Results go to ``DIR/gpu_speed.json`` after every case, so a run cut short still reports what it reached.
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ SPEED_CASES = {  # name -> (kind, config, sequence, batch)
 TINY_CASES = {"llama-1b": ("llama", TINY_LLAMA, 32, 2),
               "gpt-l": ("gpt", GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=4, n_embd=64), 32, 2)}
 LONG_SEQUENCES = (8192, 16384, 32768)
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
 
 
 def build(kind: str, cfg, seq: int, batch: int):
@@ -158,11 +161,13 @@ def autopar_row(model, batch, device: str, compiled: bool, warmup: int, steps: i
     elif not compiled and takes_compile:
         kwargs["compile"] = False
     t0 = time.perf_counter()
-    pm = autopar.compile(model.to(device), cluster, batch, **kwargs)
+    on_meta = next(model.parameters()).device.type == "meta"  # autopar materializes this rank's shards itself
+    pm = autopar.compile(model if on_meta else model.to(device), cluster, batch, **kwargs)
     row["plan_and_build_s"] = time.perf_counter() - t0
     if compiled and not takes_compile:
         pm.runner.gm.forward = torch.compile(pm.runner.gm.forward)
         row["how_compiled"] = "torch.compile(pm.runner.gm.forward) by hand"
+    row["plan"] = pm.plan.summary(max_rows=0)[:1500]
     row.update(predicted_step_s=float(pm.plan.predicted["step_time"]),
                predicted_peak_bytes=float(pm.plan.predicted["peak_memory"]), microbatches=pm.plan.microbatches,
                recompute=dict(pm.plan.stages[0].recompute))
@@ -179,7 +184,7 @@ def autopar_row(model, batch, device: str, compiled: bool, warmup: int, steps: i
 
 def _accepts_compile_option() -> bool:
     try:
-        from autopar.options import PlanOptions
+        from autopar.planner.options import PlanOptions
     except ImportError:
         try:
             from autopar.planner.options import PlanOptions
@@ -228,9 +233,9 @@ def speed_rank(rank: int, device: str, tiny: bool, modes: list[str], out: str) -
     return rows
 
 
-def long_rank(rank: int, device: str, tiny: bool, out: str) -> list[dict]:
+def long_rank(rank: int, device: str, tiny: bool, out: str, seqs: tuple = LONG_SEQUENCES) -> list[dict]:
     rows = []
-    seqs = (64, 128) if tiny else LONG_SEQUENCES
+    seqs = (64, 128) if tiny else seqs
     for seq in seqs:
         for recompute in ("full", "auto"):
             row = {"model": "llama-1b", "seq": seq, "batch": 1, "recompute_option": recompute}
@@ -248,6 +253,31 @@ def long_rank(rank: int, device: str, tiny: bool, out: str) -> list[dict]:
             _free()
             _dump(out, "long_partial.json", rows)
     return rows
+
+
+def scale_rank(rank: int, device: str, tiny: bool, seq: int, batch: int, out: str) -> list[dict]:
+    """GPU.md item 3: Llama-3-8B built on the meta device (its fp32 training state, ~128 GB with AdamW, does
+    not fit one GPU), initialized by autopar on the GPU and trained a few steps with the levers the planner
+    chooses (bf16, recompute, CPU offload): predicted vs measured step time and peak memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = TINY_LLAMA if tiny else LLAMA3_8B
+    row = {"model": "llama3-8b" if not tiny else "tiny", "seq": seq, "batch": batch}
+    try:
+        config = LlamaConfig(**cfg, max_position_embeddings=seq, use_cache=False, attention_dropout=0.0)
+        with torch.device("meta"):
+            model = CausalLMLoss(LlamaForCausalLM(config))
+        ids = torch.randint(0, cfg["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+        data = (ids.to(device), ids.to(device))
+        row["parameters"] = sum(p.numel() for p in model.parameters())
+        row.update(autopar_row(model, data, device, False, 1, 2 if tiny else 3, recompute="auto",
+                               offload="auto"))
+        row["tokens_per_s"] = seq * batch / row["step_s"]
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:1500]
+        row["traceback"] = traceback.format_exc()[-2500:]
+    print(_line(row), flush=True)
+    return [row]
 
 
 def _line(row: dict) -> str:
@@ -268,7 +298,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--modes", default="plain,plain_compiled,autopar,autopar_compiled")
-    ap.add_argument("--sections", default="speed,long")
+    ap.add_argument("--sections", default="speed,long", help="any of speed,long,scale")
+    ap.add_argument("--long-seqs", default=",".join(map(str, LONG_SEQUENCES)))
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -280,10 +311,15 @@ def main(argv=None) -> int:
                                           backend=backend, timeout=600)[0]
         _dump(args.out, "gpu_speed.json", results)
     if "long" in sections:
-        results["long"] = autopar.launch(long_rank, 1, args.device, args.tiny, args.out, backend=backend,
+        seqs = tuple(int(x) for x in args.long_seqs.split(","))
+        results["long"] = autopar.launch(long_rank, 1, args.device, args.tiny, args.out, seqs, backend=backend,
                                          timeout=600)[0]
+        _dump(args.out, "gpu_speed.json", results)
+    if "scale" in sections:
+        results["scale"] = autopar.launch(scale_rank, 1, args.device, args.tiny, 64 if args.tiny else 2048,
+                                          2 if args.tiny else 1, args.out, backend=backend, timeout=600)[0]
     _dump(args.out, "gpu_speed.json", results)
-    for section in ("speed", "long"):
+    for section in ("speed", "long", "scale"):
         for row in results.get(section, []):
             print(section, _line(row))
     return 0

@@ -27,7 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.presets import preset_gpus  # noqa: E402
 from examples.gpt import GPT, make_batch, suite_config  # noqa: E402
 from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
@@ -69,7 +68,7 @@ def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
         inputs, n_params, seq = make_batch(cfg, int(batch), device="meta"), cfg.n_params, cfg.seq_len
     start, cpu = time.perf_counter(), _cpu_seconds()
     try:
-        plan = autopar.plan(model, preset_gpus(preset, int(gpus)), inputs, **options)
+        plan = autopar.plan(model, autopar.Cluster.preset(preset, gpus=int(gpus)), inputs, **options)
     except InfeasibleError as e:  # a row that says precisely why nothing fits
         return {"model": name, "params": n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
                 "total": time.perf_counter() - start, "cpu": _cpu_seconds() - cpu, "infeasible": str(e)}
@@ -78,11 +77,17 @@ def run_point(point: str, precision: str | None = None, zero="auto") -> dict:
     return {"model": name, "params": n_params / 1e9, "gpus": int(gpus), "preset": preset, "batch": int(batch),
             "total": total, "cpu": _cpu_seconds() - cpu, "capture": t.get("capture", 0.0), "dp": t.get("stage_dp", 0.0),
             "stages_s": t.get("stage_ilps", 0.0), "solves": plan.planner.get("mesh_solves", 0),
-            "stages": len(plan.stages), "B": plan.microbatches,
+            "stages": _stage_count(plan), "B": plan.microbatches,
             "shape": "+".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages[:3])
             + ("+…" if len(plan.stages) > 3 else ""),
             "step": plan.predicted["step_time"], "mem": plan.predicted["peak_memory"] / 2**30,
             "pflops": 6 * n_params * int(batch) * seq / plan.predicted["step_time"] / 1e15}
+
+
+def _stage_count(plan) -> str:
+    """Pipeline stages; "pp×v" for an interleaved plan, whose ``plan.stages`` lists its pp·v model chunks."""
+    v = plan.virtual_stages
+    return f"{len(plan.stages) // v}×{v} chunks" if v > 1 else str(len(plan.stages))
 
 
 def _cpu_seconds() -> float:

@@ -54,7 +54,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import autopar  # noqa: E402
 from autopar.baselines import hand_grids, megatron_configs  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
-from autopar.presets import preset_gpus  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
@@ -128,27 +127,12 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
                                 n_experts=work.model.cfg.n_expert, **common)
 
 
-def describe_plan(plan) -> str:
-    """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages (interleaved: chunks), their submesh and logical
-    mesh, microbatches, and ', interleaved v=2' when the device groups hold several chunks each."""
-    runs: list[list] = []
-    for s in plan.stages:
-        key = (tuple(s.submesh), tuple(s.mesh_shape))
-        if runs and runs[-1][0] == key:
-            runs[-1][1] += 1
-        else:
-            runs.append([key, 1])
-    parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
-    v = getattr(plan, "virtual_stages", 1)
-    return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "")
-
-
 def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
               time_limit: float = 60.0) -> dict:
     """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
     ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
-    cluster = preset_gpus(preset, int(gpus))
+    cluster = autopar.Cluster.preset(preset, gpus=int(gpus))
     work = build_workload(family, name, precision)
     policy = precision or "fp32"
     start = time.perf_counter()
@@ -174,7 +158,7 @@ def plan_autopar(work: Workload, cluster, policy: str, options: dict) -> tuple[f
     start = time.perf_counter()
     try:
         plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **options)
-        auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
+        auto_step, auto_desc = float(plan.predicted["step_time"]), report.describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
     return auto_step, auto_desc, time.perf_counter() - start
@@ -192,7 +176,7 @@ def replan(name: str, precision: str | None, header: str) -> int:
         if options.get("schedule") == "auto":  # the default now
             del options["schedule"]
         row["auto_step"], row["auto_plan"], row["plan_s"] = plan_autopar(
-            work, preset_gpus(preset, int(gpus)), precision or "fp32", options)
+            work, autopar.Cluster.preset(preset, gpus=int(gpus)), precision or "fp32", options)
         row["autopar_options"], row["replanned"] = options, report.machine_line("re-planned")
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
     return render_simulation(header, rows, name)

@@ -15,48 +15,20 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Callable
 
 import torch
 import torch.fx as fx
 
 from autopar.ir.ops import OpView, shape_of
 from autopar.passes.strategies.base import AxisRule, Strategy, all_replicated_rule
+from autopar.passes.strategies.registry import RuleFn, has_rule, register, rule_for
 from autopar.placement import R, Spec, divides
 
-RuleFn = Callable[[OpView], list[AxisRule]]
-_RULES: dict[object, RuleFn] = {}
 _WARNED: set[str] = set()  # ops already reported as rule-less in this process (planning asks many times)
 
 
-def register(*targets) -> Callable[[RuleFn], RuleFn]:
-    """Register a rule for ATen op packets (``torch.ops.aten.mm``), single overloads (``aten.max.other``),
-    plain callables (operator.getitem), or an op's qualified name (``"lib.op.overload"``) for custom ops
-    that exist only once their library is imported."""
-
-    def deco(fn: RuleFn) -> RuleFn:
-        for t in targets:
-            _RULES[t] = fn
-        return fn
-
-    return deco
-
-
-def rule_for(target) -> RuleFn | None:
-    if target in _RULES:
-        return _RULES[target]
-    packet = getattr(target, "overloadpacket", None)
-    if packet in _RULES:
-        return _RULES[packet]
-    return _RULES.get(str(target)) if isinstance(target, torch._ops.OpOverload) else None
-
-
-def has_rule(node: fx.Node) -> bool:
-    return node.op != "call_function" or rule_for(node.target) is not None
-
-
 # Import the rule families so they register themselves.
-from autopar.passes.strategies import (  # noqa: E402,F401  # noqa: E402,F401
+from autopar.passes.strategies import (  # noqa: E402,F401
     attention,
     conv,
     creation,
@@ -118,7 +90,7 @@ def node_strategies(node: fx.Node, mesh_shape: tuple[int, int], fn: RuleFn | Non
     base = all_replicated_rule(view)
     per_axis_rules = [base] + (fn(view) if fn is not None else []) + expert_rows.expert_rows_rules(view)
     kept = (expert_rows.one_axis_experts(view, s) for s in combine(view, per_axis_rules, mesh_shape))
-    return list(dict.fromkeys(s for s in kept if s is not None))
+    return list(dict.fromkeys(s for s in kept if s is not None and not attention.nested_context(s)))
 
 
 def combine(view: OpView, rules: list[AxisRule], mesh_shape: tuple[int, int]) -> list[Strategy]:

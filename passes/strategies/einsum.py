@@ -17,9 +17,9 @@ import string
 import torch
 
 from autopar.ir.ops import OpView
-from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule
 from autopar.passes.strategies.matmul import einsum_rules
+from autopar.passes.strategies.registry import register
 
 aten = torch.ops.aten
 

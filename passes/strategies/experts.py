@@ -30,8 +30,8 @@ from torch.distributed.tensor import Shard
 
 from autopar.ir.expert_rows import is_grouped_mm
 from autopar.ir.ops import OpView
-from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
+from autopar.passes.strategies.registry import register
 from autopar.placement import EXPERT_ROWS, P, R
 
 aten = torch.ops.aten

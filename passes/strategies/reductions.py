@@ -11,8 +11,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from autopar.ir.ops import OpView
-from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
+from autopar.passes.strategies.registry import register
 from autopar.placement import P
 
 aten = torch.ops.aten

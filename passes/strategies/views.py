@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 from autopar.ir.ops import OpView, getitem_op
-from autopar.passes.strategies import register
 from autopar.passes.strategies.base import AxisRule, norm_dim
+from autopar.passes.strategies.registry import register
 from autopar.placement import P, R
 
 aten = torch.ops.aten

@@ -1,4 +1,6 @@
-"""Cluster presets: plain functions returning a frozen ``Cluster``; every constant cites its source.
+"""Cluster presets: plain functions returning a cluster's fields (``Cluster(**fields)``, which
+``Cluster.preset`` and ``Cluster.local`` build); every constant cites its source. Data only: this module
+imports ``hardware.links`` for the link classes, never ``hardware.cluster``, which imports it.
 
 GPU figures: vendor datasheet peaks, a matmul curve by call size built from the best measured GEMM
 fraction (``gemm_curve``), the achieved share of HBM bandwidth, usable memory (capacity less context and
@@ -9,11 +11,13 @@ profile` replaces all of these with fits measured on the cluster itself.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
+from typing import Any
 
-from autopar.cluster import Cluster, Link
 from autopar.errors import ClusterError
+from autopar.hardware.links import Link
+
+ClusterFields = dict[str, Any]  # keyword arguments of Cluster
 
 GB = 1e9
 GiB = 2**30
@@ -84,7 +88,7 @@ def usable_memory(capacity: float, context: float = CUDA_CONTEXT, reserve: float
     return (capacity - context) * (1.0 - reserve)
 
 
-def p3_16xlarge(nodes: int = 1, mesh_shape=None) -> Cluster:
+def p3_16xlarge(nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """AWS p3.16xlarge: 8× V100-SXM2-16GB per node in a hybrid cube-mesh of NVLink 2, 25 Gbps Ethernet out.
 
     Sources: AWS EC2 P3 instance page (8× V100 16 GB, NVLink, 25 Gbps networking for p3.16xlarge);
@@ -97,7 +101,7 @@ def p3_16xlarge(nodes: int = 1, mesh_shape=None) -> Cluster:
     ring over the six links in NCCL's three rings at ~85 % (130 GB/s, derived from the link counts).
     """
     peak = {"float16": 125 * TFLOPS, "float32": 15.7 * TFLOPS}
-    return Cluster(
+    return dict(
         name="p3.16xlarge", nodes=nodes, devices_per_node=8, peak_flops=peak,
         matmul_efficiency=0.8, matmul_curve=gemm_curves(peak, {"float16": 0.80, "float32": 0.90}),
         memory_bandwidth=900 * GB * STREAM_FRACTION,
@@ -111,7 +115,7 @@ def p3_16xlarge(nodes: int = 1, mesh_shape=None) -> Cluster:
     )
 
 
-def dgx_a100(nodes: int = 1, mesh_shape=None) -> Cluster:
+def dgx_a100(nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """NVIDIA DGX A100 (640 GB): 8× A100-SXM4-80GB on NVSwitch, 8× 200 Gb/s HDR InfiniBand out.
 
     Sources: NVIDIA DGX A100 datasheet (8× A100 80 GB, 600 GB/s NVLink per GPU via NVSwitch, 8× ConnectX-6
@@ -121,7 +125,7 @@ def dgx_a100(nodes: int = 1, mesh_shape=None) -> Cluster:
     A100): 0.8 × 300. Inter-node: 8 × 200 Gb/s per node at ~90 % (IB HDR line rate less encoding/headers).
     """
     peak = {"float16": 312 * TFLOPS, "bfloat16": 312 * TFLOPS, "float32": 19.5 * TFLOPS}
-    return Cluster(
+    return dict(
         name="dgx-a100", nodes=nodes, devices_per_node=8, peak_flops=peak,
         matmul_efficiency=0.859,
         matmul_curve=gemm_curves(peak, {"float16": 0.859, "bfloat16": 0.859, "float32": 0.90}),
@@ -135,7 +139,7 @@ def dgx_a100(nodes: int = 1, mesh_shape=None) -> Cluster:
     )
 
 
-def dgx_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
+def dgx_h100(nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """NVIDIA DGX H100: 8× H100-SXM5-80GB on NVLink 4 / NVSwitch, 8× 400 Gb/s NDR InfiniBand out.
 
     Sources: NVIDIA DGX H100 datasheet (8× H100 80 GB, 900 GB/s NVLink per GPU, 8× ConnectX-7 400 Gb/s);
@@ -143,7 +147,7 @@ def dgx_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
     450 GB/s per direction, NCCL all-reduce bus bandwidth ~360 GB/s on 8 GPUs without NVLS (0.8 × 450).
     """
     peak = {"float16": 989 * TFLOPS, "bfloat16": 989 * TFLOPS, "float32": 67 * TFLOPS}
-    return Cluster(
+    return dict(
         name="dgx-h100", nodes=nodes, devices_per_node=8, peak_flops=peak,
         matmul_efficiency=0.801,
         matmul_curve=gemm_curves(peak, {"float16": 0.801, "bfloat16": 0.801, "float32": 0.90}),
@@ -163,7 +167,7 @@ def dgx_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
 H100_96GB_EXPOSED = 96 * 1024 * MiB - 361 * MiB
 
 
-def grand_teton_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
+def grand_teton_h100(nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """Meta's Grand Teton: 8× H100 96 GB HBM2e per host, fully connected with NVLink, 400 Gb/s RDMA per GPU.
 
     Source: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, "Hardware" (8 H100 per host fully
@@ -173,9 +177,8 @@ def grand_teton_h100(nodes: int = 1, mesh_shape=None) -> Cluster:
     The 500 W limit's lower clocks and everything else a roofline misses are in the calibrated
     compute_time_scale (``H100_500W_COMPUTE_TIME_SCALE``).
     """
-    base = dgx_h100(nodes, mesh_shape)
-    return dataclasses.replace(
-        base, name="grand-teton-h100", memory_bandwidth=2400 * GB * STREAM_FRACTION,
+    return dict(
+        dgx_h100(nodes, mesh_shape), name="grand-teton-h100", memory_bandwidth=2400 * GB * STREAM_FRACTION,
         memory_capacity=H100_96GB_EXPOSED, memory_per_device=usable_memory(H100_96GB_EXPOSED),
         compute_time_scale=H100_500W_COMPUTE_TIME_SCALE,
         source="torchtitan llama3_h100_202412 Hardware (Grand Teton: H100 96 GB HBM2e, 500 W); NVIDIA H100 "
@@ -188,7 +191,7 @@ A100_40GB_EXPOSED = 40960 * MiB
 L4_EXPOSED = 23034 * MiB
 
 
-def p4d_a100_40gb(nodes: int = 1, mesh_shape=None) -> Cluster:
+def p4d_a100_40gb(nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """AWS p4d.24xlarge: 8× A100-SXM4-40GB on NVSwitch, 4× 100 Gbps EFA out (400 Gbps per node).
 
     Sources: AWS EC2 P4 instance page (p4d.24xlarge: 8× A100 40 GB, 600 GB/s NVSwitch, 400 Gbps EFA);
@@ -197,15 +200,14 @@ def p4d_a100_40gb(nodes: int = 1, mesh_shape=None) -> Cluster:
     SRD transport reaches less of the line than InfiniBand's 0.9). Compute factor as the 80 GB part (same die
     and clocks; not calibrated on this part). The hardware of Mist's A100 runs (Zhu et al., EuroSys'25).
     """
-    base = dgx_a100(nodes, mesh_shape)
-    return dataclasses.replace(
-        base, name="a100-40gb", memory_bandwidth=1555 * GB * STREAM_FRACTION,
+    return dict(
+        dgx_a100(nodes, mesh_shape), name="a100-40gb", memory_bandwidth=1555 * GB * STREAM_FRACTION,
         memory_capacity=A100_40GB_EXPOSED, memory_per_device=usable_memory(A100_40GB_EXPOSED),
         inter_node=Link(latency=15e-6, bandwidth=0.8 * 400e9 / 8, hop_latency=8e-6),
         source="AWS EC2 P4 page (p4d.24xlarge); NVIDIA A100 datasheet (40 GB HBM2); EFA efficiency estimated")
 
 
-def gcp_g2_l4(nodes: int = 1, mesh_shape=None) -> Cluster:
+def gcp_g2_l4(nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """GCP g2-standard-96: 8× NVIDIA L4 (24 GB GDDR6) on PCIe Gen4, no NVLink; 100 Gbps per VM.
 
     Sources: NVIDIA L4 datasheet (242 TFLOPS fp16/bf16 tensor *with sparsity* -> 121 dense; 30.3 TFLOPS fp32;
@@ -217,7 +219,7 @@ def gcp_g2_l4(nodes: int = 1, mesh_shape=None) -> Cluster:
     hardware of Mist's L4 runs (Zhu et al., EuroSys'25).
     """
     peak = {"float16": 121 * TFLOPS, "bfloat16": 121 * TFLOPS, "float32": 30.3 * TFLOPS}
-    return Cluster(
+    return dict(
         name="l4", nodes=nodes, devices_per_node=8, peak_flops=peak,
         matmul_efficiency=0.7, matmul_curve=gemm_curves(peak, {"float16": 0.7, "bfloat16": 0.7, "float32": 0.8}),
         memory_bandwidth=300 * GB * STREAM_FRACTION,
@@ -232,7 +234,7 @@ PRESETS = {"p3.16xlarge": p3_16xlarge, "dgx-a100": dgx_a100, "dgx-h100": dgx_h10
            "grand-teton-h100": grand_teton_h100, "a100-40gb": p4d_a100_40gb, "l4": gcp_g2_l4}
 
 
-def preset(name: str, nodes: int = 1, mesh_shape=None) -> Cluster:
+def preset(name: str, nodes: int = 1, mesh_shape=None) -> ClusterFields:
     """Look a preset up by name; the error lists the known names."""
     if name not in PRESETS:
         raise ClusterError(f"unknown cluster preset {name!r}; known presets: {sorted(PRESETS)} "
@@ -242,15 +244,15 @@ def preset(name: str, nodes: int = 1, mesh_shape=None) -> Cluster:
     return PRESETS[name](nodes=nodes, mesh_shape=mesh_shape)
 
 
-def preset_gpus(name: str, gpus: int) -> Cluster:
+def preset_gpus(name: str, gpus: int) -> ClusterFields:
     """``gpus`` devices of preset ``name``: whole nodes (gpus a multiple of the node size), or part of one node
     (a node of ``gpus`` devices, same links), as benchmarks quote runs on 1, 2 or 4 GPUs of a machine."""
-    per_node = preset(name).devices_per_node
+    per_node = preset(name)["devices_per_node"]
     if not isinstance(gpus, int) or gpus < 1 or (gpus > per_node and gpus % per_node):
         raise ClusterError(f"preset {name!r}: {gpus!r} GPUs is neither part of one {per_node}-GPU node nor whole "
                            f"nodes; use 1..{per_node} or a multiple of {per_node}")
     if gpus < per_node:
-        return dataclasses.replace(preset(name), devices_per_node=gpus, mesh_shape=None)
+        return dict(preset(name), devices_per_node=gpus, mesh_shape=None)
     return preset(name, nodes=gpus // per_node)
 
 
@@ -269,7 +271,7 @@ _GLOO_BANDWIDTH = 1e9
 _CPU_OP_OVERHEAD = 18e-6
 
 
-def local_cpu(n: int, mesh_shape=None, memory_per_device: float | None = None) -> Cluster:
+def local_cpu(n: int, mesh_shape=None, memory_per_device: float | None = None) -> ClusterFields:
     """This machine as ``n`` CPU ranks over gloo; compute shares the cores when n exceeds them."""
     if not isinstance(n, int) or n < 1:
         raise ClusterError(f"Cluster.local(n): n must be a positive integer, got {n!r}")
@@ -279,7 +281,7 @@ def local_cpu(n: int, mesh_shape=None, memory_per_device: float | None = None) -
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 8 * GiB
         memory_per_device = 0.8 * total / n
     link = Link(latency=_GLOO_LATENCY, bandwidth=_GLOO_BANDWIDTH)
-    return Cluster(
+    return dict(
         name=f"local-{n}",
         nodes=1,
         devices_per_node=n,

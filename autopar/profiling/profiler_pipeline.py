@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.cluster import Cluster
+from autopar.hardware.cluster import Cluster
 
 WIDTH, LAYERS_PER_STAGE, ROUND_STEPS, WARMUP_STEPS = 8, 2, 3, 2
 

@@ -1,6 +1,7 @@
 """Measure the machine autopar runs on and describe it as a ``Cluster``.
 
-    cluster = autopar.Cluster.profile(4, out="cluster.json")     # or: python -m autopar.profiler 4 --out cluster.json
+    cluster = autopar.Cluster.profile(4, out="cluster.json")
+    # or: python -m autopar.profiling.profiler 4 --out cluster.json  (or: autopar profile 4 --out cluster.json)
 
 ``profile_cluster(n)`` spawns n local gloo ranks with ``autopar.launch`` and measures with every rank busy
 at once, as in training (4 ranks on 2 cores each get about half a core, and the figures say so):
@@ -20,11 +21,11 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
   local tensor (in = out = m). send is a ping-pong between ranks (2i, 2i+1), t = round trip / 2, stored
   as "send/2".
 
-* training conditions (``autopar.profiler_training``): collectives with both axes of each 2-D mesh
+* training conditions (``autopar.profiling.profiler_training``): collectives with both axes of each 2-D mesh
   alternating (fits keyed "<kind>/<n>@<R>x<C>"), the host overhead per op call (``op_overhead``), the
   factor training-shaped linears run at against the square-mm curve (the curve is scaled by it), and, with
   2 or more ranks, the pipeline runtime's host time per (chunk, microbatch) (``microbatch_overhead``,
-  ``autopar.profiler_pipeline``).
+  ``autopar.profiling.profiler_pipeline``).
 
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
 ``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
@@ -47,22 +48,28 @@ import socket
 import statistics
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from autopar.cluster import Cluster, CollectiveFit, Link
 from autopar.errors import ClusterError
+from autopar.hardware.cluster import Cluster, Link
 from autopar.launch import launch
-from autopar.profiler_device import KINDS as DEVICE_KINDS
-from autopar.profiler_device import ProbeDevice
-from autopar.profiler_training import apply_training_measurements, measure_rank
+from autopar.profiling.probes import (
+    COLLECTIVES,
+    calls_per_window,
+    collective_call,
+    fit_alpha_beta,
+    seconds_per_call,
+    slowest_rank,
+    warm_up,
+)
+from autopar.profiling.profiler_device import KINDS as DEVICE_KINDS
+from autopar.profiling.profiler_device import ProbeDevice
+from autopar.profiling.profiler_training import apply_training_measurements, measure_rank
 
 KiB, MiB = 2**10, 2**20
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")
-MIN_BETA = 1e-15  # s/byte (1 PB/s): the floor of a fit whose times do not grow with m
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -95,7 +102,6 @@ QUICK = ProfileSettings(message_bytes=(4 * KiB, 64 * KiB, 1 * MiB), matmul_sizes
 GPU_FULL = dataclasses.replace(FULL, message_bytes=tuple(4 * KiB * 4**k for k in range(9)),
                                matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), stream_bytes=512 * MiB)
 GPU_QUICK = dataclasses.replace(QUICK, matmul_sizes=(256, 1024, 4096), stream_bytes=256 * MiB)
-MAX_CALLS_PER_WINDOW = 10_000
 
 
 def profile_cluster(nprocs: int | None = None, *, mesh_shape=None, quick: bool = False, progress: bool = True,
@@ -164,35 +170,6 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
-
-
-def warm_up(call, times: int, probe: ProbeDevice) -> float:
-    """Run ``call`` ``times`` times (at least once); the seconds of the last run."""
-    for _ in range(max(1, times) - 1):
-        call()
-    return probe.window_seconds(call, 1)
-
-
-def slowest_rank(seconds: float, probe: ProbeDevice) -> float:
-    """The maximum of ``seconds`` over the world (every rank must call this together)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=probe.torch)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDevice) -> float:
-    """Median over ``windows`` windows of (window seconds / calls in it).
-
-    Windows rather than single calls: one small matmul is shorter than a scheduler time slice, so ranks
-    sharing a core would take turns instead of running at once; a window spans many slices and its mean
-    includes the stalls that training also sees.
-    """
-    per_call = [probe.window_seconds(call, calls_per_window) / calls_per_window for _ in range(windows)]
-    return statistics.median(per_call)
-
-
-def calls_per_window(slowest_call_s: float, settings: ProfileSettings) -> int:
-    return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(settings.window_s / max(slowest_call_s, 1e-9))))
 
 
 def _measure_point(call, settings: ProfileSettings, probe: ProbeDevice) -> float | None:
@@ -277,17 +254,6 @@ def _measure_collectives(world: int, settings: ProfileSettings, bar, probe: Prob
     return points
 
 
-def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:
-    """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes."""
-    elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
-    full, part, source = (torch.zeros(n, device=device) for n in (elems, elems // g, elems))  # sums stay finite
-    calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-             "all_gather": lambda: dist.all_gather_single(full, part, group=group),
-             "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
-             "all_to_all": lambda: dist.all_to_all_single(full, source, group=group)}
-    return calls[kind], elems * 4
-
-
 def _ping_pong_call(nbytes: int, world: int, device: torch.device):
     """A round trip of one message between ranks 2i and 2i+1; None on an odd world's last rank."""
     rank = dist.get_rank()
@@ -301,30 +267,6 @@ def _ping_pong_call(nbytes: int, world: int, device: torch.device):
 
 
 # ---- in the caller: medians, fits, the Cluster ---------------------------------------------------
-def fit_alpha_beta(nbytes, seconds) -> CollectiveFit:
-    """The α-β line of the module docstring: relative least squares with α ≥ 0 and β ≥ MIN_BETA.
-
-    The problem is a convex quadratic in (α, β); its minimum is the free solution when that is feasible,
-    else on one of the two bounds, each a one-variable least squares in closed form.
-    """
-    m, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
-    if len(m) < 2 or np.any(t <= 0) or np.any(m <= 0):
-        raise ValueError(f"fit_alpha_beta needs >= 2 points with positive sizes and times, got {list(zip(m, t))}")
-    u, v = 1.0 / t, m / t  # residual_i = α·u_i + β·v_i − 1
-
-    def loss(a, b):
-        return float(np.sum((a * u + b * v - 1.0) ** 2))
-
-    (alpha, beta), *_ = np.linalg.lstsq(np.stack([u, v], axis=1), np.ones_like(t), rcond=None)
-    if alpha >= 0 and beta >= MIN_BETA:
-        return CollectiveFit(alpha=float(alpha), beta=float(beta))
-    on_alpha_bound = (0.0, max(MIN_BETA, float(np.sum(v) / np.sum(v * v))))
-    alpha_free = max(0.0, float(np.sum(u * (1.0 - MIN_BETA * v)) / np.sum(u * u)))
-    on_beta_bound = (alpha_free, MIN_BETA)
-    alpha, beta = min(on_alpha_bound, on_beta_bound, key=lambda ab: loss(*ab))
-    return CollectiveFit(alpha=alpha, beta=beta)
-
-
 def _median_over_ranks(per_rank: list[list[tuple]]) -> list[tuple[float, float]]:
     """Pointwise median over ranks of [(x, seconds), ...] lists with the same x's (None = idle rank)."""
     out = []
@@ -361,7 +303,7 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:
     when = datetime.datetime.now().isoformat(timespec="seconds")
     link = "NVLink/PCIe through NCCL" if probe.kind == "cuda" else "gloo over loopback"
-    return (f"profiled on {socket.gethostname()} {when} by autopar.profiler{' (quick)' if quick else ''}: "
+    return (f"profiled on {socket.gethostname()} {when} by autopar.profiling.profiler{' (quick)' if quick else ''}: "
             f"{probe.describe(n, threads)}, all ranks busy at once; torch {torch.__version__}. One machine: "
             f"intra_node and inter_node are the same measured link ({link}); latency/bandwidth restate the "
             f"all_reduce/{n} fit in ring terms")
@@ -370,7 +312,7 @@ def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:
 def _main(argv=None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m autopar.profiler", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m autopar.profiling.profiler", description=__doc__.splitlines()[0])
     parser.add_argument("nprocs", type=int, nargs="?", default=None, help="local ranks (default: core count)")
     parser.add_argument("--out", default="cluster.json", help="where to write the cluster JSON")
     parser.add_argument("--mesh", type=int, nargs=2, default=None, metavar=("ROWS", "COLS"))

@@ -9,9 +9,9 @@ microbatches follow the schedule (1F1B: pp - s for stage s, at most B; GPipe: al
 from __future__ import annotations
 
 from autopar.errors import PlanError
-from autopar.options import PlanOptions
 from autopar.passes.inter_op import ChosenStage, MeshOption, StageChoice, StageCosts
 from autopar.passes.interleave import manual_chunks
+from autopar.planner.options import PlanOptions
 
 
 def manual_stages(costs: StageCosts, options: PlanOptions, candidates: list[int]) -> StageChoice:

@@ -8,10 +8,10 @@
     stage costs         passes/inter_op         per-layer costs on every submesh (intra-op ILPs inside)
     stage DP            passes/inter_op         layer ranges x submeshes x B (or the user's stages)
     stage ILPs          passes/intra_op         each chosen stage solved exactly at the chosen B
-    plan                autopar/plan_builder    specs as text, collectives, ranks, predicted step time
+    plan                autopar/planner/plan_builder    specs as text, collectives, ranks, predicted step time
 
 ``plan_builder`` only assembles data; nothing here computes a cost. With ``PlanOptions(debug=True)`` the
-invariants each pass promises are checked after it runs (``autopar.invariants``).
+invariants each pass promises are checked after it runs (``autopar.planner.invariants``).
 """
 from __future__ import annotations
 
@@ -20,16 +20,12 @@ import time
 
 import torch
 
-from autopar import invariants
-from autopar.cluster import Cluster
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
-from autopar.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
+from autopar.hardware.cluster import Cluster
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.units import fmt_bytes
-from autopar.manual_stages import manual_stages
-from autopar.options import PlanOptions, first_microbatch, microbatch_candidates, training_spec
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
@@ -44,7 +40,17 @@ from autopar.passes.pins import pinned_strategies
 from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
 from autopar.plan import Plan
-from autopar.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
+from autopar.planner import invariants
+from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
+from autopar.planner.manual_stages import manual_stages
+from autopar.planner.options import (
+    PlanOptions,
+    check_against_graph,
+    first_microbatch,
+    microbatch_candidates,
+    training_spec,
+)
+from autopar.planner.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
 
 MEMORY_BINDS = 0.8  # a single-stage solution above this share of the budget also tries recompute="auto" layers
 
@@ -65,6 +71,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
     clock = _Clock()
+    check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
     at_microbatch = functools.cache(lambda b: _at_microbatch(graph, b, recapture))  # a retry reuses its capture

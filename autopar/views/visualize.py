@@ -2,7 +2,7 @@
 
 The page, top to bottom: the device mesh coloured by pipeline stage with each stage's submesh; the cost
 breakdown (step time, per-stage latency, memory per device against the budget); the pipeline schedule as
-simulated by ``autopar.trace`` (after the stages when there is only one); one section per stage
+simulated by ``autopar.views.trace`` (after the stages when there is only one); one section per stage
 ("stage 0", "stage 1", ...) with its ops against its mesh axes (colour = Replicate / Shard(d) / Partial),
 grouped by layer (repeated-block instance), later instances with identical shardings folded into the first;
 its parameters folded by name pattern; and every inserted collective with its bytes, at the op receiving it.
@@ -15,13 +15,20 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from html import escape
 
-from autopar import trace
 from autopar.ir.units import fmt_bytes, fmt_seconds
 from autopar.placement import parse_spec
-from autopar.report import recompute_text
-from autopar.visualize_groups import OpGroup, compress_ranges, group_ops, group_placeholders, short_op
-from autopar.visualize_svg import bytes_bars, mesh_svg, schedule_svg, seconds_bars, sharding_strip_svg, stage_color
-from autopar.visualize_template import legend_html, page, toolbar_html
+from autopar.views import trace
+from autopar.views.report import recompute_text
+from autopar.views.visualize_groups import OpGroup, compress_ranges, group_ops, group_placeholders, short_op
+from autopar.views.visualize_svg import (
+    bytes_bars,
+    mesh_svg,
+    schedule_svg,
+    seconds_bars,
+    sharding_strip_svg,
+    stage_color,
+)
+from autopar.views.visualize_template import legend_html, page, toolbar_html
 
 COMPUTE, COMM, BUBBLE, GRAD_SYNC, OPTIMIZER = "#4e79a7", "#f28e2b", "#bab0ac", "#9c755f", "#b07aa1"
 MEMORY, TRANSIENT = "#59a14f", "#a0cf97"

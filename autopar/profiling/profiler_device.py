@@ -78,7 +78,7 @@ class ProbeDevice:
         usable figure of ``presets.usable_memory``, with the context measured (total - free once it exists)."""
         if self.kind != "cuda":
             return {}
-        from autopar.presets import NCCL_BUFFERS, usable_memory
+        from autopar.hardware.presets import NCCL_BUFFERS, usable_memory
 
         free, total = torch.cuda.mem_get_info(0)  # after this process's CUDA context exists: total - free is it
         usable = usable_memory(total, context=(total - free) + NCCL_BUFFERS)

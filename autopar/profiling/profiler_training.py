@@ -1,4 +1,4 @@
-"""What ``autopar.profiler`` measures in training conditions, on top of its isolated probes:
+"""What ``autopar.profiling.profiler`` measures in training conditions, on top of its isolated probes:
 
     per rank: measure_rank(settings, probe) -> raw seconds      (inside the profiler's launch)
     caller:   apply_training_measurements(cluster, per_rank, probe) -> Cluster
@@ -43,7 +43,14 @@
    block, not a model being planned. GPUs measure it and record it in the source line but keep 1.0
    (``GPU_PROBE``).
 5. microbatch_overhead: the pipeline runtime's host time per (chunk, microbatch) and direction, from a real
-   pipeline of tiny layers timed at two microbatch counts (``autopar.profiler_pipeline``; 2+ ranks only).
+   pipeline of tiny layers timed at two microbatch counts (``autopar.profiling.profiler_pipeline``; 2+ ranks only).
+6. norm_act_bandwidth: forward + backward of LayerNorm, GELU and softmax on one ``NORM_ACT_SHAPE`` tensor
+   (tokens × width: fp32 on CPUs, bf16 on GPUs, larger than the caches), bytes as ``cost_models.compute``
+   counts them, 3 · (input + output) = 6 · |x|, over the seconds less the host time of their two op calls
+   on CPU ranks (on GPUs launches overlap kernels); the median over the three ops of the median over ranks.
+7. attention_efficiency (GPUs): forward + backward of causal ``scaled_dot_product_attention`` (the flash
+   kernel) on ``ATTENTION_SHAPE`` in bf16; efficiency = the cost model's seconds at rate 1 (its FLOPs, halved
+   for the causal mask, at the bf16 curve's rate for the forward's call size) / the median seconds over ranks.
 """
 from __future__ import annotations
 
@@ -56,8 +63,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.cluster import Cluster
-from autopar.profiler_pipeline import measure_pipeline, microbatch_overhead
+from autopar.hardware.cluster import Cluster
+from autopar.profiling.probes import (
+    COLLECTIVES,
+    calls_per_window,
+    collective_call,
+    fit_alpha_beta,
+    seconds_per_call,
+    slowest_rank,
+    warm_up,
+)
+from autopar.profiling.profiler_pipeline import measure_pipeline, microbatch_overhead
 
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
 TRAINING_SHAPES = ((256, 256, 1024), (256, 1024, 256), (1024, 256, 768), (1024, 512, 512), (2048, 256, 256))
@@ -122,8 +138,6 @@ def _axis_groups(mesh: tuple[int, int]) -> tuple:
 
 def _timed(call, settings, probe) -> float:
     """Seconds per ``call`` by the profiler's method: warm-up, then windows with every rank at once."""
-    from autopar.profiler import calls_per_window, seconds_per_call, slowest_rank, warm_up
-
     dist.barrier()
     slowest = slowest_rank(warm_up(call, settings.warmup, probe), probe)
     return seconds_per_call(call, calls_per_window(slowest, settings), settings.windows, probe)
@@ -146,11 +160,70 @@ def training_shapes(probe) -> list[tuple[int, int, int]]:
     return list(GPU_TRAINING_SHAPES if probe.kind == "cuda" else TRAINING_SHAPES)
 
 
+NORM_ACT_SHAPE = {"cpu": (4096, 512, "float32"), "cuda": (16384, 2048, "bfloat16")}  # tokens, width, dtype
+
+
+def norm_act_calls(kind: str, device) -> list:
+    """Forward + backward of LayerNorm, GELU and softmax on one training-sized tensor (item 6), as calls."""
+    tokens, width, dtype = NORM_ACT_SHAPE["cuda" if kind == "cuda" else "cpu"]
+    x = torch.randn(tokens, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+    grad, ops = torch.randn_like(x), (nn.LayerNorm(width).to(device, x.dtype), F.gelu, lambda t: t.softmax(-1))
+    return [(lambda op=op: torch.autograd.grad(op(x), x, grad)) for op in ops]
+
+
+def norm_act_bytes(kind: str) -> float:
+    """Bytes one call of ``norm_act_calls`` moves as the cost model counts them: 3 · (input + output)."""
+    tokens, width, dtype = NORM_ACT_SHAPE["cuda" if kind == "cuda" else "cpu"]
+    return 6.0 * tokens * width * getattr(torch, dtype).itemsize
+
+
+def norm_act_bandwidth(per_rank: list[dict], kind: str, overhead: float) -> float:
+    """Item 6: median over the ops of bytes / (median seconds over ranks − host time of two op calls)."""
+    host = 0.0 if kind == "cuda" else 2 * overhead
+    measured = [r["norm_act"] for r in per_rank if r.get("norm_act")]
+    if not measured:
+        return 0.0
+    rates = [norm_act_bytes(kind) / max(statistics.median(m[i] for m in measured) - host, 1e-9)
+             for i in range(len(measured[0]))]
+    return statistics.median(rates)
+
+
+ATTENTION_SHAPE = (8, 16, 2048, 128)  # batch, heads, sequence, head dim: a GPT-1.3B microbatch's
+
+
+def attention_call(device):
+    """Forward + backward of causal flash attention on ``ATTENTION_SHAPE`` (item 7), as a call."""
+    q, k, v, grad = (torch.randn(ATTENTION_SHAPE, device=device, dtype=torch.bfloat16, requires_grad=i < 3)
+                     for i in range(4))
+    return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+
+
+def attention_flops() -> tuple[float, float]:
+    """(forward, backward) FLOPs of ``attention_call`` as the cost model counts them (flop_counter on meta)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    q, k, v = (torch.empty(ATTENTION_SHAPE, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    with FlopCounterMode(display=False) as counter:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        fwd = counter.get_total_flops()
+        out.backward(torch.ones_like(out))
+    return float(fwd), float(counter.get_total_flops() - fwd)
+
+
+def attention_efficiency(cluster: Cluster, per_rank: list[dict]) -> float:
+    """Item 7: the cost model's causal-attention seconds at rate 1 over the measured median; 0 when not
+    measured (CPU ranks, or no bf16 curve)."""
+    measured = [r["attention"] for r in per_rank if r.get("attention")]
+    if not measured or "bfloat16" not in cluster.matmul_curve:
+        return 0.0
+    fwd, bwd = attention_flops()
+    ideal = 0.5 * (fwd + bwd) / cluster.matmul_flops("bfloat16", fwd)
+    return ideal / statistics.median(measured)
+
+
 def measure_rank(settings, probe) -> dict:
     """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]},
     "pipeline": ``profiler_pipeline.measure_pipeline``'s}."""
-    from autopar.profiler import COLLECTIVES, collective_call
-
     out = {"mesh": {}, "tiny_step": None, "linears": {}, "probe_step": None, "probe_reference": None}
     for mesh in meshes_of(dist.get_world_size()):
         groups = _axis_groups(mesh)
@@ -175,6 +248,9 @@ def measure_rank(settings, probe) -> dict:
         dtype = getattr(torch, name)
         out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
                                 for s in training_shapes(probe)]
+    out["norm_act"] = [_timed(call, settings, probe) for call in norm_act_calls(probe.kind, device)]
+    if probe.kind == "cuda":
+        out["attention"] = _timed(attention_call(device), settings, probe)
     out["pipeline"] = measure_pipeline(settings, probe)
     return out
 
@@ -276,8 +352,6 @@ def _share(alone, axis: int, m0: float, m1: float) -> float:
 
 def in_mesh_fits(cluster: Cluster, per_rank: list[dict]) -> dict:
     """The intra-node fits plus "<kind>/<n>@<R>x<C>" ones from the alternating-axes measurement (item 1)."""
-    from autopar.profiler import fit_alpha_beta
-
     fits = dict(cluster.intra_node.fits)
     for key, points in per_rank[0]["mesh"].items():
         mesh, kind = key
@@ -304,8 +378,15 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
         curve[name] = [[flops, rate * factor] for flops, rate in curve[name]]
         peak[name] = max(rate for _, rate in curve[name])
         notes.append(f"{name} curve × {factor:.2f} for training-shaped matmuls")
+    norm_act = norm_act_bandwidth(per_rank, probe.kind, overhead)
+    if norm_act:
+        notes.append(f"norm/activation ops at {norm_act / 1e9:.1f} GB/s")
+    attention = attention_efficiency(dataclasses.replace(cluster, matmul_curve=curve, peak_flops=peak), per_rank)
+    if attention:
+        notes.append(f"flash attention at {attention:.2f} of the matmul rate")
     out = dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
-                              op_overhead=overhead, matmul_curve=curve, peak_flops=peak)
+                              op_overhead=overhead, matmul_curve=curve, peak_flops=peak, norm_act_bandwidth=norm_act,
+                              attention_efficiency=attention)
     probes = [(r["probe_step"], r["probe_reference"]) for r in per_rank if r.get("probe_step") is not None]
     if probes:
         scale = end_to_end_factor(out, statistics.median(p for p, _ in probes),

@@ -1,15 +1,25 @@
 """Planner options (``PlanOptions``, accepted by ``autopar.plan`` and ``autopar.compile`` as keywords), the
-checks that make a bad option one clear ``PlanError`` before any planning, and the microbatch split they imply."""
+checks that make a bad option one clear ``PlanError`` before any planning, and the microbatch split they imply.
+
+Invariant: every field is checked when a ``PlanOptions`` is made (``_check_fields``: type and range, one
+``OptionError`` naming the option, the value and the valid values); an unknown name is refused with the
+closest known one (``plan_options``); globs (``pin``, ``zero``, ``recompute``) that match nothing in the
+model and more stages than devices are refused once the graph is known (``check_against_graph``).
+"""
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import fnmatch
+import math
 
-from autopar.cost_models.memory import TrainingSpec, zero_levels
-from autopar.errors import PlanError
+from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES, TrainingSpec, zero_levels
+from autopar.errors import OptionError, PlanError
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.interleave import check_schedule
 from autopar.passes.recompute import check_policy
+from autopar.placement import parse_spec
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "auto")
 MAX_MICROBATCHES = 512
@@ -34,7 +44,7 @@ class PlanOptions:
     virtual_stages: model chunks per device for "interleaved"/"auto"; None lets the planner choose. A manual
       stage list for "interleaved" lists all pp·v chunks (chunk j on the submesh of chunk j mod pp).
     layers: how many layers the DP cuts the model into (default: one per repeated block, at most 16).
-    debug: check each pass's output invariants after it runs (slower; see ``autopar.invariants``).
+    debug: check each pass's output invariants after it runs (slower; see ``autopar.planner.invariants``).
     recompute: "auto" (the stage DP chooses, per stage, which layers recompute their activations in
       backward), "none", "full", or {layer glob: "none" | "full" | "selective" | "auto"}; see
       ``passes.recompute``. The plan records the choice per stage (``Stage.recompute``).
@@ -60,6 +70,7 @@ class PlanOptions:
     bucket_bytes: int = 25 * 2 ** 20
 
     def __post_init__(self):
+        _check_fields(self)
         resolve_precision(self.precision)
         check_zero(self.zero)
         check_policy(self.recompute)
@@ -69,12 +80,100 @@ class PlanOptions:
 ZERO_LEVELS = (0, 1, 2, 3)
 
 
+def plan_options(options: dict, also: tuple[str, ...] = ()) -> PlanOptions:
+    """``PlanOptions(**options)``; an unknown name is one OptionError naming the closest known option
+    (``also``: the calling function's own keywords, listed as known)."""
+    known = [f.name for f in dataclasses.fields(PlanOptions)]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known + list(also), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise OptionError(f"unknown option {name!r}{hint}; the planner options are {known}"
+                              + (f", and {list(also)}" if also else ""))
+    return PlanOptions(**options)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+_VALID = {
+    "optimizer": f"one of {sorted(OPTIMIZER_STATE_BYTES)}",
+    "time_limit": "a positive number of seconds",
+    "pin": "None or a dict {node-name glob: spec text}, e.g. {'p_*': 'RR'}",
+    "stages": "None (the planner chooses), a positive int, or a list of {'layers': [first, last], "
+              "'submesh': [nodes, devices per node]}",
+    "microbatches": "None (the planner chooses) or a positive int",
+    "schedule": f"one of {list(SCHEDULES)}",
+    "layers": "None (one per repeated block) or a positive int",
+    "debug": "True or False",
+    "bucket_bytes": "a positive number of bytes, e.g. 25 * 2**20",
+}
+_CHECKS = {
+    "optimizer": lambda v: isinstance(v, str) and v in OPTIMIZER_STATE_BYTES,
+    "time_limit": lambda v: _is_number(v) and v > 0,
+    "pin": lambda v: v is None or (isinstance(v, dict) and all(isinstance(k, str) and isinstance(s, str)
+                                                                for k, s in v.items())),
+    "stages": lambda v: v is None or _is_count(v) or (isinstance(v, (list, tuple)) and len(v) > 0
+                                                      and all(isinstance(e, dict) for e in v)),
+    "microbatches": lambda v: v is None or _is_count(v),
+    "schedule": lambda v: isinstance(v, str) and v in SCHEDULES,
+    "layers": lambda v: v is None or _is_count(v),
+    "debug": lambda v: isinstance(v, bool),
+    "bucket_bytes": lambda v: _is_number(v) and v > 0,
+}
+
+
+def _check_fields(options: PlanOptions) -> None:
+    """One OptionError for the first field whose value has the wrong type or range (``_VALID``)."""
+    for name, valid in _CHECKS.items():
+        value = getattr(options, name)
+        if not valid(value):
+            raise OptionError(f"{name}={value!r} is not a valid value of option {name!r}; use {_VALID[name]}")
+    for glob, spec in (options.pin or {}).items():
+        try:
+            parse_spec(spec)
+        except ValueError as e:
+            raise OptionError(f"pin={{{glob!r}: {spec!r}}}: {e}; a spec has one entry per mesh axis, e.g. 'S(0)R' "
+                              f"(dim 0 split over axis 0) or 'RR' (replicated)") from None
+
+
+def check_against_graph(graph: ModelGraph, num_devices: int, options: PlanOptions) -> None:
+    """OptionError for a ``pin`` or ``zero`` glob that matches nothing in ``graph``, or for more stages than
+    devices (each stage needs a device of its own). ``recompute`` globs: ``passes.recompute.layer_modes``."""
+    names = [n.name for n in graph.gm.graph.nodes]
+    for glob in options.pin or {}:
+        if not any(fnmatch.fnmatchcase(name, glob) for name in names):
+            raise OptionError(f"pin glob {glob!r} matches no node of the graph; node names look like "
+                              f"{_examples(names)} (parameters 'p_<fqn with _>', inputs by forward's argument "
+                              f"names; see plan.summary() or autopar show)")
+    if isinstance(options.zero, dict):
+        params = [(p.fqn, p.name) for p in graph.placeholders if p.kind == "parameter"]
+        for glob in options.zero:
+            if not any(fnmatch.fnmatch(fqn, glob) or fnmatch.fnmatch(name, glob) for fqn, name in params):
+                raise OptionError(f"zero glob {glob!r} matches no parameter; parameter names look like "
+                                  f"{_examples([fqn for fqn, _ in params])}")
+    if isinstance(options.stages, int) and options.stages > num_devices:
+        raise OptionError(f"stages={options.stages} needs at least {options.stages} devices (one per pipeline "
+                          f"stage), but the cluster has {num_devices}; use stages between 1 and {num_devices}, or "
+                          f"stages=None to let the planner choose")
+
+
+def _examples(names: list[str]) -> str:
+    return ", ".join(repr(n) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+
+
 def check_zero(zero) -> None:
     """``zero``: "auto", a level, or {glob: level}; PlanError otherwise."""
     levels = list(zero.values()) if isinstance(zero, dict) else [zero]
-    if zero == "auto" or (levels and all(isinstance(v, int) and v in ZERO_LEVELS for v in levels)):
+    if zero == "auto" or (levels and all(isinstance(v, int) and not isinstance(v, bool) and v in ZERO_LEVELS
+                                         for v in levels)):
         return
-    raise PlanError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
+    raise OptionError(f"zero={zero!r} is not a ZeRO setting; use 'auto', one of {list(ZERO_LEVELS)} or "
                     f"{{parameter-fqn glob: level}} (1: optimizer state sharded, 2: and gradients, 3: and "
                     f"parameters between uses)")
 

@@ -26,11 +26,11 @@ import math
 
 import numpy as np
 
-from autopar.cluster import Cluster
 from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import held_state_bytes, single_step_release
 from autopar.cost_models.zero3 import exposed_gather, zero3_units
+from autopar.hardware.cluster import Cluster
 from autopar.ir.buckets import deferrable_syncs, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision

@@ -1,7 +1,7 @@
 """The invariants each planning pass promises, checked after it runs when ``PlanOptions(debug=True)``.
 
 One function per pass; each raises AssertionError naming the first violation (a bug in autopar, not a
-user error). ``autopar.driver.plan_graph`` calls them in pass order:
+user error). ``autopar.planner.driver.plan_graph`` calls them in pass order:
 
     capture         every call_function node carries meta["val"]; no runtime-assertion node is left
     strategies      every node has a strategy, and its first one is replicated (the fallback every rule keeps)

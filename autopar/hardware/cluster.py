@@ -18,51 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterError
+from autopar.hardware import presets
+from autopar.hardware.links import CollectiveFit, Link
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CollectiveFit:
-    """A fitted α-β line for one collective on one link class and group size: t(m) = alpha + m * beta.
-
-    m is the per-device message size in bytes as ``cost_models.communication`` defines it for that
-    collective (the input of an all-reduce, the output of an all-gather, ...).
-    """
-
-    alpha: float
-    beta: float
-
-    def time(self, nbytes: float) -> float:
-        return self.alpha + nbytes * self.beta
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Link:
-    """One class of interconnect (inside a node, or between nodes).
-
-    latency: α, seconds per collective (or per send).  bandwidth: bytes/s one device can push.
-    group_bandwidth: {"<group size>": bytes/s per device} where a group's size changes what it gets (a
-    V100 pair shares 1-2 NVLinks, eight GPUs ring over all six); sizes not listed use the nearest smaller
-    listed one, else ``bandwidth`` (see ``bandwidth_for``). Empty on switched fabrics (NVSwitch, IB).
-    hop_latency: seconds each extra algorithm step adds to a collective (NCCL's per-step latency): a ring
-    all-reduce over n devices takes 2(n-1) steps, a tree 2·ceil(log2 n); 0 keeps one α per collective.
-    fits: measured α-β lines keyed ``"<collective>/<group size>"`` (e.g. ``"all_reduce/4"``); when a key
-    is present the cost model uses it instead of the analytic ring formula on latency/bandwidth. A key
-    ``"<collective>/<group size>@<R>x<C>"`` is a fit measured on an R×C mesh with both axes busy, which
-    the cost model prefers on that mesh (see ``cost_models.communication``).
-    """
-
-    latency: float
-    bandwidth: float
-    fits: dict[str, CollectiveFit] = dataclasses.field(default_factory=dict)
-    group_bandwidth: dict[str, float] = dataclasses.field(default_factory=dict)
-    hop_latency: float = 0.0
-
-    def bandwidth_for(self, group_size: int) -> float:
-        """Bytes/s per device for a group of ``group_size`` devices on this link: ``group_bandwidth`` at the
-        largest listed size <= group_size (topologies where a pair gets fewer links than a full ring, such as
-        the V100 hybrid cube-mesh), else ``bandwidth``."""
-        listed = [int(k) for k in self.group_bandwidth if int(k) <= group_size]
-        return self.group_bandwidth[str(max(listed))] if listed else self.bandwidth
+__all__ = ["Cluster", "CollectiveFit", "Link"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,14 +50,26 @@ class Cluster:
       it once per forward and once per backward of every (chunk, microbatch) of a plan that runs the
       pipeline runtime (more than one stage or microbatch; ``plan_builder.charge_microbatch_overhead``), the
       stage DP and the interleave pass too. 0 (the default, presets, old cluster files) means "negligible";
-      the profiler measures it with 2 or more ranks (``autopar.profiler_pipeline``).
+      the profiler measures it with 2 or more ranks (``autopar.profiling.profiler_pipeline``).
     memory_capacity: the device's physical memory in bytes, for reports (0: not known). ``memory_per_device``
       is what training may use: the capacity less the CUDA context and an allocator reserve (see
       ``presets.usable_memory``); the planner's budget is ``memory_per_device``.
+    norm_act_bandwidth: bytes/s that normalization, activation and softmax ops achieve, forward + backward
+      (``cost_models.compute.NORM_ACT_OPS``; bytes counted as the cost model counts them). They reduce over
+      rows, evaluate transcendentals or run several kernels per op, and stream well below an ``add``: on an
+      H100, LayerNorm at 0.23-0.38 and GELU at 0.45-0.61 of the preset's bandwidth; on one CPU core of the
+      development VM, 0.05-0.09 of its add bandwidth. 0 (the default, presets, old cluster files): priced at
+      ``memory_bandwidth`` like every other memory-bound op; the profiler measures it
+      (``autopar.profiling.profiler_training``, item 6).
+    attention_efficiency: the rate fused (flash) attention achieves, forward + backward on its causal FLOPs,
+      as a fraction of the matmul curve's rate at the same call size. 0 (the default, presets, old cluster
+      files): ``cost_models.compute.ATTENTION_RATE`` (FlashAttention-2's A100 figures); the profiler measures
+      it on GPUs (``autopar.profiling.profiler_training``, item 7): it differs by generation (FlashAttention-2 reaches
+      ~70 % of an A100's peak and ~35 % of an H100's).
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
-      step (``autopar.profiler_training``, item 4; GPUs record it and keep 1.0).
+      step (``autopar.profiling.profiler_training``, item 4; GPUs record it and keep 1.0).
     """
 
     name: str
@@ -119,6 +90,8 @@ class Cluster:
     microbatch_overhead: float = 0.0
     memory_capacity: float = 0.0
     compute_time_scale: float = 1.0
+    norm_act_bandwidth: float = 0.0
+    attention_efficiency: float = 0.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -143,6 +116,8 @@ class Cluster:
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
         _check_positive(self.name, "microbatch_overhead", self.microbatch_overhead, allow_zero=True)
         _check_positive(self.name, "memory_capacity", self.memory_capacity, allow_zero=True)
+        _check_positive(self.name, "norm_act_bandwidth", self.norm_act_bandwidth, allow_zero=True)
+        _check_positive(self.name, "attention_efficiency", self.attention_efficiency, allow_zero=True)
         _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
@@ -192,22 +167,25 @@ class Cluster:
     @staticmethod
     def local(n: int, mesh_shape: tuple[int, int] | None = None, memory_per_device: float | None = None) -> "Cluster":
         """This machine as ``n`` CPU ranks over gloo (see ``presets.local_cpu`` for the constants)."""
-        from autopar.presets import local_cpu
-
-        return local_cpu(n, mesh_shape=mesh_shape, memory_per_device=memory_per_device)
+        return Cluster(**presets.local_cpu(n, mesh_shape=mesh_shape, memory_per_device=memory_per_device))
 
     @staticmethod
-    def preset(name: str, nodes: int = 1, mesh_shape: tuple[int, int] | None = None) -> "Cluster":
-        """A described GPU cluster: "p3.16xlarge", "dgx-a100", "dgx-h100", "a100-40gb", "l4" (``presets.PRESETS``)."""
-        from autopar.presets import preset
-
-        return preset(name, nodes=nodes, mesh_shape=mesh_shape)
+    def preset(name: str, nodes: int = 1, mesh_shape: tuple[int, int] | None = None, *,
+               gpus: int | None = None) -> "Cluster":
+        """A described GPU cluster: "p3.16xlarge", "dgx-a100", "dgx-h100", "a100-40gb", "l4", ... (``presets.PRESETS``).
+        ``gpus`` instead of ``nodes``: that many devices, whole nodes or part of one (``presets.preset_gpus``)."""
+        if gpus is None:
+            return Cluster(**presets.preset(name, nodes=nodes, mesh_shape=mesh_shape))
+        if nodes != 1:
+            raise ClusterError(f"Cluster.preset({name!r}): give nodes={nodes!r} or gpus={gpus!r}, not both")
+        fields = presets.preset_gpus(name, gpus)
+        return Cluster(**(fields if mesh_shape is None else {**fields, "mesh_shape": mesh_shape}))
 
     @staticmethod
     def profile(*args, **kwargs) -> "Cluster":
         """Measure this machine as n local gloo ranks (out=path also writes the JSON); see
-        ``autopar.profiler.profile_cluster``."""
-        from autopar.profiler import profile_cluster
+        ``autopar.profiling.profiler.profile_cluster``."""
+        from autopar.profiling.profiler import profile_cluster
 
         return profile_cluster(*args, **kwargs)
 
@@ -235,13 +213,9 @@ class Cluster:
             if not path.exists():
                 raise ClusterError(f"cluster file {str(path)!r} does not exist; write one with "
                                    f"`autopar profile --out {path}` or Cluster.to_json({str(path)!r})")
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ClusterError(f"cluster file {str(path)!r} is not UTF-8 JSON text (byte {e.start}); write "
-                                   f"one with `autopar profile --out {path}`") from None
-            except OSError as e:
-                raise ClusterError(f"cannot read cluster file {str(path)!r}: {e.strerror}") from None
+            from autopar.ir.text_files import read_json_text
+
+            text = read_json_text(path, "cluster file", ClusterError, f"write one with `autopar profile --out {path}`")
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:

@@ -1,0 +1,90 @@
+"""The profiler's timing primitives, shared by its isolated probes (``profiler``) and its training-condition
+ones (``profiler_training``), and the α-β fit both make of collective timings.
+
+Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls, the calls per window
+agreed by all ranks from the slowest rank's warm-up (about ``window_s`` each, at most MAX_CALLS_PER_WINDOW),
+and keeps the median of window / calls. Fit, per "<collective>/<g>":
+
+    t(m) = α + m·β,   minimizing Σ_i ((α + m_i·β − t_i) / t_i)²,   α ≥ 0,  β ≥ MIN_BETA
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from autopar.hardware.cluster import CollectiveFit
+from autopar.profiling.profiler_device import ProbeDevice
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+MIN_BETA = 1e-15  # s/byte (1 PB/s): the floor of a fit whose times do not grow with m
+MAX_CALLS_PER_WINDOW = 10_000
+
+
+def warm_up(call, times: int, probe: ProbeDevice) -> float:
+    """Run ``call`` ``times`` times (at least once); the seconds of the last run."""
+    for _ in range(max(1, times) - 1):
+        call()
+    return probe.window_seconds(call, 1)
+
+
+def slowest_rank(seconds: float, probe: ProbeDevice) -> float:
+    """The maximum of ``seconds`` over the world (every rank must call this together)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=probe.torch)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDevice) -> float:
+    """Median over ``windows`` windows of (window seconds / calls in it).
+
+    Windows rather than single calls: one small matmul is shorter than a scheduler time slice, so ranks
+    sharing a core would take turns instead of running at once; a window spans many slices and its mean
+    includes the stalls that training also sees.
+    """
+    per_call = [probe.window_seconds(call, calls_per_window) / calls_per_window for _ in range(windows)]
+    return statistics.median(per_call)
+
+
+def calls_per_window(slowest_call_s: float, settings) -> int:
+    return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(settings.window_s / max(slowest_call_s, 1e-9))))
+
+
+def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:
+    """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes."""
+    elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
+    full, part, source = (torch.zeros(n, device=device) for n in (elems, elems // g, elems))  # sums stay finite
+    calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+             "all_gather": lambda: dist.all_gather_single(full, part, group=group),
+             "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+             "all_to_all": lambda: dist.all_to_all_single(full, source, group=group)}
+    return calls[kind], elems * 4
+
+
+
+
+def fit_alpha_beta(nbytes, seconds) -> CollectiveFit:
+    """The α-β line of the module docstring: relative least squares with α ≥ 0 and β ≥ MIN_BETA.
+
+    The problem is a convex quadratic in (α, β); its minimum is the free solution when that is feasible,
+    else on one of the two bounds, each a one-variable least squares in closed form.
+    """
+    m, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
+    if len(m) < 2 or np.any(t <= 0) or np.any(m <= 0):
+        raise ValueError(f"fit_alpha_beta needs >= 2 points with positive sizes and times, got {list(zip(m, t))}")
+    u, v = 1.0 / t, m / t  # residual_i = α·u_i + β·v_i − 1
+
+    def loss(a, b):
+        return float(np.sum((a * u + b * v - 1.0) ** 2))
+
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([u, v], axis=1), np.ones_like(t), rcond=None)
+    if alpha >= 0 and beta >= MIN_BETA:
+        return CollectiveFit(alpha=float(alpha), beta=float(beta))
+    on_alpha_bound = (0.0, max(MIN_BETA, float(np.sum(v) / np.sum(v * v))))
+    alpha_free = max(0.0, float(np.sum(u * (1.0 - MIN_BETA * v)) / np.sum(u * u)))
+    on_beta_bound = (alpha_free, MIN_BETA)
+    alpha, beta = min(on_alpha_bound, on_beta_bound, key=lambda ab: loss(*ab))
+    return CollectiveFit(alpha=alpha, beta=beta)

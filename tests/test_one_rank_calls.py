@@ -1,0 +1,42 @@
+"""A collective called on some ranks only is named as such, and a rank's return value that cannot leave
+its process is refused by name; neither is blamed on a timeout or a dead rank.
+
+Two launches: 2 ranks compile an MLP, then rank 0 alone calls ``pm.save`` while rank 1 returns (the
+``if rank == 0: pm.save(...)`` mistake; 10 s timeout); 1 rank returns a module from its function.
+"""
+import pytest
+import torch
+
+import autopar
+from autopar.errors import CommunicationError, UsageError
+from tests.models import make_mlp
+
+
+def save_on_rank_0_only(rank: int, path: str) -> int:
+    model, batch = make_mlp()
+    pm = autopar.compile(model, autopar.Cluster.local(2), batch)
+    pm.train_step(*batch)
+    if rank == 0:
+        pm.save(path)
+    return rank
+
+
+@pytest.mark.distributed
+def test_a_save_called_on_one_rank_names_the_call_and_the_rank_that_skipped_it(tmp_path):
+    with pytest.raises(CommunicationError) as err:
+        autopar.launch(save_on_rank_0_only, 2, str(tmp_path / "ckpt"), timeout=10)
+    message = str(err.value).split("\n")[0]
+    assert "pm.save is a collective that every rank must call, but rank 0 called it alone" in message, message
+    assert "rank 1 returned from its function (its last autopar call: pm.train_step)" in message, message
+    assert "timeout" not in message and "died" not in message, message
+    assert not (tmp_path / "ckpt").exists()
+
+
+def returns_a_module(rank: int) -> torch.nn.Module:
+    return torch.nn.Linear(2, 2)
+
+
+@pytest.mark.distributed
+def test_returning_a_module_from_launch_says_return_plain_data():
+    with pytest.raises(UsageError, match=r"returned a Linear, which cannot leave its process.*full_state_dict\(\)"):
+        autopar.launch(returns_a_module, 1, timeout=30)
