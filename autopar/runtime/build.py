@@ -106,7 +106,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     shared, shared_groups = shared_parameters(plan, graph)
     base = groups.build_groups(meshes, timeout, shared_groups)
     trainable = {p.name for p in graph.placeholders  # frozen parameters (requires_grad False) get no gradient
-                 if p.kind == "parameter" and getattr(tensors.get(p.fqn), "requires_grad", True)}
+                 if p.kind == "parameter" and (p.fqn not in tensors.templates or tensors.requires_grad(p.fqn))}
     needs_grad = requires_grad_nodes(graph.gm, trainable)
     runners = []
     for stage in plan.stages_of_rank(rank):
