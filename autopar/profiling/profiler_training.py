@@ -168,7 +168,8 @@ def norm_act_calls(kind: str, device) -> list:
     tokens, width, dtype = NORM_ACT_SHAPE["cuda" if kind == "cuda" else "cpu"]
     x = torch.randn(tokens, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     grad, ops = torch.randn_like(x), (nn.LayerNorm(width).to(device, x.dtype), F.gelu, lambda t: t.softmax(-1))
-    return [(lambda op=op: torch.autograd.grad(op(x), x, grad)) for op in ops]
+    wrt = [(x, *op.parameters()) if isinstance(op, nn.Module) else (x,) for op in ops]  # LayerNorm's too
+    return [(lambda op=op, w=w: torch.autograd.grad(op(x), w, grad)) for op, w in zip(ops, wrt)]
 
 
 def norm_act_bytes(kind: str) -> float:
@@ -179,13 +180,9 @@ def norm_act_bytes(kind: str) -> float:
 
 def norm_act_bandwidth(per_rank: list[dict], kind: str, overhead: float) -> float:
     """Item 6: median over the ops of bytes / (median seconds over ranks − host time of two op calls)."""
-    host = 0.0 if kind == "cuda" else 2 * overhead
-    measured = [r["norm_act"] for r in per_rank if r.get("norm_act")]
-    if not measured:
-        return 0.0
-    rates = [norm_act_bytes(kind) / max(statistics.median(m[i] for m in measured) - host, 1e-9)
-             for i in range(len(measured[0]))]
-    return statistics.median(rates)
+    host, measured = (0.0 if kind == "cuda" else 2 * overhead), [r["norm_act"] for r in per_rank if r.get("norm_act")]
+    return statistics.median(norm_act_bytes(kind) / max(statistics.median(m[i] for m in measured) - host, 1e-9)
+                             for i in range(len(measured[0]))) if measured else 0.0
 
 
 ATTENTION_SHAPE = (8, 16, 2048, 128)  # batch, heads, sequence, head dim: a GPT-1.3B microbatch's
