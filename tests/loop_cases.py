@@ -11,6 +11,7 @@ single-device copy: parameters (relative error per tensor with a nonzero gradien
 Sabotages (negative controls): "old_sync" puts back the gradient sync that reduced what a rank already
 held again (accumulation counted it twice, or lost it at ZeRO-2/3).
 """
+import contextlib
 import copy
 import types
 
@@ -58,6 +59,19 @@ class BatchNormMLP(torch.nn.Module):
 
     def forward(self, x, y):
         return torch.nn.functional.mse_loss(self.fc2(self.drop(torch.relu(self.bn(self.fc1(x))))), y)
+
+
+class DropoutMLP(torch.nn.Module):
+    """The MLP with a dropout on its hidden values (sharded under "tp") and one on fc2's output (replicated)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 128), torch.nn.Linear(128, 16)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x, y):
+        h = self.drop(torch.relu(self.fc2(self.drop(torch.relu(self.fc1(x))))))
+        return torch.nn.functional.mse_loss(self.fc3(h), y)
 
 
 def _with_modes(model_name: str):
@@ -242,7 +256,41 @@ def idiom_groups(pm, ref: Reference, batches: list) -> float:
     return err
 
 
-IDIOMS = {"accum": idiom_accumulate, "plainopt": idiom_plain_optimizer, "clip": idiom_clip, "eval": idiom_eval,
+def idiom_rng(pm, ref: Reference, batches: list) -> float:
+    """Every rank seeds its own way (``torch.manual_seed(100 + rank)``) before each step; the losses (each
+    rank's own, ``ref.losses``) and the replicated weights must agree. Then a checkpoint after step 2:
+    step 3 from the loaded module repeats step 3's loss exactly (the dropout stream came back)."""
+    import shutil
+    import tempfile
+
+    rank = torch.distributed.get_rank()
+    opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
+    ref.losses = []
+    box = [tempfile.mkdtemp(prefix="autopar-rng-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    for step in range(3):
+        if step == 2:
+            pm.save(box[0], opt)
+        torch.manual_seed(100 + rank + step)
+        loss = pm.train_step(*batches[0]).item()
+        opt.step()
+        opt.zero_grad()
+        replicated = [p.detach().double().sum() for n, p in pm.named_parameters() if "fc3" in n]
+        ref.losses.append((loss, float(sum(replicated))))
+    pm.load(box[0], opt)
+    torch.manual_seed(7 * rank)
+    ref.repeat = pm.train_step(*batches[0]).item()
+    opt.zero_grad()
+    ref.own_draws = pm.code.count("dropout_own_draw")
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
+    ref.moved = set()
+    return 0.0
+
+
+IDIOMS = {"rng": idiom_rng, "accum": idiom_accumulate, "plainopt": idiom_plain_optimizer, "clip": idiom_clip,
+          "eval": idiom_eval,
           "groups": idiom_groups}
 FROZEN = ("fc1.*", "*h.0.*", "blocks.0.*", "*wpe*")  # frozen by the "frozen" flag, in every model
 
@@ -255,6 +303,9 @@ def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
     idiom, kind, *flags = layout.split("/")
     model_name, options = plan_options(kind, mesh)
     model, batch = _with_modes(model_name) if idiom == "eval" else FACTORIES[model_name]()
+    if idiom == "rng":
+        torch.manual_seed(0)
+        model = DropoutMLP()
     for name, p in model.named_parameters():
         if "frozen" in flags and any(fnmatch.fnmatchcase(name, g) for g in FROZEN):
             p.requires_grad_(False)
@@ -270,7 +321,9 @@ def run_loop_case(mesh: tuple, layout: str, world: int) -> dict:
             "loss": loss_err, "zero": sorted({lvl for s in pm.plan.stages for lvl in s.zero.values()}),
             "stages": len(pm.plan.stages), "virtual_stages": pm.plan.virtual_stages,
             "norms": ref.norms, "refused": ref.refused, "lrs": getattr(ref, "lrs", None),
-            "frozen_equal": _frozen_equal(model, full), "dropout_on": getattr(ref, "dropout_on", None),
+            "frozen_equal": _frozen_equal(model, full), "losses": getattr(ref, "losses", None),
+            "repeat": getattr(ref, "repeat", None), "own_draws": getattr(ref, "own_draws", None),
+            "dropout_on": getattr(ref, "dropout_on", None),
             "sharded_params": sum(1 for s in pm.plan.stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out)}
 
@@ -304,6 +357,16 @@ def sabotage(kind) -> callable:
         original_groups = optim.named_groups
         optim.named_groups = lambda named, groups: [{"params": list({id(t): t for t in named.values()}.values())}]
         return lambda: setattr(optim, "named_groups", original_groups)
+    if kind == "no_rng":  # the module runs on each rank's own generator, and checkpoints carry no stream
+        from autopar.runtime import checkpoint, rng
+
+        original_active, original_restore = rng.ModuleRng.active, checkpoint._restore_rng
+        rng.ModuleRng.active = lambda self: contextlib.nullcontext()
+        checkpoint._restore_rng = lambda *args: None
+
+        def undo_rng():
+            rng.ModuleRng.active, checkpoint._restore_rng = original_active, original_restore
+        return undo_rng
     if kind == "no_eval":  # pm.eval() that leaves the generated modules in training mode
         from autopar.runtime import modes
 

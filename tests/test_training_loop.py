@@ -12,11 +12,11 @@ pytestmark = pytest.mark.distributed
 ALL_2 = ["dp", "z1", "z2", "z3", "tp", "pp", "fp16"]
 ALL_4 = ["tp", "z3", "ppv2"]
 RUNS_2 = {"accum": ALL_2 + ["z2/frozen", "pp/frozen"], "clip": ALL_2, "plainopt": ["z1", "z2", "z3", "fp16"],
-          "eval": ["dp", "z3", "tp", "pp"], "groups": ["dp", "tp", "pp", "dp/frozen"]}
-RUNS_4 = {"accum": ALL_4, "clip": ALL_4, "eval": ["tp", "ppv2"]}
+          "eval": ["dp", "z3", "tp", "pp"], "groups": ["dp", "tp", "pp", "dp/frozen"], "rng": ["tp", "dp", "z3"]}
+RUNS_4 = {"accum": ALL_4, "clip": ALL_4, "eval": ["tp", "ppv2"], "rng": ["tp"]}
 CONTROLS_2 = [("accum", k, "old_sync") for k in ("dp", "z2", "tp", "pp")] + [
     ("clip", "tp", "local_norm"), ("plainopt", "z2", "no_adopt"), ("eval", "dp", "no_eval"),
-    ("groups", "tp", "one_group")]
+    ("groups", "tp", "one_group"), ("rng", "tp", "no_rng")]
 CONTROLS_4 = [("accum", "z3", "old_sync"), ("accum", "ppv2", "old_sync"), ("clip", "ppv2", "local_norm")]
 CASES = {
     2: [("loop", (1, 2), f"{i}/{k}", None) for i, kinds in RUNS_2.items() for k in kinds]
@@ -28,8 +28,9 @@ CASES = {
 PARITY_CASES = CASES  # launched with the other parity suites' (conftest.parity_runs)
 PARITY_TIMEOUT = 600
 
-PARITY = [c for cases in CASES.values() for c in cases if not c[3] and c[2] != "groups/z2"]
-NEGATIVE = [c for cases in CASES.values() for c in cases if c[3]]
+PARITY = [c for cases in CASES.values() for c in cases if not c[3] and c[2] != "groups/z2" and "rng/" not in c[2]]
+RNG = [c for cases in CASES.values() for c in cases if not c[3] and c[2].startswith("rng/")]
+NEGATIVE = [c for cases in CASES.values() for c in cases if c[3] and c[3] != "no_rng"]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +92,23 @@ def test_frozen_parameters_stay_as_they_were(results, case):
 def test_groups_that_split_a_zero_shard_are_one_clear_error(results):
     message = results[("loop", (1, 2), "groups/z2", None)][0]["refused"]
     assert message and "param groups" in message and "zero=0" in message, message
+
+
+def _rng_agrees(per_rank: list) -> bool:
+    """Every rank saw the same losses and replicated weights, and the step after loading the checkpoint
+    repeated the saved step exactly (same dropout masks)."""
+    return all(r["losses"] == per_rank[0]["losses"] for r in per_rank) and \
+        all(r["repeat"] == r["losses"][-1][0] for r in per_rank)
+
+
+@pytest.mark.parametrize("case", RNG, ids=_id)
+def test_dropout_agrees_across_ranks_seeded_apart_and_resumes_from_checkpoints(results, case):
+    assert _rng_agrees(results[case]), [(r["losses"], r["repeat"]) for r in results[case]]
+    assert results[case][0]["own_draws"] >= 1, "no dropout on a sharded value drew its own mask"
+
+
+def test_negative_control_per_rank_generators_disagree(results):
+    assert not _rng_agrees(results[("loop", (1, 2), "rng/tp", "no_rng")])
 
 
 def test_a_rank_local_norm_is_caught(results):

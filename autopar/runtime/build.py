@@ -21,7 +21,7 @@ from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.placement import parse_spec
-from autopar.runtime import gradsync, groups
+from autopar.runtime import gradsync, groups, rng
 from autopar.runtime.codegen import generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
@@ -114,6 +114,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
         regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
         gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions,
                                    local_batch=local is not None)
+        rng.own_draws(gm, stage.mesh_shape, coord)  # dropout on a sharded value: a mask per shard
         if len(plan.stages) == 1 and plan.microbatches == 1:
             runner = SpmdRunner(gm, stage, base + stage.index)
         else:

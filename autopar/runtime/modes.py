@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from autopar.runtime import rng
+
 aten = torch.ops.aten
 _DROPOUTS = {aten.dropout.default, aten.feature_dropout.default, aten.alpha_dropout.default,
              aten.feature_alpha_dropout.default, aten.native_dropout.default}
@@ -46,7 +48,7 @@ def set_training(runner, mode: bool) -> int:
 
 
 def _set_node(node: fx.Node, mode: bool) -> int:
-    if node.target in _DROPOUTS and len(node.args) > 2:
+    if (node.target in _DROPOUTS or node.target is rng.dropout_own_draw) and len(node.args) > 2:
         return _set_arg(node, 2, "train", mode, bool(mode))
     if node.target is aten.batch_norm.default and len(node.args) > 5 and node.args[3] is not None:
         return _set_arg(node, 5, "training", mode, bool(mode))

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from autopar.errors import InputError, UsageError
 from autopar.placement import parse_spec
-from autopar.runtime import clipping, faults, modes, plain_optim
+from autopar.runtime import clipping, faults, modes, plain_optim, rng
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
 from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
@@ -50,6 +50,7 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         if not hasattr(runner, "plan"):
             runner.plan = plan
         plain_optim.tag(runner)
+        self._rng = rng.ModuleRng.agreed(plan.cluster.get("device_type", "cpu"))  # the ranks' shared dropout stream
         watch_optimizers()
         clipping.patch_torch()
 
@@ -58,7 +59,8 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
     def forward(self, *inputs, **named):
         inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)")
         self._check_inputs(inputs)
-        flat = self.runner.forward(inputs)
+        with self._rng.active():
+            flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
 
     @faults.collective_call("pm.train_step")
@@ -72,7 +74,8 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         if self._loss_index is None:
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
                              "ModelOutput with a 'loss' entry. Wrap the model so forward returns the loss.")
-        loss = self.runner.train_step(inputs, self._loss_index)
+        with self._rng.active():
+            loss = self.runner.train_step(inputs, self._loss_index)
         clipping.mark_gradients(self.runner)
         return loss
 
