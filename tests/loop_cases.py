@@ -275,7 +275,7 @@ def idiom_rng(pm, ref: Reference, batches: list) -> float:
         loss = pm.train_step(*batches[0]).item()
         opt.step()
         opt.zero_grad()
-        replicated = [p.detach().double().sum() for n, p in pm.named_parameters() if "fc3" in n]
+        replicated = [t.double().sum() for n, t in pm.state_dict().items() if "fc3" in n]  # ZeRO-3: gathered
         ref.losses.append((loss, float(sum(replicated))))
     pm.load(box[0], opt)
     torch.manual_seed(7 * rank)
