@@ -29,6 +29,7 @@ class GPTConfig:
     dropout: probability for every dropout; 0 gives bit-reproducible training (parity tests use 0).
     attention: "sdpa" (one fused scaled_dot_product_attention call) or "materialized" (scores, causal mask,
       softmax and the value product as separate ops, as Megatron-LM and Alpa's GPT ran them).
+    causal: each token attends to earlier ones only (a language model); False attends both ways (an encoder).
     """
 
     vocab_size: int = 256
@@ -38,6 +39,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     attention: str = "sdpa"
+    causal: bool = True
 
     def __post_init__(self):
         if self.attention not in ("sdpa", "materialized"):
@@ -104,6 +106,7 @@ class CausalSelfAttention(nn.Module):
         self.o = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
         self.materialized = cfg.attention == "materialized"
+        self.causal = cfg.causal
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -113,10 +116,10 @@ class CausalSelfAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.materialized:
             scores = (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
-            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
+            future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1 if self.causal else T)
             y = F.dropout(scores.masked_fill(future, float("-inf")).softmax(-1), p) @ v
         else:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.o(y)
 

@@ -312,15 +312,18 @@ class GroupBuilder:
         grad = node.name in self.requires_grad
         t = compute_time(node, strat, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
         t += cast_time(self.casts.get(node.name, ()), view.in_vals, strat.in_specs, env.mesh_shape, env.cluster, grad)
-        comm = sum(self._kernel_comm(view, axis, tag) for axis, tag in strat.kernels)
+        comm = sum(self._kernel_comm(view, axis, tag, strat) for axis, tag in strat.kernels)
         return env.microbatches * (t + comm), env.microbatches * comm
 
-    def _kernel_comm(self, view: OpView, axis: int, tag: str) -> float:
+    def _kernel_comm(self, view: OpView, axis: int, tag: str, strat: Strategy) -> float:
         link = self.env.links[axis]
         if tag == "ce_class":  # max, sum-exp and target logit of the local rows
             return 3 * link.time("all_reduce", view.in_shapes[0][0] * 4)
         if tag == "ce_batch":
             return link.time("all_reduce", 8)
+        if tag == "causal_context":  # zig-zag balance: half a local query block out and back, forward and backward
+            half = local_bytes(view.in_vals[0], strat.in_specs[0], self.env.mesh_shape) / 2
+            return 4 * link.time("send", half)
         return 0.0
 
     def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:

@@ -1,13 +1,21 @@
 """Shared test set-up: the repository root on sys.path (for ``examples``), quiet, deterministic torch, and the
 test tiers.
 
-Tiers (markers registered in pyproject.toml):
+Markers (registered in pyproject.toml):
   distributed  starts a process group (autopar.launch, torchrun, or an in-process gloo group)
   browser      needs chromium
-  slow         the longest runs (a minute or more on a 2-core machine)
-``./run.sh test -m "not distributed and not browser"`` runs the fast tier alone. Tests mark themselves with
-``@pytest.mark.distributed`` etc.; ``pytest_collection_modifyitems`` adds the marks for the tests below,
-which start their process groups in a shared module-scoped fixture (one launch serves many cases).
+  slow         opt-in: what a developer need not run on every change (memory-scale or multi-minute runs,
+               a second world size of a case the default run already covers, whole-script smoke runs)
+Tiers:
+  ./run.sh test                 everything but ``slow`` (every parity suite included); <= 12 min on the
+                                2-core machine, idle
+  ./run.sh test --slow          the ``slow`` tier alone (``.ci/run`` runs it after the suite)
+  ./run.sh test -m "not distributed and not browser"   the fast tier (no process groups, no chromium)
+A -m expression is combined with the tier (``(EXPR) and not slow``) unless it names ``slow`` itself.
+Never mark a parity test (or its negative control) ``slow``: ``tests/test_tiers.py`` checks it.
+Tests mark themselves with ``@pytest.mark.distributed`` etc.; ``pytest_collection_modifyitems`` adds the marks
+for the tests below, which start their process groups in a shared module-scoped fixture (one launch serves
+many cases).
 
 ``./run.sh test`` runs the suite as two pytest processes side by side: ``-m distributed`` (one process group
 at a time: launches on a 2-core machine are CPU-bound, and several at once would stretch collective
@@ -48,8 +56,6 @@ PROCESS_GROUP_TESTS = {
                            "test_launch_of_a_lambda_says_define_it_at_module_level",
                            "test_launch_at_import_time_says_add_the_main_guard"},
 }
-SLOW_MODULES = {"test_parity", "test_pipeline_parity", "test_baselines", "test_checkpoint"}
-SLOW_TESTS = {"test_cli": {"test_demo_runs_examples_demo", "test_the_demo_trains_on_four_ranks_as_on_one_device"}}
 BROWSER_TESTS = {"test_visualize": {"test_chromium_renders_a_non_blank_page"}}
 
 
@@ -64,8 +70,6 @@ def pytest_collection_modifyitems(config, items):
         if set(item.fixturenames) & PROCESS_GROUP_FIXTURES.get(module, set()) or \
                 _listed(PROCESS_GROUP_TESTS, module, name):
             item.add_marker(pytest.mark.distributed)
-        if module in SLOW_MODULES or _listed(SLOW_TESTS, module, name):
-            item.add_marker(pytest.mark.slow)
         if _listed(BROWSER_TESTS, module, name):
             item.add_marker(pytest.mark.browser)
 

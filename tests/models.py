@@ -57,5 +57,23 @@ def make_hf_gpt2(batch_size: int = 8, seed: int = 0, n_layer: int = 2, n_embd: i
     return model, (ids, ids.clone())
 
 
+def make_long_gpt(causal: bool = True, seed: int = 0):
+    """The GPT example at sequence 256 (context-parallel parity), narrow so that a step stays cheap."""
+    return make_small_gpt(batch_size=2, seed=seed, seq_len=256, n_embd=32, vocab_size=64, causal=causal)
+
+
+def make_long_llama(seed: int = 0):
+    """A tiny HF Llama (GQA, rotary positions) at sequence 256: its SDPA gets the materialized causal mask."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, use_cache=False)
+    torch.manual_seed(seed)
+    model = HFLoss(LlamaForCausalLM(cfg))
+    ids = torch.randint(0, 64, (2, 256), generator=torch.Generator().manual_seed(seed))
+    return model, (ids, ids.clone())
+
+
 FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "gpt4": lambda: make_small_gpt(n_layer=4), "hf_gpt2": make_hf_gpt2,
-             **{f"zoo_{k}": v for k, v in ZOO.items()}}
+             "gpt_long": make_long_gpt, "gpt_long_bidir": lambda: make_long_gpt(causal=False),
+             "llama_long": make_long_llama, **{f"zoo_{k}": v for k, v in ZOO.items()}}

@@ -47,6 +47,10 @@ def layout_options(layout: str, model_name: str, cluster, model, batch, recomput
         spec = "".join("S(0)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
         rows = "".join("P(rows)" if a == axis else "R" for a in range(len(cluster.mesh_shape)))
         return cluster, {"stages": 1, "pin": {"p_*experts*": spec, "grouped_mm_fallback*": rows, "silu*": rows}}
+    if layout == "cp":
+        return cluster, {"stages": 1, "pin": context_parallel_pins(model_name, cluster.mesh_shape)}
+    if layout == "sp":
+        return cluster, {"stages": 1, "pin": SEQUENCE_PARALLEL_GPT}
     floor, replicated = memory_bounds(capture(model, batch), cluster, PlanOptions(recompute=recompute, zero=0))
     return cluster.with_memory(floor + 0.3 * (replicated - floor)), {"stages": 1, "zero": 0}
 
@@ -102,8 +106,23 @@ def pipeline_options(layout: str, cluster, model, batch, recompute="none") -> tu
     return cluster, options
 
 
+# Megatron's sequence parallelism on the GPT example: tensor-parallel blocks (q, k, v, fc by output rows; o, proj
+# by input columns) with the residual stream between them split over the sequence.
+SEQUENCE_PARALLEL_GPT = {"add_*": "RS(1)", "p_blocks_*_mlp_fc_*": "RS(0)", "p_blocks_*_mlp_proj_weight": "RS(1)",
+                         "p_blocks_*_attn_[qkv]_*": "RS(0)", "p_blocks_*_attn_o_weight": "RS(1)"}
+
+
+def context_parallel_pins(model_name: str, mesh_shape) -> dict[str, str]:
+    """Context parallelism on the last mesh axis (data parallel on the first where it has devices): the tokens
+    and every attention split over the sequence, parameters replicated; the rest is the planner's choice."""
+    batch = "S(0)" if mesh_shape[0] > 1 else "R"
+    return {batch_pin_name(model_name, 0): batch + "S(1)", "scaled_dot_product_attention*": batch + "S(2)",
+            "p_*": "RR"}
+
+
 def batch_pin_name(model_name: str, i: int) -> str:
-    return {"mlp": ["x", "y"], "gpt": ["idx", "targets"], "hf_gpt2": ["input_ids", "labels"]}[model_name][i]
+    names = {"mlp": ["x", "y"], "gpt": ["idx", "targets"], "hf_gpt2": ["input_ids", "labels"]}
+    return names.get(model_name.split("_")[0], names["hf_gpt2"])[i]
 
 
 def train_one_device(model, batches) -> tuple[list[float], dict]:
@@ -179,6 +198,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     return {"loss_err": loss_err, "param_err": errors[worst], "worst_param": worst, "loss": loss.item(),
             "compared_params": len(errors), "zero_grad_params": sorted(set(dict(reference.named_parameters())) - moved),
             "collectives": sum(len(s.collectives) for s in stages) + len(pm.plan.transfers),
+            "collective_kinds": sorted({(c.kind, c.phase) for s in stages for c in s.collectives}),
             "sharded_params": sum(1 for s in stages for n, sh in s.shardings.items()
                                   if n.startswith("p_") and "S" in sh.out),
             "stages": [(s.submesh, s.mesh_shape, len(s.ranks)) for s in stages],
@@ -290,7 +310,8 @@ def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients
     between pipeline stages; "offsets" misplaces each shard-to-shard piece;
     "accumulate" keeps only the last microbatch's gradients; "replay" skips the collectives
-    when a recomputed region re-runs in backward."""
+    when a recomputed region re-runs in backward; "cp_swap" skips context parallelism's load-balancing swap;
+    "kv_grad" drops the sum of gathered keys' and values' gradients."""
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
@@ -376,6 +397,16 @@ def _sabotage(kind) -> callable:
             return original(self, *args)
         pipeline.PipelineRunner._backward = overwrite
         return lambda: setattr(pipeline.PipelineRunner, "_backward", original)
+    if kind == "cp_swap":  # the zig-zag swap keeps its own half: each rank attends with its mirror's offsets
+        from autopar.runtime import context_parallel
+
+        original = context_parallel._exchange
+        context_parallel._exchange = lambda x, peer, group: x.clone()
+        return lambda: setattr(context_parallel, "_exchange", original)
+    if kind == "kv_grad":  # the reduce-scatter of gathered values' gradients keeps the local part unsummed
+        original = collectives._reduce_scatter
+        collectives._reduce_scatter = lambda x, dim, key: collectives._chunk(x, dim, key).contiguous()
+        return lambda: setattr(collectives, "_reduce_scatter", original)
     if kind == "transfer":
         original = pipeline.send_backward
         pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)

@@ -174,6 +174,32 @@ def test_no_cycle_between_modules(edges):
     assert not cycles, f"import cycles between modules: {cycles}"
 
 
+SCRIPT_FOLDERS = ("benchmarks", "examples")  # first-party code outside the package, imported by dotted path
+
+
+def script_edges() -> list[tuple[str, str]]:
+    """Imports between the modules of ``SCRIPT_FOLDERS`` (read with ``ast``, deferred ones included)."""
+    names = {".".join(path.relative_to(ROOT).with_suffix("").parts): path
+             for folder in SCRIPT_FOLDERS for path in (ROOT / folder).rglob("*.py")}
+    out = []
+    for name, path in names.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            else:
+                continue
+            out.extend((name, target) for target in targets & set(names) if target != name)
+    return out
+
+
+def test_no_cycle_between_benchmark_and_example_modules():
+    edges = script_edges()
+    assert ("benchmarks.vs_hand.vs_megatron", "benchmarks.vs_hand.vs_megatron_report") in edges  # the walk works
+    assert not cycles_in(edges), f"import cycles between script modules: {cycles_in(edges)}"
+
+
 # (lower, higher): the lower package never reaches the higher one, directly or through others.
 DIRECTIONS = [
     ("autopar.views", "autopar:data"), ("autopar.hardware", "autopar.cost_models"),

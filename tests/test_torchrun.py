@@ -50,7 +50,6 @@ def single_device(steps: int):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_torchrun_two_nodes_match_one_device(tmp_path):
     assert torchrun_two_nodes(tmp_path, "ok") == [0, 0]
     result = torch.load(tmp_path / "result.pt")

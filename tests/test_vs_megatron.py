@@ -476,6 +476,6 @@ def test_replan_plans_the_autopar_side_again_and_keeps_the_hand_grid(tmp_path, m
     now = autopar.plan(work.model, autopar.Cluster.preset("dgx-a100", gpus=1), work.batch, precision="fp16",
                        time_limit=300.0)
     assert new["auto_step"] == pytest.approx(float(now.predicted["step_time"]), rel=1e-9)
-    assert new["auto_plan"] == vs_megatron.describe_plan(now) and new["auto_step"] != 99.0
+    assert new["auto_plan"] == vs_megatron_report.describe_plan(now) and new["auto_step"] != 99.0
     assert {k: new[k] for k in hand} == hand, "the hand grid is kept as saved"
     assert new["autopar_options"] == {"time_limit": 300.0} and new["replanned"].startswith("# re-planned")

@@ -45,7 +45,6 @@ PARITY = [c for cases in CASES.values() for c in cases if not c[3]]
 NEGATIVE = [c for cases in CASES.values() for c in cases if c[3]]
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", PARITY, ids=_id)
 def test_zoo_training_matches_single_device(results, case):
@@ -63,7 +62,6 @@ def test_zoo_training_matches_single_device(results, case):
     assert r["ranks_agree"], "train_step must return the same loss on every rank"
 
 
-@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", NEGATIVE, ids=_id)
 def test_zoo_negative_control_breaks_parity(results, case):

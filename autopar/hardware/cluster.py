@@ -60,11 +60,11 @@ class Cluster:
       H100, LayerNorm at 0.23-0.38 and GELU at 0.45-0.61 of the preset's bandwidth; on one CPU core of the
       development VM, 0.05-0.09 of its add bandwidth. 0 (the default, presets, old cluster files): priced at
       ``memory_bandwidth`` like every other memory-bound op; the profiler measures it
-      (``autopar.profiler_training``, item 6).
+      (``autopar.profiling.profiler_training``, item 6).
     attention_efficiency: the rate fused (flash) attention achieves, forward + backward on its causal FLOPs,
       as a fraction of the matmul curve's rate at the same call size. 0 (the default, presets, old cluster
       files): ``cost_models.compute.ATTENTION_RATE`` (FlashAttention-2's A100 figures); the profiler measures
-      it on GPUs (``autopar.profiler_training``, item 7): it differs by generation (FlashAttention-2 reaches
+      it on GPUs (``autopar.profiling.profiler_training``, item 7): it differs by generation (FlashAttention-2 reaches
       ~70 % of an A100's peak and ~35 % of an H100's).
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs

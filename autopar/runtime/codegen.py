@@ -33,6 +33,7 @@ from autopar.ir.ops import OpView
 from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, parse_spec
 from autopar.redistribute import grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
+from autopar.runtime import context_parallel as CP
 from autopar.runtime import kernels as K
 from autopar.runtime.groups import group_key
 from autopar.runtime.recompute_regions import outline_recompute
@@ -190,6 +191,11 @@ class _Emitter:
             return K.vocab_parallel_embedding, [args[0], args[1], start], {}
         if "ce_batch" in tags or "ce_class" in tags:
             return self._loss_kernel(node, view, ins, axes, args)
+        if "causal_context" in tags:
+            (axis,) = axes("causal_context")
+            return CP.causal_context_attention, list(args[:3]), dict(
+                group=self.group(axis), dropout_p=view.kwarg("dropout_p", 0.0), scale=view.kwarg("scale"),
+                enable_gqa=view.kwarg("enable_gqa", False))
         if "local_experts" in tags:
             first = _chunk_offset(ins[1], 0, view.in_shapes[1][0], self.mesh_shape, self.coord)
             native = node.target is aten._grouped_mm.default

@@ -127,21 +127,6 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
                                 n_experts=work.model.cfg.n_expert, **common)
 
 
-def describe_plan(plan) -> str:
-    """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages (interleaved: chunks), their submesh and logical
-    mesh, microbatches, and ', interleaved v=2' when the device groups hold several chunks each."""
-    runs: list[list] = []
-    for s in plan.stages:
-        key = (tuple(s.submesh), tuple(s.mesh_shape))
-        if runs and runs[-1][0] == key:
-            runs[-1][1] += 1
-        else:
-            runs.append([key, 1])
-    parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
-    v = getattr(plan, "virtual_stages", 1)
-    return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "")
-
-
 def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
               time_limit: float = 60.0) -> dict:
     """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
@@ -173,7 +158,7 @@ def plan_autopar(work: Workload, cluster, policy: str, options: dict) -> tuple[f
     start = time.perf_counter()
     try:
         plan = autopar.plan(work.model, cluster, work.batch, precision=policy, **options)
-        auto_step, auto_desc = float(plan.predicted["step_time"]), describe_plan(plan)
+        auto_step, auto_desc = float(plan.predicted["step_time"]), report.describe_plan(plan)
     except InfeasibleError as e:
         auto_step, auto_desc = None, f"OOM ({e})"
     return auto_step, auto_desc, time.perf_counter() - start

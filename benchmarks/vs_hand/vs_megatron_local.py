@@ -85,7 +85,6 @@ def local_cluster(path: str | None, world: int) -> autopar.Cluster:
 def build_runners(cluster: autopar.Cluster) -> tuple[dict, dict]:
     """{layout name: (step fn, optimizer)} for every hand layout (with and without recompute) and autopar
     (recompute "auto" and "full"), from the same weights; and autopar's plans in words. Collective."""
-    from benchmarks.vs_hand.vs_megatron import describe_plan
     from examples.megatron_baselines import build
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
@@ -98,7 +97,7 @@ def build_runners(cluster: autopar.Cluster) -> tuple[dict, dict]:
     for name, recompute in (("autopar", "auto"), ("autopar" + RECOMPUTE, "full")):
         pm = autopar.compile(copy.deepcopy(model), cluster, batch, recompute=recompute)
         runners[name] = (pm.train_step, torch.optim.AdamW(pm.parameters(), lr=1e-4))
-        plans[name] = describe_plan(pm.plan)
+        plans[name] = report.describe_plan(pm.plan)
     return runners, plans
 
 

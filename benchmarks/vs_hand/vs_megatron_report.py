@@ -18,6 +18,21 @@ import torch
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
+def describe_plan(plan) -> str:
+    """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages (interleaved: chunks), their submesh and logical
+    mesh, microbatches, and ', interleaved v=2' when the device groups hold several chunks each."""
+    runs: list[list] = []
+    for s in plan.stages:
+        key = (tuple(s.submesh), tuple(s.mesh_shape))
+        if runs and runs[-1][0] == key:
+            runs[-1][1] += 1
+        else:
+            runs.append([key, 1])
+    parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
+    v = getattr(plan, "virtual_stages", 1)
+    return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "")
+
+
 def machine_line(title: str) -> str:
     """'# title — date, machine, cores, torch, load average' (the context every measured figure needs)."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

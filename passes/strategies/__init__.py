@@ -90,7 +90,7 @@ def node_strategies(node: fx.Node, mesh_shape: tuple[int, int], fn: RuleFn | Non
     base = all_replicated_rule(view)
     per_axis_rules = [base] + (fn(view) if fn is not None else []) + expert_rows.expert_rows_rules(view)
     kept = (expert_rows.one_axis_experts(view, s) for s in combine(view, per_axis_rules, mesh_shape))
-    return list(dict.fromkeys(s for s in kept if s is not None))
+    return list(dict.fromkeys(s for s in kept if s is not None and not attention.nested_context(s)))
 
 
 def combine(view: OpView, rules: list[AxisRule], mesh_shape: tuple[int, int]) -> list[Strategy]:

@@ -2,9 +2,12 @@
 
 Per mesh axis, any leading dim (batch, heads) may be sharded on q, k, v and the output alike (heads
 are independent: this is Megatron's attention split); the mask follows where it is not broadcast. The
-query length L may be sharded with k and v replicated, but only without ``is_causal`` (a causal mask
-is positional, and a local query block would see the wrong offsets). E and S are never sharded: the
-softmax runs over S and the scores contract E.
+query length L may be sharded with k and v replicated (context parallelism: reading k and v Replicate from
+a sequence-split producer is the all-gather of keys and values, priced as any redistribution). With
+``is_causal`` the local query block must know its offset: that rule carries the ``causal_context`` kernel
+(``autopar/runtime/context_parallel.py``: prefix keys, lower-right mask, zig-zag load balance), only for
+self-attention (S == L) and on one mesh axis at a time (``nested_context`` drops strategies splitting the
+sequence on both axes). E and S are never sharded: the softmax runs over S and the scores contract E.
 """
 from __future__ import annotations
 
@@ -28,9 +31,18 @@ def sdpa_rule(view: OpView) -> list[AxisRule]:
     for d in range(nd - 2):
         if q[d] > 1 and k[d] == q[d] and v[d] == q[d]:
             rules.append(AxisRule((Shard(d),) * 3 + _mask_placement(mask, nd, d, q[d]), Shard(d)))
+    seq = Shard(nd - 2)
     if not view.kwarg("is_causal", False) and q[nd - 2] > 1:
-        rules.append(AxisRule((Shard(nd - 2), R, R) + _mask_placement(mask, nd, nd - 2, q[nd - 2]), Shard(nd - 2)))
+        rules.append(AxisRule((seq, R, R) + _mask_placement(mask, nd, nd - 2, q[nd - 2]), seq))
+    elif mask is None and q[nd - 2] > 1 and k[nd - 2] == q[nd - 2]:
+        rules.append(AxisRule((seq, R, R), seq, kernel="causal_context"))
     return rules
+
+
+def nested_context(strategy) -> bool:
+    """Whether a strategy splits a causal attention's sequence on more than one mesh axis (not supported:
+    the load-balancing swap runs inside one axis's group)."""
+    return sum(1 for _, tag in strategy.kernels if tag == "causal_context") > 1
 
 
 def _mask_placement(mask: tuple[int, ...] | None, nd: int, d: int, size: int) -> tuple:

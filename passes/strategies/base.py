@@ -41,6 +41,7 @@ KERNELS = {
     "ce_batch": "loss = local sum / global count of counted targets (output is Partial)",
     "ce_class": "softmax statistics are all-reduced over the class shards (vocab-parallel cross-entropy)",
     "local_experts": "a grouped expert matmul computes only its own experts' rows, zeros elsewhere (output is Partial)",
+    "causal_context": "causal attention of a query chunk against whole k, v: prefix keys, offset mask, zig-zag balance",
 }
 
 
