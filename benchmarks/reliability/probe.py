@@ -120,6 +120,11 @@ def judge(fn, expect) -> tuple[str, str]:
     return ("works", "") if ok else ("silent wrong", f"result differs: {value!r:.120}")
 
 
+def run_case(fn, expect) -> tuple[str, str]:
+    """``expect`` None: ``fn`` judges itself (``with_user_files``)."""
+    return fn() if expect is None else judge(fn, expect)
+
+
 def with_user_files(action, expect):
     """Run ``action(directory)`` in a directory holding a user's files; any file gone or changed: data lost."""
     def run():
@@ -189,6 +194,8 @@ def planning_cases() -> list:
         ("unknown option 'stage'", {"stage": 2}, ["'stage'", "did you mean 'stages'"]),
         ("unknown option 'micro_batches'", {"micro_batches": 2}, ["micro_batches", "'microbatches'"]),
         ("manual stages missing submesh", {"stages": [{"layers": [0, 1]}]}, ["submesh"]),
+        ("memory_per_device as a planner option", {"memory_per_device": 2 ** 30}, ["memory_per_device", "Cluster"]),
+        ("optimizer=torch.optim.AdamW (a class)", {"optimizer": torch.optim.AdamW}, ["optimizer", "'adamw'"]),
     ]
     cases = [("options", name, plan(**opts), error(*words)) for name, opts, words in option_values]
     cases += [
@@ -198,6 +205,9 @@ def planning_cases() -> list:
          error("autopar.Cluster", "Cluster.preset")),
         ("cluster", "unknown preset", lambda: autopar.Cluster.preset("dgx-z100"), error("dgx-z100", "dgx-a100")),
         ("cluster", "Cluster.local(0)", lambda: autopar.Cluster.local(0), error("0")),
+        ("cluster", "Cluster.preset(nodes=0)", lambda: autopar.Cluster.preset("dgx-a100", nodes=0), error("nodes")),
+        ("cluster", "a cluster file that does not exist", lambda: autopar.Cluster.from_json("my-cluster.json"),
+         error("my-cluster.json", "autopar profile")),
         ("cluster", "mesh_shape that does not hold the devices",
          lambda: autopar.Cluster.local(2, mesh_shape=(3, 1)), error("mesh")),
         ("cluster", "memory_per_device in GiB", lambda: autopar.plan(
@@ -243,6 +253,14 @@ def plan_json_cases() -> list:
         ("plan JSON", "a missing file", lambda: autopar.Plan.from_json("no-such-plan.json"),
          error("no-such-plan.json")),
         ("plan JSON", "/dev/zero as a plan", lambda: autopar.Plan.from_json("/dev/zero"), error("not a regular file")),
+        ("plan JSON", "a dict instead of JSON text", lambda: autopar.Plan.from_json(json.loads(text)),
+         error("JSON text", "json.dumps")),
+        ("plan JSON", "to_json over a user file", with_user_files(
+            lambda root: autopar.Plan.from_json(text).to_json(root / "train.py"), error("train.py", "not a plan")),
+         None),
+        ("plan JSON", "to_json into a missing directory", with_user_files(
+            lambda root: autopar.Plan.from_json(text).to_json(root / "out" / "plan.json"), error("does not exist")),
+         None),
         ("plan JSON", "round trip (control)", lambda: autopar.Plan.from_json(text).to_json() == text, works(bool)),
     ]
 
@@ -293,6 +311,7 @@ def launch_argument_cases() -> list:
         ("launch", "timeout=-1", lambda: autopar.launch(rank_plus_one, 2, timeout=-1), error("timeout", "positive")),
         ("launch", "fn given as a name", lambda: autopar.launch("train", 2), error("fn", "rank")),
         ("launch", "fn without the rank", lambda: autopar.launch(no_rank, 2), error("fn(rank", "rank")),
+        ("launch", "timeout='60'", lambda: autopar.launch(rank_plus_one, 2, timeout="60"), error("timeout")),
         ("launch", "a lambda", lambda: autopar.launch(lambda r: r, 2), error("lambda", "module-level")),
     ]
 
@@ -362,6 +381,9 @@ def one_rank_cases() -> list:
         ("checkpoint", "pm.save(path, 'adam')", lambda: pm.save("unused", "adam"), error("optimizer")),
         ("checkpoint", "pm.save(path, step='one')", lambda: pm.save("unused", step="one"), error("step", "int")),
         ("checkpoint", "pm.load of a missing path", lambda: pm.load("no-such-ckpt"), error("no checkpoint", "pm.save")),
+        ("checkpoint", "pm.save(path, step=-1)", lambda: pm.save("unused", step=-1), error("step", "non-negative")),
+        ("checkpoint", "pm.load of a user's directory", with_user_files(lambda root: pm.load(root), error(
+            "manifest.json", "not a complete autopar checkpoint")), None),
         ("checkpoint", "pm.load of a file", lambda: pm.load(__file__), error("is a file", "pm.save")),
         ("checkpoint", "pm.export(None)", lambda: pm.export(None), error("path")),
         ("checkpoint", "optimizer state that was not saved", lambda: _load_missing_optimizer(pm),
@@ -382,6 +404,7 @@ def one_rank_cases() -> list:
             lambda root: pm.export(root / "out" / "model.pt"), error("does not exist")), None),
         ("data loss", "pm.export('.')", with_user_files(in_cwd(lambda: pm.export(".")), error("working directory")),
          None),
+        ("compile", "data='locl'", lambda: autopar.compile(model, c1, batch, data="locl"), error("data", "'local'")),
         ("compile", "timeout=-1", lambda: autopar.compile(model, c1, batch, timeout=-1), error("timeout", "positive")),
         ("compile", "plan='plan.json'", lambda: autopar.compile(model, c1, batch, plan="plan.json"),
          error("Plan.from_json")),
@@ -555,16 +578,14 @@ def main() -> None:
     os.chdir(Path(__file__).resolve().parents[2])
     results = []
     for group in (planning_cases, plan_json_cases, cli_cases, launch_argument_cases):
-        results += [(kind, name, *judge(fn, expect)) for kind, name, fn, expect in group()]
+        results += [(kind, name, *run_case(fn, expect)) for kind, name, fn, expect in group()]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        for kind, name, fn, expect in one_rank_cases():
-            outcome = fn() if expect is None else judge(fn, expect)
-            results.append((kind, name, *outcome))
+        results += [(kind, name, *run_case(fn, expect)) for kind, name, fn, expect in one_rank_cases()]
     finally:
         dist.destroy_process_group()
     if not args.quick:
-        results += [(kind, name, *judge(fn, expect)) for kind, name, fn, expect in launch_cases()]
+        results += [(kind, name, *run_case(fn, expect)) for kind, name, fn, expect in launch_cases()]
         try:
             loop = autopar.launch(loop_cases, 2, timeout=120)[0]
             results += [("training loop", entry[0], *judge_loop(entry)) for entry in loop]
