@@ -51,6 +51,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="global batch (samples per step)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--trace", action="store_true", help="write each step's sample ids and loss per rank")
@@ -80,7 +81,7 @@ def cluster_for(name: str, world: int) -> autopar.Cluster:
         return autopar.Cluster.local(world)
     if name.endswith(".json"):
         return autopar.Cluster.from_json(name)
-    return autopar.Cluster.preset(name)
+    return autopar.Cluster.preset(name, gpus=world)  # as many of the preset's GPUs as there are ranks
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -110,10 +111,14 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     out = Path(args.out)
     world = dist.get_world_size()
     cluster = cluster_for(args.cluster, world)
+    device = cluster.device_type
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
     samples = TextSamples(args.data, args.seq_len)
     model, weights = build_model(args, samples.tokenizer.vocab_size)
-    example = samples.batch(torch.arange(args.batch), shifted_labels=False)
-    pm = autopar.compile(model, cluster, example, data="local", timeout=args.timeout, **weights)
+    example = tuple(t.to(device) for t in samples.batch(torch.arange(args.batch), shifted_labels=False))
+    pm = autopar.compile(model, cluster, example, data="local", timeout=args.timeout, precision=args.precision,
+                         **weights)
     optimizer = pm.optimizer(torch.optim.AdamW, lr=args.lr)
     sampler = GlobalSampler(len(samples), args.batch, seed=args.seed, shard=pm.data_shard)
     step, resumed = 0, None
@@ -128,14 +133,14 @@ def train(rank: int, args: argparse.Namespace) -> dict:
               + (f", resumed from {resumed} (epoch {sampler.epoch}, sample {sampler.cursor})" if resumed else ""),
               flush=True)
     flops = step_flops(pm)
-    peak = cluster.num_devices * cluster.peak_flops.get("float32", max(cluster.peak_flops.values()))
-    device = cluster.device_type
+    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision]
+    peak = cluster.num_devices * cluster.peak_flops.get(dtype, max(cluster.peak_flops.values()))
     trace = _trace_file(out, rank) if args.trace else None
     first, start, losses, tokens, busy = step, time.perf_counter(), [], 0, 0.0
     while step < args.steps:
         epoch, ids = sampler.epoch, sampler.next_ids()
         t0 = time.perf_counter()
-        loss = pm.train_step(*samples.batch(ids, shifted_labels=False)).item()
+        loss = pm.train_step(*(t.to(device) for t in samples.batch(ids, shifted_labels=False))).item()
         optimizer.step()
         optimizer.zero_grad()
         step += 1
@@ -171,7 +176,8 @@ def _trace_file(out: Path, rank: int):
 def main(argv=None) -> list:
     args = parse(argv)
     (Path(args.out) / "ckpt").mkdir(parents=True, exist_ok=True)
-    return autopar.launch(train, args.nprocs, args, timeout=args.timeout)
+    backend = "nccl" if cluster_for(args.cluster, args.nprocs).device_type == "cuda" else "gloo"
+    return autopar.launch(train, args.nprocs, args, backend=backend, timeout=args.timeout)
 
 
 if __name__ == "__main__":
