@@ -4,9 +4,10 @@ On 2 gloo ranks, each compiled, each against one device (fp32: loss ≤ 1e-5 rel
 steps, every parameter ≤ 1e-4 relative): the GPT example tensor-parallel, with full recompute (the regions
 traced as activation-checkpoint regions), pipelined (2 stages, 1F1B, 4 microbatches), interleaved (2 chunks
 per rank; expected to miss on one bias, see INTERLEAVED), and data parallel at ZeRO-3 (the unit gathers and
-frees are graph breaks); HF Llama tensor-parallel. Each rank compiles its module(s) in the first step and never again (dynamo's graph count
-stays put over the 3 steps: 4 microbatches and 2 chunks reuse their graphs). Negative controls: the
-all-reduce broken inside the compiled Llama, the backward transfer broken in the compiled pipeline.
+frees are graph breaks); HF Llama tensor-parallel. Each rank compiles its module(s) in the first step and
+never again (dynamo's graph count stays put over the 3 steps: 4 microbatches and 2 chunks reuse their graphs).
+Negative controls: the all-reduce broken inside the compiled Llama, the backward transfer broken in the
+compiled pipeline.
 """
 import pytest
 
