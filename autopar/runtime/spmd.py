@@ -22,6 +22,7 @@ class StageModule(torch.nn.Module):
     policy, the loss scaler and the gradient sync."""
 
     gm: fx.GraphModule
+    compiled = None  # ``runtime.compiled.CompiledModule`` of ``gm`` under compile=True, else None
     local_data = None  # ``local_data.LocalData`` under data="local": this rank passes its share only
     offload_optimizer = offload_activations = False  # CPU offload of this stage (``runtime.offload``)
 
@@ -30,10 +31,11 @@ class StageModule(torch.nn.Module):
 
     def run_module(self, *args):
         """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
-        hooks (``runtime.zero3``)."""
+        hooks (``runtime.zero3``), activations saved on the host under activation offload (``runtime.offload``);
+        compiled (``runtime.compiled``) when the module was built with compile on."""
         with saved_on_host(self.offload_activations, self.device_type), self.policy.autocast(self.device_type), \
                 self.gradsync.units.hooks():
-            return self.gm(*args)
+            return (self.compiled or self.gm)(*args)
 
     def microbatches(self, inputs: tuple, count: int) -> list[tuple]:
         """The inputs of each of ``count`` microbatches for this stage: chunks of the global batch along dim 0,
