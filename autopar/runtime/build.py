@@ -23,7 +23,7 @@ from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.placement import parse_spec
 from autopar.runtime import compiled, gradsync, groups
-from autopar.runtime.codegen import generate_stage_module
+from autopar.runtime.codegen import fill_pending, generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
@@ -129,6 +129,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
             mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
             runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
         _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+        fill_pending(gm)
         runner.local_data = local
         runners.append(runner)
     if len(runners) > 1:
