@@ -44,6 +44,7 @@ from autopar.plan import Plan
 from autopar.planner import invariants
 from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
 from autopar.planner.manual_stages import manual_stages
+from autopar.planner.offload_choice import choose_offload, record_offload
 from autopar.planner.options import (
     PlanOptions,
     check_against_graph,
@@ -71,6 +72,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                recapture=None) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
+    if options.offload == "auto":
+        return choose_offload(lambda o: plan_graph(graph, cluster, o, model_name, recapture), options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
@@ -104,6 +107,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     plan.planner["solver"] = backend()
     if written_buffers(graph):  # why the planner kept one microbatch (``options.microbatch_candidates``)
         plan.planner["buffers_written_in_forward"] = written_buffers(graph)
+    record_offload(plan, options)
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan

@@ -16,7 +16,8 @@ Contract (tests outside this repository rely on it):
     ``autopar.runtime.checkpoint`` for sharded checkpoints); with ZeRO-3 it is a collective of each
     data-parallel group and holds copies of the parameters (they are sharded between uses);
   * ``pm.full_state_dict()`` has the keys and shapes of ``model.state_dict()``;
-  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank.
+  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank;
+  * ``pm.step_stats()`` gives step time, tokens/s (or samples/s) and MFU of the ``train_step`` calls so far.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from autopar.runtime import clipping, faults, modes, plain_optim, rng
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
 from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
+from autopar.runtime.throughput import StepClock, model_flops, step_stats
 
 
 class ParallelModule(FixedPlacement, torch.nn.Module):
@@ -51,13 +53,14 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
             runner.plan = plan
         plain_optim.tag(runner)
         self._rng = rng.ModuleRng.agreed(plan.cluster.get("device_type", "cpu"))  # the ranks' shared dropout stream
+        self._clock, self._flops = StepClock(), None  # ``step_stats``
         watch_optimizers()
         clipping.patch_torch()
 
     # ---- running -------------------------------------------------------------------------------
     @faults.collective_call("pm(...)")
     def forward(self, *inputs, **named):
-        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)")
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)", self._local_data is not None)
         self._check_inputs(inputs)
         with self._rng.active():
             flat = self.runner.forward(inputs)
@@ -68,7 +71,9 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         """Forward + backward of the loss on the global batch; returns the loss, detached (backward has
         run already, so there is nothing to call ``.backward()`` on) and the same on every rank. Inputs
         may be passed by forward's argument names as well."""
-        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)")
+        self._clock.tick()
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)",
+                             self._local_data is not None)
         check_autograd_on("pm.train_step")
         self._check_inputs(inputs)
         if self._loss_index is None:
@@ -98,6 +103,13 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise UsageError(f"pm.optimizer(cls, **kwargs) takes a torch optimizer class and its arguments, e.g. "
                              f"pm.optimizer(torch.optim.AdamW, lr=1e-3); got {cls!r}")
+        if any(getattr(r, "offload_optimizer", False) for r in clipping.stage_runners(self.runner)):
+            if param_groups is not None:
+                raise UsageError("param_groups with optimizer state offloaded to host memory is not supported; "
+                                 "plan without offload, or give one group's settings as keyword arguments")
+            from autopar.runtime.optim import PlanOptimizer
+
+            return PlanOptimizer(self.runner, cls, **kwargs)  # it steps host copies (``runtime.offload``)
         named = self.named_model_parameters()
         if param_groups is None:
             groups = list({id(t): t for t in named.values() if t is not None and t.requires_grad}.values())
@@ -145,6 +157,15 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         super().train(mode)
         modes.set_training(self.runner, mode)
         return self
+
+    def step_stats(self, warmup: int = 1) -> dict:
+        """Throughput of the ``train_step`` calls so far on this rank: ``step_time`` (s, the mean wall-clock
+        between consecutive calls after the first ``warmup`` intervals), ``tokens_per_s`` (or
+        ``samples_per_s``), ``model_flops`` per step, ``flops_per_s``, and ``mfu`` against the cluster's peak
+        for the plan's precision. See ``autopar.runtime.throughput``."""
+        if self._flops is None:
+            self._flops = model_flops(self._graph, self.plan.microbatches)
+        return step_stats(self._clock, self.plan, *self._flops[:1], warmup, self._flops[1])
 
     @property
     def code(self) -> str:
@@ -375,6 +396,9 @@ def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer) -> No
     built from ``model.parameters()``, which autopar never trains."""
     if optimizer in _CHECKED:
         return
+    from autopar.runtime.optim import check_raw
+
+    check_raw(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
     _CHECKED.add(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if params and all(p.grad is None for p in params):

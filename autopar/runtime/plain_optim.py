@@ -46,6 +46,8 @@ def _params(optimizer) -> list[torch.Tensor]:
 
 def runners_of(optimizer) -> list:
     """The runners whose parameters ``optimizer`` steps (adopting it on first use), in a fixed order."""
+    if getattr(optimizer, "_autopar_owned", False):
+        return []  # a PlanOptimizer's inner optimizer (offload): it does this work itself
     if optimizer not in _ADOPTED:
         _ADOPTED[optimizer] = adopt(optimizer)
     return _ADOPTED[optimizer]
