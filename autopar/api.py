@@ -17,7 +17,7 @@ from autopar.passes.plan_check import check_shardings
 from autopar.plan import Plan
 from autopar.planner.driver import plan_model
 from autopar.planner.options import first_microbatch, plan_options
-from autopar.runtime import faults
+from autopar.runtime import compiled, faults
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.pretrained_files import hf_config_of, open_weights, weights_source
@@ -28,16 +28,23 @@ from autopar.runtime.tensor_source import on_meta_for, retarget_meta_device
 _PLAN_EXCHANGE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, **options) -> Plan:
-    """Plan ``model`` for ``cluster`` without running it (works on the meta device). See PlanOptions."""
+def plan(model: torch.nn.Module, cluster: Cluster, example_inputs, *, compile="auto", **options) -> Plan:
+    """Plan ``model`` for ``cluster`` without running it (works on the meta device). See PlanOptions.
+    compile: price the plan for modules run under torch.compile, as ``autopar.compile`` with the same value
+    runs them (``Cluster.compiled_view``: only a cluster whose profile measured it prices them otherwise)."""
     _check_cluster(cluster)
+    cluster = _priced_for(cluster, compiled.resolve(compile, cluster.device_type))
     return plan_model(model, cluster, example_inputs, plan_options(options))
+
+
+def _priced_for(cluster: Cluster, compile_modules: bool) -> Cluster:
+    return cluster.compiled_view() if compile_modules else cluster
 
 
 @faults.collective_call("autopar.compile")
 def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan | None = None, *,
             timeout: float | None = None, share_with: ParallelModule | None = None, data: str = "global",
-            weights=None, prefix: str = "", init_seed: int = 0, **options) -> ParallelModule:
+            weights=None, prefix: str = "", init_seed: int = 0, compile="auto", **options) -> ParallelModule:
     """Plan (on rank 0, unless ``plan`` is given), share the plan, and build this rank's module.
 
     Call on every rank of an initialized process group whose world size is the cluster's device count.
@@ -53,8 +60,11 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     the part of the model's state-dict keys the files lack (e.g. ``"model."`` for a wrapper module).
     init_seed: a model on the meta device without ``weights`` is initialized by its own init code, one
     tensor at a time, to the same weights whatever the plan (``autopar.init_weights`` gives them on one device).
+    compile: True runs every rank's generated module under torch.compile (inductor), False eagerly; "auto"
+    (default) compiles on CUDA clusters only (``autopar.runtime.compiled``).
     """
     _check_cluster(cluster)
+    compile_modules = compiled.resolve(compile, cluster.device_type)
     _check_compile_arguments(model, plan, timeout, share_with, options)
     if data not in ("global", "local"):
         raise UsageError(f"data={data!r}: pass data='global' (every rank passes the whole batch) or "
@@ -71,14 +81,15 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     example_inputs = on_meta_for(model, normalize_inputs(example_inputs))
     if share_with is not None:
         options = _keep_layout_of(share_with.plan, options)
-    chosen = _agree_on_plan(model, cluster, example_inputs, plan, options, data)
+    chosen = _agree_on_plan(model, _priced_for(cluster, compile_modules), example_inputs, plan, options, data)
     graph = apply_to_graph(capture(model, first_microbatch(example_inputs, chosen.microbatches)),
                            resolve_precision(chosen.precision))
     chosen.validate(graph, world_size=world, cluster=cluster)
     check_shardings(chosen, graph)
     retarget_meta_device(graph.gm, chosen.cluster.get("device_type", "cpu"))
     source, checkpoint_dir = weights_source(model, graph, opened, init_seed)
-    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data, source)
+    built = build_parallel_module(model, graph, chosen, _collective_timeout(timeout), data, source,
+                                  compile_modules)
     if checkpoint_dir is not None:
         built.load(checkpoint_dir)
     built.hf_config = hf_config_of(model)
@@ -123,7 +134,8 @@ def _check_compile_arguments(model, given, timeout, share_with, options: dict) -
                           f"of seconds (or None: autopar.launch's timeout, else 300)")
     if share_with is not None and not isinstance(share_with, ParallelModule):
         raise UsageError(f"share_with= must be a module returned by autopar.compile, got {_what(share_with)}")
-    plan_options(options, also=("plan", "timeout", "share_with", "data", "weights", "prefix", "init_seed"))
+    plan_options(options, also=("plan", "timeout", "share_with", "data", "weights", "prefix", "init_seed",
+                                  "compile"))
 
 
 def _what(value) -> str:

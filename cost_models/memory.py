@@ -79,6 +79,8 @@ class TrainingSpec:
     zero_search: bool = False                # parameters absent from ``zero``: the ILP chooses (else level 0)
     compute_itemsize: int = 0                # autocast's weight copies (saved for backward); 0 for fp32
     bucket_bytes: float = 25 * 2 ** 20       # gradient-sync bucket cap: a ZeRO-3 unit is gathered whole
+    host_optimizer: bool = False             # optimizer state and master weights in host memory (ZeRO-Offload)
+    host_activations: bool = False           # activations saved for backward kept in host memory (save_on_cpu)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
@@ -102,6 +104,7 @@ class TrainingSpec:
         grad = item / n if level >= 2 else item
         master = 4 if dtype in (torch.float16, torch.bfloat16) else 0  # fp32 copy of a low-precision weight
         state = (OPTIMIZER_STATE_BYTES[self.optimizer] + master) / (n if level >= 1 else 1)
+        state = 0.0 if self.host_optimizer else state  # held in host memory (cost_models.offload)
         copy = self.compute_itemsize if level < 3 or n == 1 else 0  # level 3 saves its gathered unit instead
         return numel * (weight + grad + state + copy)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.cost_models.compute import local_bytes
+from autopar.cost_models.offload import activation_swap_seconds
 from autopar.ir.shard_boxes import send_spec
 from autopar.redistribute import grad_partial_axes
 
@@ -69,6 +70,10 @@ def _price_member(b, group, i: int, pick: dict, name: str) -> None:
     group.cost[i] += t
     group.comm[i] += c
     param, act = b.node_memory(name, strat)
+    if act and b.env.training.host_activations:  # swapped to host memory and back (cost_models.offload)
+        mb = b.env.microbatches
+        group.cost[i] += mb * activation_swap_seconds(act / b.env.inflight, t / mb, b.env.cluster)
+        act = 0.0
     group.mem_param[i] += param
     group.mem_act[i] += act
     if name in b.sends:

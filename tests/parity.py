@@ -17,6 +17,7 @@ reproduce; with eps=1e-6 such noise moves nothing.
 """
 import copy
 import pickle
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ import autopar
 from autopar.passes.capture import capture
 from autopar.planner.driver import PlanOptions, memory_bounds
 from autopar.runtime import collectives, faults
+from autopar.runtime.compiled import compile_failures
 from tests.models import FACTORIES
 
 LR, EPS, STEPS = 1e-3, 1e-6, 3
@@ -59,6 +61,7 @@ PIPELINES = {
     "pp2x2": [{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 2]}],
     "pp4x1": [{"layers": [k, k], "submesh": [1, 1]} for k in range(4)],
     "pp1+3": [{"layers": [0, 0], "submesh": [1, 1]}, {"layers": [1, 1], "submesh": [1, 3]}],
+    "pp2x1": [{"layers": [k, k], "submesh": [1, 1]} for k in range(2)],
 }
 
 
@@ -81,6 +84,7 @@ SHARD_TO_SHARD = {
 INTERLEAVED = {
     "pp2x2v2": ([{"layers": [k, k], "submesh": [1, 2]} for k in range(4)], 2),
     "pp4x1v2": ([{"layers": [k, k], "submesh": [1, 1]} for k in range(8)], 2),
+    "pp2x1v2": ([{"layers": [k, k], "submesh": [1, 1]} for k in range(4)], 2),
 }
 
 
@@ -149,9 +153,13 @@ def recompute_option(text: str):
 
 def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     """One case. A layout may carry flags after ":": "rc-<full | layer glob>" recomputes those layers in
-    backward; "z<level>" forces that ZeRO level (the optimizer then comes from ``pm.optimizer``); "ckpt"
+    backward; "z<level>" forces that ZeRO level (the optimizer then comes from ``pm.optimizer``); "offopt" and
+    "offact" offload the optimizer (stepped on host copies, from ``pm.optimizer``) and the activations; "ckpt"
     saves module and optimizer after step 2 and loads them into a module compiled from perturbed weights
-    with a fresh optimizer, which takes step 3 ("ckpt-noopt": loads the module only, a negative control)."""
+    with a fresh optimizer, which takes step 3 ("ckpt-noopt": loads the module only, a negative control);
+    "c" runs every generated module under torch.compile (``compile=True``) and records the graphs dynamo
+    compiled by the end of each step ("graphs": a later step that compiles again is a recompile); "nograd"
+    then runs the module once under torch.no_grad() and appends the count after it."""
     model, batch = FACTORIES[model_name]()
     reference = copy.deepcopy(model)
     cluster = autopar.Cluster.local(world, mesh_shape=mesh)
@@ -168,11 +176,18 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     key = (model_name, tuple(mesh), world, layout, rc)  # a negative control reuses its case's budget
     cluster, options = on_rank_zero(lambda: _remembered(key, options_of_case))
     options = {**options, "zero": zero} if zero is not None else options
-    pm = autopar.compile(model, cluster, batch, **options, recompute=recompute)
-    opt = _optimizer(pm, zero)
+    offload = {kind: True for kind, flag in (("optimizer", "offopt"), ("activations", "offact")) if flag in flags}
+    options = {**options, "offload": offload} if offload else options
+    compiled = "c" in flags
+    if compiled:
+        _inductor_in_a_fresh_cache()
+    graphs_before = _dynamo_graphs()
+    pm = autopar.compile(model, cluster, batch, **options, recompute=recompute, compile=compiled)
+    opt = _optimizer(pm, zero or offload.get("optimizer"))
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     loss_err, moved = 0.0, set()
     counted = _count_collectives()
+    graphs = []
     for step in range(STEPS):
         if step == STEPS - 1 and any(f.startswith("ckpt") for f in flags):
             pm, opt = _round_trip(pm, opt, model_name, cluster, batch, {**options, "recompute": recompute}, zero,
@@ -186,7 +201,12 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+        graphs.append(_dynamo_graphs() - graphs_before)
     comm_calls = counted()
+    if "nograd" in flags:  # the recompile count's negative control: a no-grad call is another graph for dynamo
+        with torch.no_grad():
+            pm(*batch)
+        graphs.append(_dynamo_graphs() - graphs_before)
     forward_err = None
     if pm.plan.virtual_stages > 1:  # inference through the chunks, after training: the trained model's loss
         with torch.no_grad():
@@ -210,9 +230,38 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
             "wires": [t.get("wire") for t in pm.plan.transfers], "comm_calls": comm_calls[0],
             "replayed_comm_calls": comm_calls[1],
             "recompute": [s.recompute for s in stages], "regions": pm.code.count("recompute_"),
+            "offload": pm.plan.planner.get("offload", {}),
             "zero": sorted({lvl for s in stages for lvl in s.zero.values()}),
+            "graphs": graphs, "compile_failures": compile_failures(pm.runner),
             "keys_match": list(full) == list(reference.state_dict()),
             "shapes_match": all(full[k].shape == v.shape for k, v in reference.state_dict().items())}
+
+
+def _dynamo_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (dynamo's own count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+_INDUCTOR_DIR: list = []
+
+
+def _inductor_in_a_fresh_cache() -> None:
+    """Inductor's caches in a temporary directory of this process (removed at exit), compiling in-process:
+    no run reuses an earlier run's kernels, and 2 cores shared by the ranks need no compile worker pools."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    import torch._inductor.config
+
+    if not _INDUCTOR_DIR:
+        _INDUCTOR_DIR.append(tempfile.mkdtemp(prefix="autopar-inductor-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_DIR[0]
+        atexit.register(shutil.rmtree, _INDUCTOR_DIR[0], True)
+    torch._inductor.config.compile_threads = 1
 
 
 def _optimizer(pm, zero: int | None):
@@ -311,7 +360,8 @@ def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
     between pipeline stages; "offsets" misplaces each shard-to-shard piece;
     "accumulate" keeps only the last microbatch's gradients; "replay" skips the collectives
     when a recomputed region re-runs in backward; "cp_swap" skips context parallelism's load-balancing swap;
-    "kv_grad" drops the sum of gathered keys' and values' gradients."""
+    "kv_grad" drops the sum of gathered keys' and values' gradients; "host_step" never copies the host-stepped
+    values back; "host_acts" brings offloaded activations back as zeros."""
     results = {}
     for case in cases:
         model_name, mesh, layout, sabotage = case
@@ -326,9 +376,12 @@ def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
             continue
         undo = _sabotage(sabotage)
         try:
-            results[case] = run_case(model_name, mesh, layout, world)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                results[case] = run_case(model_name, mesh, layout, world)
         finally:
             undo()
+        results[case]["compile_warnings"] = [str(w.message) for w in caught if "torch.compile of" in str(w.message)]
     return results
 
 
@@ -376,6 +429,14 @@ def _sabotage(kind) -> callable:
 
     if kind == "replay":
         return _skip_collectives_in_replay()
+    if kind == "inductor":  # every graph inductor is given fails to compile: the modules must fall back to eager
+        from autopar.runtime import compiled
+
+        def failing(*_):
+            raise RuntimeError("inductor made to fail by the test")
+        original = compiled.inductor
+        compiled.inductor = failing
+        return lambda: setattr(compiled, "inductor", original)
 
     if kind in (True, "all_reduce"):
         original = collectives._all_reduce
@@ -407,6 +468,19 @@ def _sabotage(kind) -> callable:
         original = collectives._reduce_scatter
         collectives._reduce_scatter = lambda x, dim, key: collectives._chunk(x, dim, key).contiguous()
         return lambda: setattr(collectives, "_reduce_scatter", original)
+    if kind == "host_step":  # the host copies are stepped but never copied back into the parameters
+        from autopar.runtime import offload
+
+        original = offload.HostCopies.push_params
+        offload.HostCopies.push_params = lambda self: None
+        return lambda: setattr(offload.HostCopies, "push_params", original)
+    if kind == "host_acts":  # activations come back from host memory as zeros
+        from autopar.runtime import spmd
+
+        original = spmd.saved_on_host
+        spmd.saved_on_host = lambda active, device_type: torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t.to("cpu", copy=True), torch.zeros_like) if active else original(active, device_type)
+        return lambda: setattr(spmd, "saved_on_host", original)
     if kind == "transfer":
         original = pipeline.send_backward
         pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)

@@ -5,7 +5,8 @@ the batch) and data="local" (each rank passes rows [index·B/count, (index+1)·B
 steps side by side: losses within 1e-5 and moved parameters within 1e-4 (relative), as tests/parity.py.
 Cases: a 2×2 mesh whose batch is split on one axis only (the other axis's ranks pass the same rows), a
 2-stage pipeline (4 microbatches, 1F1B), an interleaved plan (2 model chunks per device), ZeRO-3 over 4
-ranks, and 3 stages where the middle one reads no input (its rank passes nothing: ``pm.train_step()``).
+ranks, and 3 stages where each rank passes by name only the inputs its stage reads (the middle one reads
+none and passes nothing: ``pm.train_step()``).
 Negative control in every case: before training, ranks whose share is not the first pass the first one
 instead; the forward loss must then fail the 1e-5 check the right shares pass.
 Bad shares (2×2 case): a share of the wrong size, peers passing different rows, and a token id out of
@@ -41,9 +42,14 @@ def share(batch, data_shard) -> tuple:
     return tuple(t.chunk(count)[index] for t in batch)
 
 
-def local_inputs(pm, batch) -> tuple:
-    """What a rank passes: its share, or nothing where its stage reads no input (the pp3 middle rank)."""
-    return () if not pm._local_data.reads_input() else share(batch, pm.data_shard)
+def local_inputs(pm, batch, name: str) -> tuple:
+    """(args, kwargs) a rank passes: its share; in the pp3 case, by name and only the inputs its stages
+    read (the middle rank reads none and passes nothing)."""
+    if name != "pp3":
+        return share(batch, pm.data_shard), {}
+    read = {i for per_stage in pm._local_data.blocks.values() for i in per_stage}
+    mine = share(batch, pm.data_shard)
+    return (), {key: mine[i] for i, key in enumerate(("idx", "targets")) if i in read}
 
 
 def _optimizer(pm, zero: bool):
@@ -60,7 +66,8 @@ def run_case(name: str) -> dict:
     index, count = pm_l.data_shard
     with torch.no_grad():
         ref = pm_g(*batch).item()
-        right = pm_l(*local_inputs(pm_l, batch)).item()
+        args, named = local_inputs(pm_l, batch, name)
+        right = pm_l(*args, **named).item()
         wrong_share = share(batch, (0, count)) if pm_l._local_data.reads_input() else ()
         wrong = pm_l(*wrong_share).item()  # every rank of a share other than the first passes the first one
     zero = options.get("zero") == 3
@@ -68,7 +75,7 @@ def run_case(name: str) -> dict:
     loss_err = 0.0
     for _ in range(STEPS):
         lg = pm_g.train_step(*batch)
-        ll = pm_l.train_step(*local_inputs(pm_l, batch))
+        ll = pm_l.train_step(*args, **named)
         for opt in (opt_g, opt_l):
             opt.step()
             opt.zero_grad()
@@ -79,7 +86,7 @@ def run_case(name: str) -> dict:
     full_g, full_l = pm_g.full_state_dict(), pm_l.full_state_dict()
     return {"data_shard": (index, count), "loss_err": loss_err, "forward_err": abs(right - ref) / abs(ref),
             "negative_err": abs(wrong - ref) / abs(ref), "param_err": max(rel(full_l[k], full_g[k]) for k in moved),
-            "stages": len(pm_l.plan.stages), "reads": pm_l._local_data.reads_input(),
+            "stages": len(pm_l.plan.stages), "reads": pm_l._local_data.reads_input(), "named": sorted(named),
             "errors": bad_shares(pm_l, batch) if name == "2x2" else {}}
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.errors import PlanError
+from autopar.errors import AutoparError, PlanError
 from autopar.hardware.cluster import Link
 from examples.gpt import GPT, GPTConfig, make_batch
 
@@ -109,7 +109,7 @@ def test_stages_beyond_the_layers_or_devices_name_them_not_memory():
     model, batch = _tiny_gpt()
     with pytest.raises(PlanError, match=r"4 pipeline stages need at least 4 layers, but layers=2 .* layers=4"):
         autopar.plan(model, autopar.Cluster.local(4), batch, stages=4, layers=2)
-    with pytest.raises(PlanError, match=r"stages=4 needs .* 4 devices.* over 2 devices; plan at most 2") as e:
+    with pytest.raises(AutoparError, match=r"stages=4 needs at least 4 devices") as e:
         autopar.plan(model, autopar.Cluster.local(2), batch, stages=4)
     assert "memory" not in str(e.value)
 

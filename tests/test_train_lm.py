@@ -2,7 +2,7 @@
 
 The run is one epoch exactly: 160 byte-level samples of 32 tokens (ASCII text of docs/design.md), a global
 batch of 8, 20 steps, a checkpoint every 5. Each rank's trace (``--trace``) lists the sample ids it trained
-on at each step. A run is killed (SIGKILL of one rank, once that rank has finished step 12), and the next
+on at each step. A run is killed (SIGKILL of one rank, once that rank has finished step 8), and the next
 run in the same directory resumes from the latest checkpoint. What trained is then the killed run's steps
 up to that checkpoint plus the resumed run's steps (the killed run's later steps were lost with it): that
 must be every sample of the epoch exactly once, in the order of ``autopar.data.GlobalSampler``.
@@ -26,7 +26,7 @@ from autopar.data import GlobalSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
-SAMPLES, SEQ, BATCH, STEPS, KILL_AFTER = 160, 32, 8, 20, 12
+SAMPLES, SEQ, BATCH, STEPS, KILL_AFTER = 160, 32, 8, 20, 8
 
 
 @pytest.fixture(scope="module")

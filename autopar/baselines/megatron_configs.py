@@ -195,6 +195,22 @@ def megatron_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_b
                                                        virtual_stages=v)
 
 
+# Mist's Megatron-LM baseline (Zhu et al., EuroSys'25, §7): full recompute and the distributed optimizer always,
+# dp/tp/pp powers of two, micro-batch sizes 1, 2 or 4 sequences, plain 1F1B.
+MIST_MICROBATCH_SIZES = (1, 2, 4)
+
+
+def mist_grid(n_devices: int, n_blocks: int, devices_per_node: int, global_batch: int, n_heads: int | None = None,
+              precision: str = "fp32") -> Iterator[MegatronConfig]:
+    """``megatron_grid`` as Mist's baseline ran it (above): powers of two, full recompute, distributed
+    optimizer where dp > 1, and global_batch / (dp · microbatches) in ``MIST_MICROBATCH_SIZES``."""
+    for c in megatron_grid(n_devices, n_blocks, devices_per_node, global_batch, n_heads, recompute=("full",),
+                           distributed_optimizer=(True,), precision=precision, virtual_stages=(1,)):
+        powers = all(x & (x - 1) == 0 for x in (c.dp, c.tp, c.pp))
+        if powers and global_batch // (c.dp * c.microbatches) in MIST_MICROBATCH_SIZES:
+            yield c
+
+
 def _microbatch_configs(dp: int, tp: int, pp: int, global_batch: int, max_microbatches: int,
                         **levers) -> Iterator[MegatronConfig]:
     """microbatches = pp·2^k ≤ max_microbatches while every dp replica gets whole sequences."""
@@ -212,13 +228,15 @@ def score_config(graph, cluster, config: MegatronConfig, n_blocks: int, recaptur
 
 
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
-                  log=None, precision: str = "fp32", time_limit: float = 60.0) -> HandSearch:
+                  log=None, precision: str = "fp32", time_limit: float = 60.0, grid: str = "full") -> HandSearch:
     """``search_hand`` of ``megatron_grid`` scored by ``score_config``; with memory ignored only the configs
     without recompute are searched again (recompute adds a forward and saves only memory). A config's
     planning cost grows with its pipeline chunks (pp·v stage ILPs), which orders the layouts on the cores.
-    ``time_limit``: each ILP solve's, in seconds (a solve that hits it scores the config "OOM")."""
-    grid = list(megatron_grid(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
-                              precision=precision))
+    ``time_limit``: each ILP solve's, in seconds (a solve that hits it scores the config "OOM"). ``grid``:
+    "full" (``megatron_grid``) or "mist" (``mist_grid``: Mist's Megatron baseline)."""
+    make = {"full": megatron_grid, "mist": mist_grid}[grid]
+    grid = list(make(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
+                     precision=precision))
     graph, recapture = capture_once(model, batch, precision)
     precapture(graph, recapture, {c.microbatches for c in grid})
     roomy = cluster.with_memory(UNBOUNDED_MEMORY)

@@ -70,6 +70,12 @@ class Cluster:
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
       step (``autopar.profiling.profiler_training``, item 4; GPUs record it and keep 1.0).
+    compiled_time_scale: the same factor for modules run under ``torch.compile`` (``autopar.compile(...,
+      compile=True)``), measured by the profiler on the same probe step compiled, with no host time per op
+      (a compiled graph issues fused kernels, not one call per op): what fusing pointwise chains and
+      dropping per-op host calls saves. Plans for compiled modules are priced by ``compiled_view()``. 0
+      (the default, presets, old cluster files) means "not measured": compiled modules are priced as eager
+      ones. Left out of the JSON while 0, so clusters and plans without it stay byte-identical.
     """
 
     name: str
@@ -92,6 +98,7 @@ class Cluster:
     compute_time_scale: float = 1.0
     norm_act_bandwidth: float = 0.0
     attention_efficiency: float = 0.0
+    compiled_time_scale: float = 0.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -119,6 +126,7 @@ class Cluster:
         _check_positive(self.name, "norm_act_bandwidth", self.norm_act_bandwidth, allow_zero=True)
         _check_positive(self.name, "attention_efficiency", self.attention_efficiency, allow_zero=True)
         _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
+        _check_positive(self.name, "compiled_time_scale", self.compiled_time_scale, allow_zero=True)
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
         for link_name in ("intra_node", "inter_node"):
@@ -137,6 +145,15 @@ class Cluster:
     def with_memory(self, memory_per_device: float) -> "Cluster":
         """The same cluster with another per-device memory budget (bytes)."""
         return dataclasses.replace(self, memory_per_device=float(memory_per_device))
+
+    def compiled_view(self) -> "Cluster":
+        """The cluster as the cost model sees it for modules run under torch.compile: no host time per op
+        (``op_overhead`` 0) and ``compiled_time_scale`` in place of ``compute_time_scale``, when the profiler
+        measured it; else the cluster unchanged (compiled modules priced as eager ones)."""
+        if self.compiled_time_scale <= 0:
+            return self
+        return dataclasses.replace(self, op_overhead=0.0, compute_time_scale=self.compiled_time_scale,
+                                   source=f"{self.source}; priced for torch.compile'd modules")
 
     def flops(self, dtype_name: str) -> float:
         """Achievable matmul FLOP/s per device for a dtype (falls back to float32, then the max known)."""
@@ -191,7 +208,10 @@ class Cluster:
 
     # ---- JSON --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.compiled_time_scale:  # unmeasured: absent, as in files written before the field existed
+            del out["compiled_time_scale"]
+        return out
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:
         """JSON text of the cluster; also written to ``path`` when given."""

@@ -43,6 +43,7 @@ from autopar.plan import Plan
 from autopar.planner import invariants
 from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
 from autopar.planner.manual_stages import manual_stages
+from autopar.planner.offload_choice import choose_offload, record_offload
 from autopar.planner.options import (
     PlanOptions,
     check_against_graph,
@@ -70,6 +71,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                recapture=None) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
+    if options.offload == "auto":
+        return choose_offload(lambda o: plan_graph(graph, cluster, o, model_name, recapture), options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
@@ -101,6 +104,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
             plan = or_single_stage(plan, single.result)
             clock.lap("single_stage_check")
     plan.planner["solver"] = backend()
+    record_offload(plan, options)
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))
     return plan

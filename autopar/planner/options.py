@@ -53,6 +53,11 @@ class PlanOptions:
       chooses level 0 or 2 per parameter, see ``passes.intra_op_zero``), 0, 1, 2, 3 for every parameter, or
       {parameter-fqn glob: level} (forced where a glob matches, chosen elsewhere; see ``cost_models.memory``).
     bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
+    offload: CPU offload, a memory lever (``cost_models.offload``): "none" (default), "auto" (the planner
+      plans with and without it and keeps the faster plan that fits), or {"optimizer": bool, "activations":
+      bool} to force it: optimizer state and fp32 master weights in host memory with the step on the host
+      (ZeRO-Offload), and/or activations saved for backward kept in host memory
+      (``torch.autograd.graph.save_on_cpu``). The plan records what it uses in ``plan.planner["offload"]``.
     """
 
     optimizer: str = "adamw"
@@ -68,6 +73,7 @@ class PlanOptions:
     precision: object = "fp32"
     zero: object = "auto"
     bucket_bytes: int = 25 * 2 ** 20
+    offload: object = "none"
 
     def __post_init__(self):
         _check_fields(self)
@@ -85,6 +91,9 @@ def plan_options(options: dict, also: tuple[str, ...] = ()) -> PlanOptions:
     (``also``: the calling function's own keywords, listed as known)."""
     known = [f.name for f in dataclasses.fields(PlanOptions)]
     for name in options:
+        if name in ("memory_per_device", "mesh_shape", "nodes", "device_type"):
+            raise OptionError(f"{name} is an argument of the cluster, not a planner option: describe it there, e.g. "
+                              f"autopar.Cluster.local(n, {name}=...) or Cluster.preset(name, nodes=...)")
         if name not in known:
             close = difflib.get_close_matches(name, known + list(also), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -112,6 +121,7 @@ _VALID = {
     "layers": "None (one per repeated block) or a positive int",
     "debug": "True or False",
     "bucket_bytes": "a positive number of bytes, e.g. 25 * 2**20",
+    "offload": "'none', 'auto' or a dict with 'optimizer' and/or 'activations' set to True or False",
 }
 _CHECKS = {
     "optimizer": lambda v: isinstance(v, str) and v in OPTIMIZER_STATE_BYTES,
@@ -125,7 +135,17 @@ _CHECKS = {
     "layers": lambda v: v is None or _is_count(v),
     "debug": lambda v: isinstance(v, bool),
     "bucket_bytes": lambda v: _is_number(v) and v > 0,
+    "offload": lambda v: v in ("none", "auto") if isinstance(v, str) else (
+        isinstance(v, dict) and len(v) > 0 and set(v) <= {"optimizer", "activations"}
+        and all(isinstance(x, bool) for x in v.values())),
 }
+
+
+def offloaded(options: PlanOptions) -> dict[str, bool]:
+    """What a forced ``offload`` moves to host memory: {"optimizer": bool, "activations": bool} ("none" and
+    "auto" force nothing; the driver resolves "auto" by planning both ways)."""
+    forced = options.offload if isinstance(options.offload, dict) else {}
+    return {"optimizer": bool(forced.get("optimizer")), "activations": bool(forced.get("activations"))}
 
 
 def _check_fields(options: PlanOptions) -> None:
@@ -185,7 +205,8 @@ def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
     copy = policy.compute_dtype.itemsize if policy.compute_dtype is not None else 0
     return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
                         zero_search=not isinstance(options.zero, int), compute_itemsize=copy,
-                        bucket_bytes=float(options.bucket_bytes))
+                        bucket_bytes=float(options.bucket_bytes), host_optimizer=offloaded(options)["optimizer"],
+                        host_activations=offloaded(options)["activations"])
 
 
 def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:

@@ -29,6 +29,7 @@ import numpy as np
 from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.memory import held_state_bytes, single_step_release
+from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import exposed_gather, zero3_units
 from autopar.hardware.cluster import Cluster
 from autopar.ir.buckets import deferrable_syncs, sync_buckets
@@ -102,6 +103,8 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dic
             shard = ways if zero.get(p.name, 0) >= 1 else 1  # ZeRO steps 1/n of it
             numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
             tensors, itemsize = tensors + 1, p.dtype.itemsize
+    if env.training.host_optimizer:  # ZeRO-Offload: the step runs on the host (cost_models.offload)
+        return host_optimizer_seconds(numel, itemsize, env.training.optimizer, env.cluster)
     return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)
 
 

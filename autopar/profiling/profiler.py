@@ -82,6 +82,8 @@ class ProfileSettings:
     max_matmul_call_s: a dtype's size ladder stops before a call would take longer (predicted as s³).
     stream_bytes: bytes of each operand of the bandwidth probe (well above the last-level cache).
     timeout_s: per-collective timeout of the profiling process group.
+    compiled_probe: also time the probe training step under torch.compile (``Cluster.compiled_time_scale``;
+      compiling it takes a minute on a few busy cores, so quick profiles leave it out).
     """
 
     message_bytes: tuple[int, ...]
@@ -92,12 +94,14 @@ class ProfileSettings:
     windows: int
     window_s: float
     timeout_s: float = 120.0
+    compiled_probe: bool = True
 
 
 FULL = ProfileSettings(message_bytes=tuple(4 * KiB * 4**k for k in range(7)), matmul_sizes=(64, 128, 256, 512, 1024),
                        max_matmul_call_s=0.25, stream_bytes=64 * MiB, warmup=2, windows=4, window_s=0.015)
 QUICK = ProfileSettings(message_bytes=(4 * KiB, 64 * KiB, 1 * MiB), matmul_sizes=(64, 128, 256),
-                        max_matmul_call_s=0.05, stream_bytes=8 * MiB, warmup=1, windows=3, window_s=0.005)
+                        max_matmul_call_s=0.05, stream_bytes=8 * MiB, warmup=1, windows=3, window_s=0.005,
+                        compiled_probe=False)
 # GPUs: larger matmuls (peak needs s ≥ 4096), messages up to 256 MiB, streams past a 50 MB L2 cache.
 GPU_FULL = dataclasses.replace(FULL, message_bytes=tuple(4 * KiB * 4**k for k in range(9)),
                                matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), stream_bytes=512 * MiB)

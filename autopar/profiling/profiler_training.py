@@ -51,6 +51,12 @@
 7. attention_efficiency (GPUs): forward + backward of causal ``scaled_dot_product_attention`` (the flash
    kernel) on ``ATTENTION_SHAPE`` in bf16; efficiency = the cost model's seconds at rate 1 (its FLOPs, halved
    for the causal mask, at the bf16 curve's rate for the forward's call size) / the median seconds over ranks.
+8. compiled_time_scale: item 4 again with the probe block under ``torch.compile`` (compiled once, untimed,
+   then timed the same way between two reference mms), priced with no host time per op (a compiled graph
+   runs fused kernels, not one call per op): s_c = (measured compiled) / (q_c · Σ r_i). Against item 4's s it
+   measures what inductor's fusion of pointwise chains and the dropped per-op host calls save on this
+   machine; the cost model prices compiled modules with it (``Cluster.compiled_view``). Like item 4, GPUs
+   record it in the source line but keep it unapplied (0). A rank whose compile fails makes every rank skip it.
 """
 from __future__ import annotations
 
@@ -168,7 +174,8 @@ def norm_act_calls(kind: str, device) -> list:
     tokens, width, dtype = NORM_ACT_SHAPE["cuda" if kind == "cuda" else "cpu"]
     x = torch.randn(tokens, width, device=device, dtype=getattr(torch, dtype), requires_grad=True)
     grad, ops = torch.randn_like(x), (nn.LayerNorm(width).to(device, x.dtype), F.gelu, lambda t: t.softmax(-1))
-    return [(lambda op=op: torch.autograd.grad(op(x), x, grad)) for op in ops]
+    wrt = [(x, *op.parameters()) if isinstance(op, nn.Module) else (x,) for op in ops]  # LayerNorm's too
+    return [(lambda op=op, w=w: torch.autograd.grad(op(x), w, grad)) for op, w in zip(ops, wrt)]
 
 
 def norm_act_bytes(kind: str) -> float:
@@ -179,13 +186,9 @@ def norm_act_bytes(kind: str) -> float:
 
 def norm_act_bandwidth(per_rank: list[dict], kind: str, overhead: float) -> float:
     """Item 6: median over the ops of bytes / (median seconds over ranks − host time of two op calls)."""
-    host = 0.0 if kind == "cuda" else 2 * overhead
-    measured = [r["norm_act"] for r in per_rank if r.get("norm_act")]
-    if not measured:
-        return 0.0
-    rates = [norm_act_bytes(kind) / max(statistics.median(m[i] for m in measured) - host, 1e-9)
-             for i in range(len(measured[0]))]
-    return statistics.median(rates)
+    host, measured = (0.0 if kind == "cuda" else 2 * overhead), [r["norm_act"] for r in per_rank if r.get("norm_act")]
+    return statistics.median(norm_act_bytes(kind) / max(statistics.median(m[i] for m in measured) - host, 1e-9)
+                             for i in range(len(measured[0]))) if measured else 0.0
 
 
 ATTENTION_SHAPE = (8, 16, 2048, 128)  # batch, heads, sequence, head dim: a GPT-1.3B microbatch's
@@ -244,6 +247,8 @@ def measure_rank(settings, probe) -> dict:
     before = _timed(lambda: torch.mm(a, b), settings, probe)
     out["probe_step"] = _timed(lambda: block(x).backward(), settings, probe)
     out["probe_reference"] = (before + _timed(lambda: torch.mm(a, b), settings, probe)) / 2
+    if settings.compiled_probe:
+        out["probe_compiled"] = _compiled_probe_step(block, x, lambda: torch.mm(a, b), settings, probe)
     for name in training_dtypes(probe):
         dtype = getattr(torch, name)
         out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
@@ -253,6 +258,23 @@ def measure_rank(settings, probe) -> dict:
         out["attention"] = _timed(attention_call(device), settings, probe)
     out["pipeline"] = measure_pipeline(settings, probe)
     return out
+
+
+def _compiled_probe_step(block, x, reference, settings, probe) -> tuple[float, float] | None:
+    """Item 6: (seconds of the compiled probe step, of the reference mm around it); None on every rank when
+    any rank could not compile it (they all skip the timing, so no rank waits at a barrier alone)."""
+    compiled = torch.compile(block, dynamic=False)
+    try:
+        compiled(x).backward()  # compiles forward and backward, outside the timing
+        ok = torch.ones((), device=x.device)
+    except Exception:  # noqa: BLE001 - no compiler here: the factor stays unmeasured
+        ok = torch.zeros((), device=x.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        return None
+    before = _timed(reference, settings, probe)
+    step = _timed(lambda: compiled(x).backward(), settings, probe)
+    return step, (before + _timed(reference, settings, probe)) / 2
 
 
 # ---- in the caller --------------------------------------------------------------------------------
@@ -319,20 +341,22 @@ class _Whole:
 
 
 def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None = None,
-                      shape: ProbeShape | None = None) -> float:
+                      shape: ProbeShape | None = None, compiled: bool = False) -> float:
     """compute_time_scale of item 4: the s with measured = Σ combine(s·q·r_i, o_i), q = the reference mm's
     measured seconds over the curve's (1 when ``reference`` is None); shape: the probe (default: the
-    cluster's device's ``probe_shape``)."""
+    cluster's device's ``probe_shape``). ``compiled``: item 6's s_c, every o_i taken as 0."""
     from autopar.cost_models.compute import host_overlaps_kernels, with_host_time
 
     shape = shape or probe_shape(cluster.device_type)
     ops = probe_step_ops(cluster, shape)
+    if compiled:
+        ops = [(r, 0.0) for r, _ in ops]
     q = 1.0
     if reference is not None:
         flops = 2.0 * shape.reference_side**3
         q = reference / (flops / cluster.matmul_flops(shape.dtype, flops))
     roofline, overhead = sum(r for r, _ in ops) * q, sum(o for _, o in ops)
-    if not host_overlaps_kernels(cluster):
+    if compiled or not host_overlaps_kernels(cluster):
         return max(measured - overhead, 1e-9) / max(roofline, 1e-12)
     low, high = 1e-3, 1e3  # predicted(s) grows with s: bisection in log space
     for _ in range(60):
@@ -396,8 +420,23 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
         else:
             out = dataclasses.replace(out, compute_time_scale=scale)
             notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
+    out = _apply_compiled_factor(out, per_rank, probe, notes)
     host, note = microbatch_overhead(out, per_rank)
     out = dataclasses.replace(out, microbatch_overhead=host)
     notes.append(note)
     note = f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; " + ("; ".join(notes) or "no curve scaled")
     return out, note
+
+
+def _apply_compiled_factor(cluster: Cluster, per_rank: list[dict], probe, notes: list[str]) -> Cluster:
+    """Item 6: ``cluster`` with ``compiled_time_scale`` (CPU ranks; GPUs note it only), when it was measured."""
+    timed = [r["probe_compiled"] for r in per_rank if r.get("probe_compiled")]
+    if not timed:
+        return cluster
+    scale = end_to_end_factor(cluster, statistics.median(s for s, _ in timed), statistics.median(q for _, q in timed),
+                              compiled=True)
+    if probe.kind == "cuda":
+        notes.append(f"compiled probe step factor {scale:.2f} measured, not applied")
+        return cluster
+    notes.append(f"compiled_time_scale {scale:.2f} from the probe step under torch.compile")
+    return dataclasses.replace(cluster, compiled_time_scale=scale)

@@ -5,7 +5,8 @@ Steps, in order, on every rank (all are collective):
      differ, as DDP does), a meta model's own init, or files; it gives each shard, never the whole model;
   2. ``build_groups``: a process group per mesh axis of every stage;
   3. codegen for this rank's stage (or, interleaved, each of its model chunks) and mesh coordinate; the
-     runner that executes it.
+     runner that executes it;
+  4. with compile on, each generated module under torch.compile (``runtime.compiled``).
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.placement import parse_spec
-from autopar.runtime import gradsync, groups
-from autopar.runtime.codegen import generate_stage_module
+from autopar.runtime import compiled, gradsync, groups
+from autopar.runtime.codegen import fill_pending, generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.offload import offloaded
 from autopar.runtime.optim import LossScaler, mark_needs_builder
 from autopar.runtime.pipeline import PipelineRunner
 from autopar.runtime.spmd import SpmdRunner
@@ -87,17 +89,21 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
     sync = gradsync.GradSync(runner.gm, graph, stage, mesh_index, plan.microbatches, plan.bucket_bytes,
                              policy.reduce_dtype, timeout, gather_dtype=policy.compute_dtype)  # ZeRO-3's gathers
     runner.setup(policy, device_type, sync, LossScaler(policy) if policy.loss_scaling else None)
+    offload = offloaded(plan, stage.index)
+    runner.offload_optimizer, runner.offload_activations = offload["optimizer"], offload["activations"]
     reasons = (["scales the loss (fp16)"] if policy.loss_scaling else []) + \
-        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else [])
+        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else []) + \
+        (["keeps optimizer state in host memory (offload)"] if offload["optimizer"] else [])
     if reasons:
         mark_needs_builder(runner, " and ".join(reasons))
 
 
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
-                          data: str = "global", source=None) -> ParallelModule:
+                          data: str = "global", source=None, compile_modules: bool = False) -> ParallelModule:
     """``graph``: the model captured at one microbatch (the global batch when there is one). ``data``:
     "global" (every rank passes the global batch) or "local" (its share: ``local_data``). ``source``: a
-    ``runtime.tensor_source`` source (default: the user's real tensors, agreed with rank 0's)."""
+    ``runtime.tensor_source`` source (default: the user's real tensors, agreed with rank 0's).
+    ``compile_modules``: run each generated module under torch.compile (``runtime.compiled``)."""
     rank = dist.get_rank()
     local = LocalData(plan, graph, rank, make_group(timeout)) if data == "local" else None
     state_keys = list(model.state_dict(keep_vars=True).keys())
@@ -123,11 +129,14 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
             mine = {name: f"m{base}.{key}" for name, key in shared.items() if name in stage.shardings}
             runner = PipelineRunner(gm, plan, stage, graph, coord, mine, base)
         _setup_training(runner, plan, graph, stage, base + stage.index, timeout)
+        fill_pending(gm)
         runner.local_data = local
         runners.append(runner)
     if len(runners) > 1:
         runner = InterleavedRunner(runners, plan)
         runner.setup(runners[0].policy, runners[0].device_type, None, runners[0].scaler)
         runner.local_data = local
+    if compile_modules:
+        compiled.compile_runner(runner)
     unused = {k: source.full(k) for k in unread if k in source.templates}
     return ParallelModule(plan, graph, runner, state_keys, unused, local)

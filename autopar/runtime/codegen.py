@@ -6,7 +6,9 @@ runtime's collectives and kernels, so the runtime can build a rank's module with
 Input:  ``ModelGraph``; a ``Stage`` whose ``shardings`` cover the nodes to emit; the rank's coordinate in
         the stage mesh; a ``runtime.tensor_source`` source, asked for this rank's shard of each parameter/buffer.
 Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the stage outputs:
-  * parameters and buffers are attributes holding this rank's shard (named like their placeholders);
+  * parameters and buffers are attributes holding this rank's shard (named like their placeholders), their
+    values still to be filled in (``gm.meta["pending_values"]``, ``fill_pending``) once the gradient sync
+    has laid out ZeRO-3 buckets, which take only this rank's slice (a rank never holds a full copy);
   * user inputs arrive whole (every rank passes the global batch) and are sliced locally, no comm
     (under data="local" they arrive split along dim 0 already: ``local_data``);
   * before each op, each tensor input is moved from its producer's spec to the spec the op reads by
@@ -20,6 +22,7 @@ captured value's, relabelled by ``ir.precision.apply_to_graph``). The generated 
 """
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -62,6 +65,7 @@ class _Emitter:
         self.moved: dict[tuple, fx.Node] = {}  # one redistribution per (value, target spec, grad axes)
         self.specs: dict[str, Spec] = {}
         self.root = torch.nn.Module()
+        self.pending: dict[str, functools.partial] = {}  # placeholder -> its value, not yet filled in
         self.deferred = self._deferrable_syncs() if defer else {}
 
     def _deferrable_syncs(self) -> dict[str, tuple[int, ...]]:
@@ -94,7 +98,10 @@ class _Emitter:
             return
         if not node.users:
             return  # e.g. the unused placeholder of a tied weight; full_state_dict reads its alias
-        local = tensors.local(info.fqn, spec, self.mesh_shape, self.coord)
+        # the value is filled after the gradient sync is set up (a ZeRO-3 parameter: only this rank's shard of
+        # it, ``gradsync.Bucket``): until then the tensor's storage is allocated but never touched
+        local = torch.empty(local_shape(tuple(info.shape), spec, self.mesh_shape), dtype=tensors.dtype(info.fqn))
+        self.pending[node.name] = functools.partial(tensors.local, info.fqn, spec, self.mesh_shape, self.coord)
         if info.kind == "parameter":
             grad = tensors.requires_grad(info.fqn)
             self.root.register_parameter(node.name, torch.nn.Parameter(local, requires_grad=grad))
@@ -309,6 +316,7 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors,
     if recompute:
         outline_recompute(gm)
     gm.meta["deferred_syncs"] = em.deferred
+    gm.meta["pending_values"] = em.pending  # filled by ``fill_pending`` (or, ZeRO-3, by its bucket)
     return gm
 
 
@@ -326,3 +334,12 @@ def _tag_since(graph: fx.Graph, mark: fx.Node | None, key) -> None:
         if node.op == "call_function":
             node.meta["recompute"] = key
         node = node.next
+
+
+def fill_pending(gm: fx.GraphModule) -> None:
+    """Fill in every parameter/buffer value codegen left pending, one at a time, in place (a ZeRO ≥ 1
+    parameter is a view of its bucket's flat buffer by now, so the bucket gets the value too)."""
+    pending = gm.meta.get("pending_values", {})
+    with torch.no_grad():
+        for name in list(pending):
+            getattr(gm, name).copy_(pending.pop(name)())

@@ -10,7 +10,8 @@ plan needs both (a gathered input read by a replicated op has a full gradient: s
 Bool tensors travel as uint8 (gloo has no bool reductions). Every result is contiguous: the original
 program's views assume the layout its own ops produce, and a gathered shard must not break that.
 Every torch.distributed call goes through ``faults.guard``, so a dead peer raises a ``CommunicationError``
-naming it (no cost on the success path).
+naming it (no cost on the success path). Under ``torch.compile`` (``runtime.compiled``) the same wire
+operations are traced as functional collectives instead (``runtime.traced_collectives``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import torch.distributed as dist
 
 from autopar.redistribute import Step
 from autopar.runtime import faults, groups
+from autopar.runtime import traced_collectives as traced
+
+_tracing = torch.compiler.is_compiling
 
 
 def _comm_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -28,6 +32,8 @@ def _comm_dtype(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    if _tracing():
+        return traced.gather(x, dim, key)
     n = groups.size(key)
     src = _comm_dtype(x).movedim(dim, 0).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
@@ -40,12 +46,16 @@ def _chunk(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
 
 
 def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
+    if _tracing():
+        return traced.all_reduce(x, key)
     out = x.contiguous().clone()
     faults.guard("all_reduce", key, dist.all_reduce, out, group=groups.get(key))
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
+    if _tracing():
+        return traced.reduce_scatter(x, dim, key)
     n = groups.size(key)
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
@@ -54,6 +64,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
 
 
 def _all_to_all(x: torch.Tensor, cat_dim: int, split_dim: int, key: str) -> torch.Tensor:
+    if _tracing():
+        return traced.all_to_all(x, cat_dim, split_dim, key)
     n = groups.size(key)
     src = _comm_dtype(x)
     send = torch.stack(src.chunk(n, dim=split_dim)).contiguous()

@@ -67,7 +67,7 @@ class Bucket:
         self.expected, self.seen, self.work = 0, 0, None
         self.shard = None
         if self.level >= 1:
-            self._flatten_params()
+            self._flatten_params(gm.meta.get("pending_values", {}))
         if self.level <= 1:
             self.grad_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
             self._grads_as_views()
@@ -82,13 +82,30 @@ class Bucket:
             yield p, offset, offset + p.numel()
             offset += p.numel()
 
-    def _flatten_params(self) -> None:
+    def _flatten_params(self, pending: dict) -> None:
+        if self.level == 3 and any(n in pending for n in self.names):
+            return self._shard_pending(pending)
         self.param_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
         for p, a, b in self.offsets():
             self.param_flat[a:b].copy_(p.detach().reshape(-1))
             p.data = self.param_flat[a:b].view_as(p)
         own = self.param_flat[self.lo:self.hi]
         self.shard = torch.nn.Parameter(own.clone() if self.level == 3 else own)  # level 3 frees param_flat
+
+    def _shard_pending(self, pending: dict) -> None:
+        """Level 3 with values codegen left pending: only this rank's range of each is ever written (the flat
+        buffer is allocated, never touched, and released by ``zero3.Unit``), one parameter's value at a time."""
+        dtype = self.params[0].dtype
+        self.param_flat = torch.empty(self.padded, dtype=dtype)
+        shard = torch.zeros(self.shard_size, dtype=dtype)
+        for name, (p, a, b) in zip(self.names, self.offsets()):
+            value = pending.pop(name, None)
+            lo, hi = max(a, self.lo), min(b, self.hi)
+            if lo < hi:
+                full = value() if value is not None else p.detach()
+                shard[lo - self.lo:hi - self.lo].copy_(full.reshape(-1)[lo - a:hi - a])
+            p.data = self.param_flat[a:b].view_as(p)
+        self.shard = torch.nn.Parameter(shard)
 
     def _grads_as_views(self) -> None:
         """Point every ``p.grad`` at its slice of the flat buffer (copying a gradient allocated elsewhere)."""

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}
 _MEMBERS: dict[str, tuple[int, ...]] = {}
+_NAMES: dict[str, str] = {}  # key -> the group's name in c10d (what functional collectives take)
 _NEXT_MESH = [0]  # mesh ids are never reused, so modules compiled earlier keep their groups
 
 
@@ -55,6 +56,7 @@ def _new(key: str, members, timeout) -> None:
     if dist.get_rank() in members:
         _GROUPS[key] = pg
         _MEMBERS[key] = members
+        _NAMES[key] = pg.group_name
 
 
 def get(key: str) -> dist.ProcessGroup:
@@ -63,6 +65,12 @@ def get(key: str) -> dist.ProcessGroup:
     except KeyError:
         raise RuntimeError(f"process group {key!r} is not set up on rank {dist.get_rank()}; "
                            f"autopar.compile must run on every rank of the cluster") from None
+
+
+def name(key: str) -> str:
+    """The c10d name of the group (``torch.ops._c10d_functional``'s ``group_name``): a plain string, which
+    ``torch.compile`` traces as a constant."""
+    return _NAMES[key]
 
 
 def members(key: str) -> tuple[int, ...]:
@@ -88,5 +96,5 @@ def coordinate(ranks: np.ndarray, rank: int) -> tuple[int, ...] | None:
     return tuple(int(c) for c in hit[0]) if len(hit) else None
 
 
-__all__ = ["build_groups", "get", "group_key", "members", "size", "local_rank_in", "mesh_ranks",
+__all__ = ["build_groups", "get", "group_key", "members", "name", "size", "local_rank_in", "mesh_ranks",
            "coordinate"]

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime import faults, groups
+from autopar.runtime import faults, groups, traced_collectives
 
 REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
@@ -62,9 +62,16 @@ def pad_expert_rows(rows: torch.Tensor, offs: torch.Tensor, first_expert: int, t
     return F.pad(rows, (0, 0) * (rows.dim() - 1) + (lo, total_rows - lo - rows.shape[0]))
 
 
-def _reduce(x: torch.Tensor, keys: list[str], op=dist.ReduceOp.SUM) -> torch.Tensor:
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+def _reduce(x: torch.Tensor, keys: list[str], op: str = "sum") -> torch.Tensor:
+    """``x`` reduced over each group of ``keys`` (in place when eager; a functional collective when traced)."""
     for key in keys:
-        faults.guard("all_reduce", key, dist.all_reduce, x, op=op, group=groups.get(key))
+        if torch.compiler.is_compiling():
+            x = traced_collectives.all_reduce(x, key, op)
+        else:
+            faults.guard("all_reduce", key, dist.all_reduce, x, op=_OPS[op], group=groups.get(key))
     return x
 
 
@@ -72,7 +79,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, class_start, ignore_index, class_keys):
         z = logits.float()
-        m = _reduce(z.max(dim=-1).values.clone(), class_keys, dist.ReduceOp.MAX)
+        m = _reduce(z.max(dim=-1).values.clone(), class_keys, "max")
         shifted = z - m.unsqueeze(-1)
         e = shifted.exp()
         s = _reduce(e.sum(dim=-1), class_keys)

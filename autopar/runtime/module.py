@@ -15,7 +15,8 @@ Contract (tests outside this repository rely on it):
     ``autopar.runtime.checkpoint`` for sharded checkpoints); with ZeRO-3 it is a collective of each
     data-parallel group and holds copies of the parameters (they are sharded between uses);
   * ``pm.full_state_dict()`` has the keys and shapes of ``model.state_dict()``;
-  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank.
+  * ``pm.plan`` is the Plan, ``pm.code`` the generated code of this rank;
+  * ``pm.step_stats()`` gives step time, tokens/s (or samples/s) and MFU of the ``train_step`` calls so far.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from autopar.runtime import faults
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
 from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
+from autopar.runtime.throughput import StepClock, model_flops, step_stats
 
 
 class ParallelModule(FixedPlacement, torch.nn.Module):
@@ -46,12 +48,13 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         self._unused = unused
         self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
         self._index_checks = index_checks(graph)
+        self._clock, self._flops = StepClock(), None  # ``step_stats``
         watch_optimizers()
 
     # ---- running -------------------------------------------------------------------------------
     @faults.collective_call("pm(...)")
     def forward(self, *inputs, **named):
-        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)")
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)", self._local_data is not None)
         self._check_inputs(inputs)
         flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
@@ -61,7 +64,9 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         """Forward + backward of the loss on the global batch; returns the loss, detached (backward has
         run already, so there is nothing to call ``.backward()`` on) and the same on every rank. Inputs
         may be passed by forward's argument names as well."""
-        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)")
+        self._clock.tick()
+        inputs = bind_inputs(self._input_names(), inputs, named, "pm.train_step(...)",
+                             self._local_data is not None)
         check_autograd_on("pm.train_step")
         self._check_inputs(inputs)
         if self._loss_index is None:
@@ -96,6 +101,15 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         shares in index order; ranks with the same share pass the same rows; ``runtime.local_data``);
         under data="global", (0, 1): the whole batch."""
         return (0, 1) if self._local_data is None else self._local_data.share
+
+    def step_stats(self, warmup: int = 1) -> dict:
+        """Throughput of the ``train_step`` calls so far on this rank: ``step_time`` (s, the mean wall-clock
+        between consecutive calls after the first ``warmup`` intervals), ``tokens_per_s`` (or
+        ``samples_per_s``), ``model_flops`` per step, ``flops_per_s``, and ``mfu`` against the cluster's peak
+        for the plan's precision. See ``autopar.runtime.throughput``."""
+        if self._flops is None:
+            self._flops = model_flops(self._graph, self.plan.microbatches)
+        return step_stats(self._clock, self.plan, *self._flops[:1], warmup, self._flops[1])
 
     @property
     def code(self) -> str:

@@ -23,8 +23,9 @@ _FIX_PRECISION = ("a ParallelModule's weights are fp32 master weights on the clu
                   "master weights)")
 
 
-def bind_inputs(names: list[str], args: tuple, kwargs: dict, call: str) -> tuple:
-    """``args`` and ``kwargs`` as the positional inputs ``names`` (forward's captured argument names)."""
+def bind_inputs(names: list[str], args: tuple, kwargs: dict, call: str, missing_ok: bool = False) -> tuple:
+    """``args`` and ``kwargs`` as the positional inputs ``names`` (forward's captured argument names).
+    ``missing_ok`` (data="local", where a rank passes only the inputs its stages read): None for the rest."""
     if not kwargs:
         return args
     unknown = [k for k in kwargs if k not in names]
@@ -34,6 +35,8 @@ def bind_inputs(names: list[str], args: tuple, kwargs: dict, call: str) -> tuple
         raise InputError(f"{call}: {what}; the plan's inputs are {names} (forward's arguments, in order)")
     bound = list(args) + [kwargs.get(name, _MISSING) for name in names[len(args):]]
     missing = [name for name, value in zip(names, bound) if value is _MISSING]
+    if missing_ok:
+        return tuple(None if value is _MISSING else value for value in bound)
     if missing:
         raise InputError(f"{call}: input(s) {missing} missing; the plan was made for inputs {names}, pass every "
                          f"one (by position or by name)")

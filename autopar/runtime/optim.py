@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from autopar.errors import UsageError
 from autopar.runtime import faults
+from autopar.runtime.offload import HostCopies
 
 
 class LossScaler:
@@ -66,7 +67,8 @@ class PlanOptimizer:
         zeroed = {id(p) for b in sync.buckets if b.level >= 1 for p in b.params}
         self.targets = [p for p in runner.gm.parameters() if id(p) not in zeroed and p.requires_grad]
         self.targets += [b.shard for b in sync.buckets if b.level >= 1]
-        self.inner = cls(self.targets, **kwargs)
+        self.host = HostCopies(self.targets) if getattr(runner, "offload_optimizer", False) else None
+        self.inner = cls(self.host.masters if self.host else self.targets, **kwargs)
         self.inner._autopar_owned = True
 
     @property
@@ -86,7 +88,11 @@ class PlanOptimizer:
             if found:
                 return False
         self.runner.gradsync.units.absorb_all()
+        if self.host:  # ZeRO-Offload: step the host copies (runtime.offload)
+            self.host.pull_grads()
         self.inner.step()
+        if self.host:
+            self.host.push_params()
         self.runner.gradsync.gather_params()
         return True
 
@@ -96,6 +102,8 @@ class PlanOptimizer:
         of level-0/1 buckets, and every ZeRO shard), which are zeroed in place: their buffers persist
         between steps whatever happens to the views, and the inner optimizer steps a shard only while it
         has a gradient. What a rank holds between steps is then ``cost_models.memory.held_state_bytes``."""
+        if self.host:
+            self.host.clear_grads()
         in_place = {id(b.shard) for b in self.runner.gradsync.buckets if b.level >= 1}
         in_place |= {id(p) for b in self.runner.gradsync.buckets if b.level <= 1 for p in b.params}
         for p in {id(p): p for p in (*self.targets, *self.runner.gm.parameters())}.values():

@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.runtime import gradsync
+from autopar.runtime.offload import saved_on_host
 
 
 class StageModule(torch.nn.Module):
@@ -21,16 +22,20 @@ class StageModule(torch.nn.Module):
     policy, the loss scaler and the gradient sync."""
 
     gm: fx.GraphModule
+    compiled = None  # ``runtime.compiled.CompiledModule`` of ``gm`` under compile=True, else None
     local_data = None  # ``local_data.LocalData`` under data="local": this rank passes its share only
+    offload_optimizer = offload_activations = False  # CPU offload of this stage (``runtime.offload``)
 
     def setup(self, policy, device_type: str, gradsync_: "gradsync.GradSync", scaler) -> None:
         self.policy, self.device_type, self.gradsync, self.scaler = policy, device_type, gradsync_, scaler
 
     def run_module(self, *args):
         """One call of the generated module, under the precision policy's autocast and ZeRO-3's saved-tensor
-        hooks (``runtime.zero3``)."""
-        with self.policy.autocast(self.device_type), self.gradsync.units.hooks():
-            return self.gm(*args)
+        hooks (``runtime.zero3``), activations saved on the host under activation offload (``runtime.offload``);
+        compiled (``runtime.compiled``) when the module was built with compile on."""
+        with saved_on_host(self.offload_activations, self.device_type), self.policy.autocast(self.device_type), \
+                self.gradsync.units.hooks():
+            return (self.compiled or self.gm)(*args)
 
     def microbatches(self, inputs: tuple, count: int) -> list[tuple]:
         """The inputs of each of ``count`` microbatches for this stage: chunks of the global batch along dim 0,

@@ -1,7 +1,9 @@
 """Where a rank's parameter and buffer shards come from: never a copy of the whole model.
 
-Codegen asks ``source.local(fqn, spec, mesh_shape, coord)`` for each shard it places, once per placeholder
-a stage of this rank holds, and ``source.full(fqn)`` only for the few state entries the graph never reads.
+Codegen leaves ``source.local(fqn, spec, mesh_shape, coord)`` pending for each shard it places, once per
+placeholder a stage of this rank holds; it is called once the gradient sync has laid out its buckets (a
+ZeRO-3 bucket then keeps only this rank's range of the value: ``gradsync.Bucket``), one value at a time.
+``source.full(fqn)`` serves only the few state entries the graph never reads.
 A source holds, besides the shards it has returned, at most one full tensor (or one module's tensors):
 
   * ``UserTensors``: the user's real model. Slices are cut from the user's tensors (never cloned whole);
@@ -48,6 +50,9 @@ class Source:
 
     def requires_grad(self, fqn: str) -> bool:
         return bool(self.templates[fqn].requires_grad)
+
+    def dtype(self, fqn: str) -> torch.dtype:
+        return self.templates[fqn].dtype
 
     def full(self, fqn: str) -> torch.Tensor:
         raise NotImplementedError

@@ -34,6 +34,7 @@ class UnitCall(torch.nn.Module):
         super().__init__()
         self._unit, self.action = [unit], action  # a list: the unit is not a submodule
 
+    @torch.compiler.disable  # changes storage and waits on async work: a graph break under torch.compile
     def forward(self) -> None:
         unit = self._unit[0]
         if self.action == "gather":

@@ -6,7 +6,8 @@
 Sections, each recorded even when an earlier one fails (results are rewritten to ``DIR/gpu_check.json`` and
 ``DIR/gpu_check.md`` after every section, so a run cut short still reports what it reached):
 
-1. parity: the GPT example and a small Hugging Face Llama, compiled by autopar on one rank (NCCL, world 1),
+1. parity: the GPT example and a small Hugging Face Llama, compiled by autopar on one rank (NCCL, world 1;
+   eager, and two cases with ``compile=True``),
    trained ``PARITY_STEPS`` AdamW steps beside the same model trained on the same device without autopar;
    the largest relative loss difference per step (fp32 with TF32 off; the bf16 policy against plain
    ``torch.autocast``). Negative control: the reference at 1.1x the learning rate must differ by more than
@@ -17,7 +18,9 @@ Sections, each recorded even when an earlier one fails (results are rewritten to
    full) planned with the profiled cluster and compiled; per plan the predicted step time and peak memory
    against the measured median step (CUDA events, after warm-up) and ``max_memory_allocated`` /
    ``max_memory_reserved`` over one step; the same model's plain step (runtime overhead) and, for the case
-   marked ``torch_compile``, the generated module under ``torch.compile``.
+   marked ``torch_compile``, autopar's module with ``compile=True``. Every other autopar module of this check is
+   built with ``compile=False`` (the default "auto" compiles on CUDA), so the predicted-vs-measured rows stay
+   the eager runtime's; ``gpu_speed.py`` compares eager and compiled speed.
 
 A global deadline (``--budget`` seconds) skips the plans still to run once it has passed.
 """
@@ -42,6 +45,9 @@ import autopar  # noqa: E402
 from benchmarks.gpu.gpu_models import PLAN_CASES, model_for, to_device  # noqa: E402
 
 PARITY_STEPS, LR = 5, 1e-3
+# (model, precision, compile=): eager modules (the plans' sections measure them too), and two compiled ones
+PARITY_CASES = [(m, p, False) for m in ("gpt", "llama") for p in ("fp32", "bf16")] + \
+    [("gpt", "fp32", True), ("llama", "bf16", True)]
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-3}  # bf16: autocast rounding in two differently ordered graphs
 CONTROL_LR = 2.0  # the negative control's learning rate, as a multiple of LR
 
@@ -119,22 +125,21 @@ def parity_rank(rank: int, cluster_dict: dict, device: str, tiny: bool) -> list[
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows = []
-    for name in ("gpt", "llama"):
-        for precision in ("fp32", "bf16"):
-            rows.append(_parity_case(name, precision, cluster_dict, device, tiny))
-            _free()
+    for name, precision, compiled in PARITY_CASES:
+        rows.append(_parity_case(name, precision, cluster_dict, device, tiny, compiled))
+        _free()
     return rows
 
 
-def _parity_case(name: str, precision: str, cluster_dict: dict, device: str, tiny: bool) -> dict:
-    row = {"model": name, "precision": precision}
+def _parity_case(name: str, precision: str, cluster_dict: dict, device: str, tiny: bool, compiled: bool) -> dict:
+    row = {"model": name, "precision": precision, "compiled": compiled}
     try:
         model, batch = model_for(name, tiny, parity=True)
         reference = copy.deepcopy(model).to(device)
         control = copy.deepcopy(model).to(device)
         batch = to_device(batch, device)
         pm = autopar.compile(model.to(device), _device_cluster(cluster_dict), batch, precision=precision,
-                             recompute="none")
+                             recompute="none", compile=compiled)
         got = _autopar_losses(pm, batch)
         want = _reference_losses(reference, batch, precision, device, LR)
         off = _reference_losses(control, batch, precision, device, CONTROL_LR * LR)
@@ -153,7 +158,8 @@ def shared_gpu_rank(rank: int, cluster_dict: dict, device: str, tiny: bool) -> d
     model, batch = model_for("gpt", tiny, parity=True)
     reference = copy.deepcopy(model).to(device)
     batch = to_device(batch, device)
-    pm = autopar.compile(model.to(device), _device_cluster(cluster_dict, 2, "gloo"), batch, recompute="none")
+    pm = autopar.compile(model.to(device), _device_cluster(cluster_dict, 2, "gloo"), batch, recompute="none",
+                         compile=False)
     got = _autopar_losses(pm, batch)
     want = _reference_losses(reference, batch, "fp32", device, LR)
     return {"plan": pm.plan.summary(max_rows=0)[:600], "autopar": got, "reference": want,
@@ -183,7 +189,7 @@ def _plan_case(case: dict, cluster_dict: dict, device: str, tiny: bool) -> dict:
         batch = to_device(batch, device)
         t0 = time.perf_counter()
         pm = autopar.compile(model.to(device), _device_cluster(cluster_dict), batch, precision=case["precision"],
-                             recompute=case["recompute"])
+                             recompute=case["recompute"], compile=False)  # eager: what the cost model predicts
         row["compile_s"] = time.perf_counter() - t0
         row["predicted_step_s"] = float(pm.plan.predicted["step_time"])
         row["predicted_peak_bytes"] = float(pm.plan.predicted["peak_memory"])
@@ -233,13 +239,12 @@ def _plain_step(model, batch, precision: str, device: str, warmup: int, steps: i
 
 
 def _compiled_step(case: dict, cluster_dict: dict, device: str, tiny: bool, warmup: int, steps: int) -> dict:
-    """The generated per-rank graph module under torch.compile (the runner calls ``runner.gm``)."""
+    """autopar's module with compile=True (every generated module under torch.compile: ``runtime.compiled``)."""
     try:
         model, batch = model_for(case["model"], tiny, parity=False)
         batch = to_device(batch, device)
         pm = autopar.compile(model.to(device), _device_cluster(cluster_dict), batch, precision=case["precision"],
-                             recompute=case["recompute"])
-        pm.runner.gm.forward = torch.compile(pm.runner.gm.forward)
+                             recompute=case["recompute"], compile=True)
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-5)
 
         def step():

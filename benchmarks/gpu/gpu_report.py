@@ -30,11 +30,15 @@ def _parity(rows) -> list[str]:
            "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['precision']} | error: {r['error'][:300]} | | | no |")
+            out.append(f"| {_label(r)} | {r['precision']} | error: {r['error'][:300]} | | | no |")
         else:
-            out.append(f"| {r['model']} | {r['precision']} | {r['worst_rel']:.2e} | {r['tolerance']:.0e} | "
+            out.append(f"| {_label(r)} | {r['precision']} | {r['worst_rel']:.2e} | {r['tolerance']:.0e} | "
                        f"{r['control_worst_rel']:.2e} | {'yes' if r['passed'] else 'no'} |")
     return out + [""]
+
+
+def _label(row) -> str:
+    return row["model"] + (" (compile=True)" if row.get("compiled") else "")
 
 
 def _shared(row) -> list[str]:

@@ -4,6 +4,7 @@
     python benchmarks/vs_megatron.py --simulate --points gpt:1.3B:4:p3.16xlarge moe:2.4B:8:p3.16xlarge
     python benchmarks/vs_megatron.py --simulate --precision fp16     # fp32 master weights, fp16 compute, both sides
     python benchmarks/vs_megatron.py --simulate --precision fp16 --merge --points gpt:39B:64:p3.16xlarge
+    python benchmarks/vs_megatron.py --simulate --suite mist [--grid full]   # Mist's points, L4 and A100 40 GB
     python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
     python benchmarks/vs_megatron.py --replan --precision fp16   # saved rows: autopar side planned again
@@ -35,6 +36,15 @@ published global batch and GPU count, DGX A100), by default the two that plan wi
 Alpa train) and both sides plan under that mixed-precision policy; without it GPT and MoE are cast to fp16
 whole (weights, gradients and optimizer state in fp16: the memory of neither real system).
 
+--suite mist: the hardware and shapes of Mist's evaluation (Zhu et al., EuroSys'25): GPT-3-shaped models (the
+sizes of Alpa's suite nearest Mist's 1.3B-22B; Mist's Llama-style models are not in this suite) on "l4" (24 GB,
+sequence 2048) and "a100-40gb" (sequence 4096), 2-32 GPUs, global batch 16 per GPU, bf16 mixed precision;
+autopar plans with ``offload="auto"``. ``--grid mist`` (the default there) scores Mist's Megatron baseline
+(``megatron_configs.mist_grid``: full recompute, distributed optimizer, powers of two, micro-batch 1/2/4);
+``--grid full`` the repository's grid. Megatron's sequence parallelism needs no grid entry: the activations of
+every hand layout are placed by the ILP, which may split the residual stream over the sequence between
+tensor-parallel blocks (tests/test_context_parallel.py pins and checks that layout).
+
 --local: see ``benchmarks/vs_megatron_local.py``. Both modes print a markdown table, write it with a PNG
 chart under benchmarks/results/, and end with the line "min speedup vs hand: X".
 """
@@ -62,6 +72,10 @@ SC21_POINTS = ["sc21:1.7B:32:dgx-a100", "sc21:3.6B:64:dgx-a100"]
 OTHER_POINTS = ["wrn:2B:8:p3.16xlarge", "wrn:4B:16:p3.16xlarge", "moe:2.4B:8:p3.16xlarge", "moe:10B:16:p3.16xlarge"]
 DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + SC21_POINTS + OTHER_POINTS
 GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024}
+MIST_SEQ = {"l4": 2048, "a100-40gb": 4096}
+MIST_BATCH_PER_GPU = 16
+MIST_POINTS = [f"mist:{n}:{g}:l4" for n, g in [("1.3B", 2), ("2.6B", 4), ("6.7B", 8), ("15B", 16)]] + \
+    [f"mist:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32)]]
 
 
 @dataclasses.dataclass
@@ -75,9 +89,18 @@ class Workload:
     flops: float
 
 
-def build_workload(family: str, name: str, precision: str | None = None) -> Workload:
-    """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring)."""
+def build_workload(family: str, name: str, precision: str | None = None, preset: str = "", gpus: int = 0) -> Workload:
+    """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring).
+    Family "mist": ``preset`` and ``gpus`` give the sequence and the global batch (``MIST_SEQ``)."""
     cast = (lambda m: m.half()) if precision is None else (lambda m: m)
+    if family == "mist":
+        from examples.gpt import GPT, make_batch, suite_config
+
+        cfg, batch_size = suite_config(name, seq_len=MIST_SEQ[preset]), MIST_BATCH_PER_GPU * gpus
+        with torch.device("meta"):
+            model = cast(GPT(cfg))
+        return Workload(family, name, model, make_batch(cfg, batch_size, device="meta"),
+                        megatron_configs.gpt_flops(cfg, batch_size))
     if family in ("gpt", "sc21"):
         from examples.gpt import GPT, SC21_TABLE1, make_batch, sc21_config, suite_config
 
@@ -115,12 +138,14 @@ def graph_flops(model, batch) -> float:
 
 
 def best_hand(work: Workload, cluster, log, precision: str = "fp32",
-              time_limit: float = 60.0) -> megatron_configs.HandSearch:
-    """The family's hand grid searched (best that fits, every config scored, best with memory ignored)."""
+              time_limit: float = 60.0, grid: str = "full") -> megatron_configs.HandSearch:
+    """The family's hand grid searched (best that fits, every config scored, best with memory ignored);
+    ``grid``: "full" or "mist" for GPT (``megatron_configs.best_megatron``)."""
     common = dict(log=log, precision=precision, time_limit=time_limit)
-    if work.family in ("gpt", "sc21"):
+    if work.family in ("gpt", "sc21", "mist"):
         cfg = work.model.cfg
-        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, **common)
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, grid=grid,
+                                              **common)
     if work.family == "wrn":
         return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, **common)
     return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.moe_pins,
@@ -128,17 +153,17 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
 
 
 def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
-              time_limit: float = 60.0) -> dict:
+              time_limit: float = 60.0, grid: str = "full") -> dict:
     """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
     ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
     cluster = autopar.Cluster.preset(preset, gpus=int(gpus))
-    work = build_workload(family, name, precision)
+    work = build_workload(family, name, precision, preset, int(gpus))
     policy = precision or "fp32"
     start = time.perf_counter()
     search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
                                                              f"{r.status} {r.step_time or ''}"), precision=policy,
-                       time_limit=time_limit)
+                       time_limit=time_limit, grid=grid)
     best, unbounded = search.best, search.unbounded
     grid_s = time.perf_counter() - start
     options = {"time_limit": time_limit, **(autopar_options or {})}
@@ -148,7 +173,7 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
             "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
             "hand_unbounded_step": unbounded.step_time if unbounded else None, "ceiling": search.ceiling,
-            "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s,
+            "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s, "hand_grid": grid,
             "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
             "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
 
@@ -171,7 +196,7 @@ def replan(name: str, precision: str | None, header: str) -> int:
     rows = saved_rows(name)
     for row in rows:
         family, model, gpus, preset = row["point"].split(":")
-        work = build_workload(family, model, precision)
+        work = build_workload(family, model, precision, preset, int(gpus))
         options = dict(row["autopar_options"])
         if options.get("schedule") == "auto":  # the default now
             del options["schedule"]
@@ -200,7 +225,8 @@ HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "auto
 def table_row(row: dict) -> list:
     r = ratio(row)
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
-    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE"}[row["family"]]
+    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)"}[
+        row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
             ceiling_cell(row), f"{len(row['scored'])} ({oom}) + {len(row.get('memory_ignored', []))}",
@@ -215,19 +241,20 @@ def ceiling_cell(row: dict) -> str:
 
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
-             autopar_options: dict | None = None, name: str = "simulate", time_limit: float = 60.0) -> int:
+             autopar_options: dict | None = None, name: str = "simulate", time_limit: float = 60.0,
+             grid: str = "full") -> int:
     """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
     ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
     extra = "".join(f", autopar {k}={v!r}" for k, v in (autopar_options or {}).items())
     header = report.machine_line(f"autopar vs hand-written layouts, simulated (autopar's cost model{policy}{extra}, "
-                                 f"ILP time limit {time_limit:.0f} s)")
+                                 f"ILP time limit {time_limit:.0f} s; hand grid: {grid})")
     print(header)
     print("| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS), flush=True)
     rows = saved_rows(name) if merge else []
     for point in points:
         row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
-                        autopar_options=autopar_options, time_limit=time_limit)
+                        autopar_options=autopar_options, time_limit=time_limit, grid=grid)
         rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
         render_simulation(header, rows, name)
@@ -295,6 +322,10 @@ def main(argv=None) -> int:
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
     parser.add_argument("--merge", action="store_true", help="--simulate: keep the saved JSON's other points")
+    parser.add_argument("--suite", choices=("default", "mist"), default="default", help="--simulate: the points "
+                        "(mist: Mist's hardware and shapes, bf16, autopar with offload='auto'; see above)")
+    parser.add_argument("--grid", choices=("full", "mist"), help="--simulate: the GPT hand grid (default: mist "
+                        "for --suite mist, else full)")
     parser.add_argument("--name", default="simulate", help="--simulate: results are written as "
                         "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
     parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
@@ -326,8 +357,14 @@ def main(argv=None) -> int:
             "autopar vs hand-written layouts, simulated (autopar's cost model"
             + (f", {args.precision} mixed precision" if args.precision else "") + "; autopar side re-planned)"))
     if args.simulate:
-        extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else None
-        return simulate(args.points, args.precision, args.merge, extra, args.name, args.time_limit)
+        extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else {}
+        if args.suite == "mist":
+            points = args.points if args.points is not DEFAULT_POINTS else MIST_POINTS
+            name = args.name if args.name != "simulate" else f"mist_{args.grid or 'mist'}"
+            return simulate(points, args.precision or "bf16", args.merge, {**extra, "offload": "auto"}, name,
+                            args.time_limit, args.grid or "mist")
+        return simulate(args.points, args.precision, args.merge, extra or None, args.name, args.time_limit,
+                        args.grid or "full")
     from benchmarks.vs_hand.vs_megatron_local import measure
 
     return measure(args.cluster, rounds=args.rounds, steps=args.steps, world=args.nprocs)

@@ -1,0 +1,34 @@
+"""CPU offload priced per stage: optimizer state in host memory (ZeRO-Offload) and activations swapped out.
+
+Optimizer offload (Ren et al., "ZeRO-Offload", ATC'21): the optimizer state and the fp32 master weights live in
+host memory and the step runs there. A rank stepping N local parameter elements of itemsize s then moves
+the gradients out and the updated parameters back over its PCIe link, and steps on the host:
+
+    t_step = 2 · N · s / pcie  +  N · 4 · OPTIMIZER_TRAFFIC / host_bw          (host figures: hardware.host)
+
+in place of the device step (``compute.optimizer_step_time``); device memory loses the state and master
+bytes (``TrainingSpec.host_optimizer``). The transfers are not overlapped with backward here (ZeRO-Offload
+overlaps the gradient copies with backward; an upper bound).
+
+Activation offload (``torch.autograd.graph.save_on_cpu``: every tensor saved for backward is copied to host
+memory in forward and back in backward): with A bytes saved per microbatch and c seconds of compute,
+
+    t_act = max(0, 2 · A / pcie − c)       per microbatch (copies on a side stream hide behind compute)
+
+and the device keeps none of them between forward and backward.
+"""
+from __future__ import annotations
+
+from autopar.cost_models.compute import OPTIMIZER_TRAFFIC
+from autopar.hardware.host import host_of
+
+
+def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster) -> float:
+    """Seconds of one offloaded optimizer step over ``numel`` local elements (module docstring)."""
+    host = host_of(cluster)
+    return 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
+
+
+def activation_swap_seconds(saved_bytes: float, compute_seconds: float, cluster) -> float:
+    """Exposed seconds per microbatch of swapping ``saved_bytes`` out and back (module docstring)."""
+    return max(0.0, 2 * saved_bytes / host_of(cluster).pcie - compute_seconds)

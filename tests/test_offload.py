@@ -1,0 +1,97 @@
+"""CPU offload: training with the optimizer stepped on host copies and with activations kept in host memory
+equals one device (2 gloo ranks, tolerances of test_parity), and the planner takes offload where only it meets
+the memory budget, not where another lever is cheaper.
+
+On CPU ranks the host copies are separate tensors in the same memory: the offload path runs in full (copies
+out, host step, copies back; ``save_on_cpu``'s pack and unpack). Negative controls: the stepped host copies
+never copied back, and offloaded activations returned as zeros.
+"""
+import pytest
+
+import autopar
+from autopar.errors import OptionError
+from autopar.hardware.host import host_of
+from autopar.passes.capture import capture
+from autopar.planner.driver import PlanOptions, memory_bounds
+from examples.gpt import GPTConfig, make_gpt
+
+CASES = [("gpt", (1, 2), "dp:offopt", None), ("gpt", (1, 2), "dp:offact", None),
+         ("gpt", (1, 2), "auto:offopt:offact", None)]
+NEGATIVE = [("gpt", (1, 2), "dp:offopt", "host_step"), ("gpt", (1, 2), "dp:offact", "host_acts")]
+PARITY_CASES = {2: CASES + NEGATIVE}
+
+
+def _id(case):
+    return f"{case[0]}-{case[2]}" + (f"-{case[3]}" if case[3] else "")
+
+
+@pytest.fixture(scope="module")
+def results(parity_runs):
+    return {case: parity_runs[case][0] for case in CASES + NEGATIVE}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_offloaded_training_matches_one_device(results, case):
+    r = results[case]
+    assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-4, r
+    assert r["ranks_agree"]
+    flags = case[2].split(":")[1:]
+    assert ("optimizer" in r["offload"]) == ("offopt" in flags) and ("activations" in r["offload"]) == (
+        "offact" in flags), r["offload"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", NEGATIVE, ids=_id)
+def test_negative_control_breaks_offload_parity(results, case):
+    r = results[case]
+    assert not (r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-4), f"a broken offload went unnoticed: {r}"  # NaN too
+
+
+@pytest.mark.parametrize("bad", ["yes", "", {}, {"gpu": True}, {"optimizer": 1}, 1, None])
+def test_a_bad_offload_option_is_one_clear_error(bad):
+    with pytest.raises(OptionError, match="offload"):
+        PlanOptions(offload=bad)
+
+
+def _wide_gpt():
+    """Parameters dominate (width 1024, sequence 64): optimizer state is what memory is short of."""
+    return make_gpt(GPTConfig(n_layer=2, n_embd=1024, n_head=8, seq_len=64, vocab_size=1024), batch_size=2)
+
+
+def _floor(model, batch, cluster, offload) -> float:
+    return memory_bounds(capture(model, batch), cluster, PlanOptions(offload=offload, recompute="none"))[0]
+
+
+def test_a_budget_only_offload_meets_gets_offload():
+    model, batch = _wide_gpt()
+    one = autopar.Cluster.preset("dgx-h100", gpus=1)
+    on_device = _floor(model, batch, one, "none")
+    on_host = _floor(model, batch, one, {"optimizer": True})
+    assert on_host < 0.8 * on_device, "optimizer state and master weights leave the device"
+    tight = one.with_memory((on_host + on_device) / 2)
+    with pytest.raises(autopar.errors.InfeasibleError):  # negative control: nothing else fits on one device
+        autopar.plan(model, tight, batch, stages=1, recompute="none")
+    plan = autopar.plan(model, tight, batch, stages=1, recompute="none", offload="auto")
+    assert plan.planner["offload"] == {"optimizer": [0]}
+    host = host_of(one)
+    assert plan.stages[0].predicted["optimizer"] > 0 and host.pcie < one.memory_bandwidth
+
+
+def test_offload_is_left_out_where_sharding_meets_the_budget_for_less():
+    model, batch = _wide_gpt()
+    node = autopar.Cluster.preset("dgx-h100", gpus=8)
+    on_device = _floor(model, batch, node, "none")
+    budget = node.with_memory(1.05 * on_device)
+    plan = autopar.plan(model, budget, batch, stages=1, recompute="none", offload="auto")
+    assert "offload" not in plan.planner
+    forced = autopar.plan(model, budget, batch, stages=1, recompute="none", offload={"optimizer": True})
+    assert forced.planner["offload"] == {"optimizer": [0]}
+    assert forced.predicted["step_time"] > plan.predicted["step_time"], "PCIe and a host step cost more than NVLink"
+
+
+def test_offload_none_leaves_the_plan_unchanged():
+    model, batch = _wide_gpt()
+    cluster = autopar.Cluster.local(2)
+    assert autopar.plan(model, cluster, batch, stages=1).to_json() == \
+        autopar.plan(model, cluster, batch, stages=1, offload="none").to_json()
