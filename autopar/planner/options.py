@@ -91,6 +91,9 @@ def plan_options(options: dict, also: tuple[str, ...] = ()) -> PlanOptions:
     (``also``: the calling function's own keywords, listed as known)."""
     known = [f.name for f in dataclasses.fields(PlanOptions)]
     for name in options:
+        if name in ("memory_per_device", "mesh_shape", "nodes", "device_type"):
+            raise OptionError(f"{name} is an argument of the cluster, not a planner option: describe it there, e.g. "
+                              f"autopar.Cluster.local(n, {name}=...) or Cluster.preset(name, nodes=...)")
         if name not in known:
             close = difflib.get_close_matches(name, known + list(also), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
