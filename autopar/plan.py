@@ -22,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from typing import Any
 
 from autopar.errors import PlanError
@@ -142,8 +143,9 @@ class Plan:
         """Deterministic JSON (sorted keys): equal plans give byte-identical text."""
         text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text + "\n")
+            from autopar.ir.text_files import write_json_text
+
+            write_json_text(path, text + "\n", "plan file", PlanError, _looks_like_a_plan)
         return text
 
     def digest(self) -> str:
@@ -153,7 +155,10 @@ class Plan:
     @staticmethod
     def from_json(source) -> "Plan":
         """Parse a plan from JSON text or a file path; any malformation is one PlanError."""
-        text = str(source)
+        if not isinstance(source, (str, bytes, os.PathLike)):
+            raise PlanError(f"Plan.from_json takes JSON text or a file path, got a {type(source).__name__}"
+                            + ("; for a dict, pass json.dumps(it)" if isinstance(source, dict) else ""))
+        text = source.decode("utf-8", "replace") if isinstance(source, bytes) else str(source)
         if not text.lstrip().startswith(("{", "[")):
             text = _read_text(source)
         try:
@@ -309,6 +314,14 @@ def _stage_from_dict(d: dict[str, Any]) -> Stage:
                  inputs=dict(d.get("inputs", {})), outputs=list(d.get("outputs", [])),
                  recompute={int(k): str(v) for k, v in d.get("recompute", {}).items()},
                  zero={k: int(v) for k, v in d.get("zero", {}).items()})
+
+
+def _looks_like_a_plan(text: str) -> bool:
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(d, dict) and "version" in d and "stages" in d
 
 
 def _read_text(source) -> str:

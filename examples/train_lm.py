@@ -12,7 +12,8 @@ Data: the text files, byte-tokenized (``autopar.data.TextSamples``: no download)
 cluster JSON file). Checkpoints: ``OUT/ckpt/step-NNNNNN`` every ``--save-every`` steps (model, optimizer,
 step, data position, loss scaler); a run started with an OUT that holds checkpoints resumes from the latest,
 whatever the number of ranks now (re-planned, resharded, the data position carried). Progress: loss,
-tokens/s, MFU (the plan's model FLOPs over the cluster's peak) and memory; a one-line summary at the end.
+tokens/s and MFU (``pm.step_stats()``: the plan's model FLOPs over the cluster's peak) and memory; a one-line
+summary at the end.
 ``--trace`` writes, per rank, each step's sample ids and loss to OUT/trace/rank<R>.jsonl.
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import autopar  # noqa: E402
 from autopar.data import GlobalSampler, TextSamples  # noqa: E402
+from autopar.errors import UsageError  # noqa: E402
 from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
 TINY_GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, "resid_pdrop": 0.0,
@@ -91,12 +93,15 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(done, key=lambda p: int(p.name[5:]), default=None)
 
 
-def step_flops(pm) -> float:
-    """Model FLOPs of one training step (forward + backward of every op of the plan's graph, every microbatch).
-    A stand-in for ``pm.step_stats()``."""
-    from autopar.cost_models.compute import node_flops
-
-    return pm.plan.microbatches * sum(sum(node_flops(n)) for n in pm._graph.gm.graph.nodes)
+def rates(pm, warmup: int) -> str:
+    """tokens/s and MFU of the steps so far (``pm.step_stats``: wall-clock between train_step calls, the plan's
+    model FLOPs over the cluster's peak for its precision); empty until there are intervals to measure."""
+    try:
+        stats = pm.step_stats(warmup=warmup)
+    except UsageError:  # fewer than warmup + 2 steps so far
+        return "- tok/s, MFU -"
+    mfu = "-" if stats["mfu"] is None else f"{100 * stats['mfu']:.2f}%"
+    return f"{stats.get('tokens_per_s', stats.get('samples_per_s', 0)):,.0f} tok/s, MFU {mfu}"
 
 
 def memory_text(device: str) -> str:
@@ -132,39 +137,33 @@ def train(rank: int, args: argparse.Namespace) -> dict:
               f"{pm.plan.microbatches} microbatch(es), {len(samples)} samples of {args.seq_len} tokens"
               + (f", resumed from {resumed} (epoch {sampler.epoch}, sample {sampler.cursor})" if resumed else ""),
               flush=True)
-    flops = step_flops(pm)
-    dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[args.precision]
-    peak = cluster.num_devices * cluster.peak_flops.get(dtype, max(cluster.peak_flops.values()))
     trace = _trace_file(out, rank) if args.trace else None
-    first, start, losses, tokens, busy = step, time.perf_counter(), [], 0, 0.0
+    first, start, losses, saving = step, time.perf_counter(), [], 0.0
     while step < args.steps:
         epoch, ids = sampler.epoch, sampler.next_ids()
-        t0 = time.perf_counter()
         loss = pm.train_step(*(t.to(device) for t in samples.batch(ids, shifted_labels=False))).item()
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        seconds = time.perf_counter() - t0
-        busy += seconds
         losses.append(loss)
-        tokens += args.batch * args.seq_len
         if trace is not None:
             trace.write(json.dumps({"step": step, "epoch": epoch, "ids": ids.tolist(), "loss": loss,
                                     "share": list(pm.data_shard), "world": world, "pid": os.getpid()}) + "\n")
             trace.flush()
         if rank == 0:
-            print(f"step {step:>5}/{args.steps} | loss {loss:.4f} | {args.batch * args.seq_len / seconds:,.0f} tok/s | "
-                  f"MFU {100 * flops / seconds / peak:.2f}% | mem {memory_text(device)}", flush=True)
+            print(f"step {step:>5}/{args.steps} | loss {loss:.4f} | {rates(pm, 0).replace(', ', ' | ')} | "
+                  f"mem {memory_text(device)}", flush=True)
         if step % args.save_every == 0 or step == args.steps:
+            t0 = time.perf_counter()
             pm.save(out / "ckpt" / f"step-{step:06d}", optimizer, step=step,
                     position={"sampler": sampler.state_dict()})
+            saving += time.perf_counter() - t0
     elapsed = time.perf_counter() - start
     if rank == 0:
-        done, busy = step - first, max(busy, 1e-9)
-        print(f"done: {done} steps in {elapsed:.1f} s ({elapsed - busy:.1f} s of it checkpoints), loss "
+        print(f"done: {step - first} steps in {elapsed:.1f} s ({saving:.1f} s of it checkpoints), loss "
               f"{losses[0] if losses else float('nan'):.4f} -> {losses[-1] if losses else float('nan'):.4f}, "
-              f"{tokens / busy:,.0f} tok/s, MFU {100 * flops * done / busy / peak:.2f}%, memory "
-              f"{memory_text(device)}, checkpoints in {out / 'ckpt'}", flush=True)
+              f"{rates(pm, 1)} (after the first step), memory {memory_text(device)}, checkpoints in "
+              f"{out / 'ckpt'}", flush=True)
     return {"losses": losses, "first_step": first, "resumed": resumed}
 
 

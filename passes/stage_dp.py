@@ -122,14 +122,27 @@ def _cheapest_per_size(table: np.ndarray, sizes: list[int]) -> np.ndarray:
 def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) -> DPResult | None:
     distinct = sorted(set(sizes))
     L = by_size.shape[0]
-    upper = np.triu(np.ones((L, L), dtype=bool))[:, :, None, None]  # stages k..i with k ≤ i
-    capped = np.where(upper & (by_size <= t_max), by_size, INF) + hops[:, None, None, None]  # h_k: stage k's
+    capped = np.where(by_size <= t_max, by_size, INF)
     F = np.full((S + 1, L + 1, D + 1), INF)
     F[0, L, 0] = 0.0
     arg = np.full((2, S + 1, L + 1, D + 1), -1)  # (last layer i, size index j) of F's argmin
     for sigma in range(1, S + 1):
         f = min(inflight(sigma, B, schedule), by_size.shape[3]) - 1
-        _relax(F, arg, sigma, capped[..., f], distinct, D)
+        for i in range(L):
+            prev = F[sigma - 1, i + 1]
+            if not np.isfinite(prev).any():
+                continue
+            for j, n in enumerate(distinct):
+                if n > D:
+                    continue
+                lat = capped[: i + 1, i, j, f] + hops[: i + 1]      # stages k..i for every k ≤ i
+                cand = lat[:, None] + prev[None, : D + 1 - n]        # [k, d - n]
+                cur = F[sigma, : i + 1, n:]
+                better = cand < cur
+                if better.any():
+                    F[sigma, : i + 1, n:] = np.where(better, cand, cur)
+                    arg[0, sigma, : i + 1, n:][better] = i
+                    arg[1, sigma, : i + 1, n:][better] = j
     candidates = [exact_stages] if exact_stages else range(1, S + 1)
     sigma = min(candidates, key=lambda s: F[s, 0, D] if s <= S else INF)
     if sigma > S or not np.isfinite(F[sigma, 0, D]):
@@ -138,32 +151,6 @@ def _solve_capped(by_size, sizes, D, B, schedule, S, exact_stages, t_max, hops) 
     slowest = max(by_size[st.first, st.last, st.size_index, min(inflight(sigma - s, B, schedule), by_size.shape[3]) - 1]
                   for s, st in enumerate(stages))
     return DPResult(stages, F[sigma, 0, D] + (B - 1) * slowest, slowest)
-
-
-def _relax(F, arg, sigma, lat, distinct, D) -> None:
-    """F[σ, k, d] = min over (i, j) of lat[k, i, j] + F[σ − 1, i + 1, d − n_j], all k and d at once.
-
-    Ties go to the smallest i, then the smallest j: the order in which a loop over i, then j, keeping only
-    strict improvements, would meet them, so the stages chosen do not depend on how the minimum is taken.
-    Only the i whose remainder F[σ − 1, i + 1] is finite somewhere are visited."""
-    rows = np.flatnonzero(np.isfinite(F[sigma - 1, 1:]).any(axis=1))  # i with a finite remainder
-    if not len(rows):
-        return
-    prev = F[sigma - 1, rows + 1]  # [r, d]
-    best, best_i, best_j = F[sigma], arg[0, sigma], arg[1, sigma]
-    for j, n in enumerate(distinct):
-        if n > D:
-            continue
-        cand = lat[:, rows, j, None] + prev[None, :, : D + 1 - n]  # [k, r, d - n]
-        r = np.argmin(cand, axis=1)  # the first minimum: the smallest i
-        value = np.take_along_axis(cand, r[:, None, :], axis=1)[:, 0, :]
-        first = rows[r]
-        L = lat.shape[0]
-        cur, cur_i = best[:L, n:], best_i[:L, n:]
-        better = (value < cur) | ((value == cur) & (first < cur_i) & np.isfinite(value))
-        cur[better] = value[better]
-        cur_i[better] = first[better]
-        best_j[:L, n:][better] = j
 
 
 def _unwind(arg, sigma, D, distinct, sizes, by_size) -> tuple[DPStage, ...]:

@@ -81,7 +81,10 @@ def held_bytes(pm, opt) -> dict:
         return float(sum(seen.values()))
 
     params = list(pm.runner.gm.parameters())
-    return {"params": total(params + opt.targets), "grads": total([p.grad for p in params + opt.targets]),
+    buckets = pm.runner.gradsync.buckets
+    shards = [b.shard for b in buckets if b.level >= 1]
+    bucket_grads = [b.grad_flat if b.level <= 1 else b.grad_shard for b in buckets]  # held between steps
+    return {"params": total(params + shards), "grads": total([p.grad for p in params + shards] + bucket_grads),
             "optimizer": total([v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)])}
 
 
@@ -145,10 +148,11 @@ def overflow_case(model_name: str = "gpt") -> dict:
     for step in range(3):
         pm.train_step(*batch)
         if step == 1 and torch.distributed.get_rank() == 2:
-            next(p for p in opt.targets if p.grad is not None).grad.view(-1)[0] = float("inf")
+            next(p for g in opt.param_groups for p in g["params"] if p.grad is not None).grad.view(-1)[0] = float("inf")
         before = {k: v.clone() for k, v in pm.state_dict().items()}
-        scale = pm.runner.scaler.scale
-        stepped = opt.step()
+        scale, skipped = pm.runner.scaler.scale, pm.runner.scaler.skipped
+        opt.step()
+        stepped = pm.runner.scaler.skipped == skipped
         opt.zero_grad()
         unchanged = all(torch.equal(before[k], v) for k, v in pm.state_dict().items())
         record.append({"stepped": stepped, "scale_before": scale, "scale_after": pm.runner.scaler.scale,

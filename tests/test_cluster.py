@@ -29,6 +29,25 @@ def test_p3_inter_node_link_is_25_gbps():
     assert inter.bandwidth == pytest.approx(25e9 / 8 / 8), "8 groups share one NIC"
 
 
+def test_preset_by_gpu_count():
+    """gpus= instead of nodes=: part of one node (same links, a node of that many devices) or whole nodes."""
+    part, whole = Cluster.preset("dgx-a100", gpus=2), Cluster.preset("dgx-a100", gpus=16)
+    assert (part.nodes, part.devices_per_node, part.mesh_shape) == (1, 2, (1, 2))
+    assert part.intra_node == Cluster.preset("dgx-a100").intra_node
+    assert whole == Cluster.preset("dgx-a100", nodes=2)
+    assert Cluster.preset("dgx-a100", gpus=4, mesh_shape=(2, 2)).mesh_shape == (2, 2)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(nodes=2, gpus=16), "give nodes=2 or gpus=16, not both"),
+    (dict(gpus=12), "neither part of one 8-GPU node nor whole nodes"),
+    (dict(gpus=0), "neither part of one 8-GPU node nor whole nodes"),
+])
+def test_preset_gpu_count_mistakes_are_one_clear_error(kwargs, message):
+    with pytest.raises(ClusterError, match=message):
+        Cluster.preset("dgx-a100", **kwargs)
+
+
 def test_local_cluster():
     c = Cluster.local(4)
     assert c.mesh_shape == (1, 4) and c.backend == "gloo" and c.device_type == "cpu"

@@ -131,3 +131,21 @@ def test_the_step_clock_window_drops_old_intervals_but_counts_them_as_warm_up():
     assert clock.intervals(0) == [float(2 * t + 1) for t in range(9)]
     assert clock.intervals(2) == [float(2 * t + 1) for t in range(2, 9)]
     torch.testing.assert_close(torch.tensor(clock.intervals(12)), torch.tensor([]))
+
+
+def test_the_profiler_applies_the_compiled_factor_on_cpu_ranks_and_only_notes_it_on_gpus():
+    from types import SimpleNamespace
+
+    from autopar.profiling.profiler_training import _apply_compiled_factor
+
+    cluster = autopar.Cluster.local(2)
+    roofline = sum(r for r, _ in probe_step_ops(cluster))
+    side = probe_shape("cpu").reference_side
+    reference = 2.0 * side**3 / cluster.matmul_flops("float32", 2.0 * side**3)  # as the curve predicts: q = 1
+    per_rank = [{"probe_compiled": (2 * roofline, reference)}, {"probe_compiled": (2 * roofline, reference)}]
+    notes = []
+    cpu = _apply_compiled_factor(cluster, per_rank, SimpleNamespace(kind="cpu"), notes)
+    assert cpu.compiled_time_scale == pytest.approx(2.0) and "compiled_time_scale 2.00" in notes[0]
+    gpu = _apply_compiled_factor(cluster, per_rank, SimpleNamespace(kind="cuda"), notes)
+    assert gpu.compiled_time_scale == 0.0 and "not applied" in notes[1]
+    assert _apply_compiled_factor(cluster, [{"probe_compiled": None}], SimpleNamespace(kind="cpu"), []) is cluster

@@ -4,6 +4,8 @@ on tensor values. No process group is needed: each check runs before any collect
 
 Negative control: the same options with valid values plan (``test_valid_values_of_every_option_plan``).
 """
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,3 +166,17 @@ def test_launch_arguments_are_checked_before_any_process_starts(args, kwargs, ne
     with pytest.raises(UsageError) as err:
         autopar.launch(*args, **kwargs)
     assert needle in str(err.value), str(err.value)
+
+
+def test_a_cluster_argument_given_as_an_option_names_the_cluster():
+    model, batch = make_mlp()
+    with pytest.raises(OptionError, match=r"memory_per_device is an argument of the cluster.*Cluster.local"):
+        autopar.plan(model, autopar.Cluster.local(2), batch, memory_per_device=2 ** 30)
+
+
+def test_plan_from_json_of_a_dict_says_pass_text():
+    model, batch = make_mlp()
+    text = autopar.plan(model, autopar.Cluster.local(2), batch, time_limit=5).to_json()
+    with pytest.raises(autopar.errors.PlanError, match=r"JSON text or a file path, got a dict; .*json.dumps"):
+        autopar.Plan.from_json(json.loads(text))
+    assert autopar.Plan.from_json(text).to_json() == text  # negative control

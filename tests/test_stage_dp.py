@@ -103,7 +103,7 @@ def test_microbatch_counts_that_tie_keep_the_smallest():
 
 def _loop_relaxation(table, sizes, devices, B, t_max, hops, strict=True):
     """F[σ, 0, D] and its argmin, by a plain loop over (σ, i, j) keeping strict improvements only: the
-    order the DP's vectorized relaxation must reproduce, ties included."""
+    order any rewrite of the DP's relaxation must reproduce, ties included."""
     distinct, L = sorted(set(sizes)), table.shape[0]
     by_size = np.full(table.shape[:2] + (len(distinct),) + table.shape[3:], np.inf)
     for m, n in enumerate(sizes):
@@ -155,8 +155,8 @@ def _agreements(seed, strict):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_ties_go_to_the_first_layer_then_the_smallest_size_as_a_loop_would(seed):
-    """Integer latencies make many plans tie exactly; the vectorized DP must pick what the plain loop picks
-    (the smallest last layer i, then the smallest size), so plans stay byte-identical across rewrites."""
+    """Integer latencies make many plans tie exactly; the DP must pick what the plain loop picks (the
+    smallest last layer i, then the smallest size), so a rewrite of its relaxation keeps plans byte-identical."""
     same, compared = _agreements(seed, strict=True)
     assert compared >= 2 and same == compared
 

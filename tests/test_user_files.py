@@ -145,3 +145,19 @@ def test_export_replaces_an_earlier_export_of_the_model(pm, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["model.pt"], "a temporary file was left"
     pm.save(tmp_path / "ckpt")
     assert list(export_state_dict(tmp_path / "ckpt")) == list(torch.load(target))
+
+
+def test_plan_to_json_replaces_only_an_earlier_plan(pm, tmp_path):
+    plan = pm.plan
+    (tmp_path / "train.py").write_text("mine")
+    with pytest.raises(autopar.errors.PlanError, match="exists and is not a plan file"):
+        plan.to_json(tmp_path / "train.py")
+    with pytest.raises(autopar.errors.PlanError, match="is a directory"):
+        plan.to_json(tmp_path)
+    with pytest.raises(autopar.errors.PlanError, match="does not exist; create it first"):
+        plan.to_json(tmp_path / "missing" / "plan.json")
+    assert (tmp_path / "train.py").read_text() == "mine"
+    plan.to_json(tmp_path / "plan.json")
+    plan.to_json(tmp_path / "plan.json")  # negative control: an earlier plan is replaced
+    assert autopar.Plan.from_json(tmp_path / "plan.json").to_json() == plan.to_json()
+    assert sorted(os.listdir(tmp_path)) == ["plan.json", "train.py"]

@@ -35,3 +35,33 @@ def read_json_text(path, what: str, error: type, fix: str, limit: int = MAX_JSON
     except UnicodeDecodeError as e:
         raise error(f"{what} {name!r} is not UTF-8 JSON text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
                     f"{fix}") from None
+
+
+def write_json_text(path, text: str, what: str, error: type, is_ours) -> None:
+    """Write ``text`` to the file ``path`` through a sibling temporary file and a rename (never half a file in
+    place of an earlier one). An existing file is replaced only when ``is_ours(its text)`` says it is an
+    earlier one of the same kind; anything else there (a user's file, a directory) is an ``error`` naming it."""
+    name = str(path)
+    parent = os.path.dirname(os.path.abspath(name))
+    if os.path.isdir(name):
+        raise error(f"{what} {name!r} is a directory; pass a file path such as {os.path.join(name, 'plan.json')!r}")
+    if not os.path.isdir(parent):
+        raise error(f"cannot write {what} {name!r}: its directory {parent!r} does not exist; create it first")
+    if os.path.lexists(name):
+        try:
+            existing = read_json_text(name, what, error, "")
+        except error:
+            existing = None
+        if existing is None or not is_ours(existing):
+            raise error(f"cannot write {what} {name!r}: a file of that name exists and is not a {what}; autopar "
+                        f"leaves it alone: write to another path, or move or delete that file yourself")
+    partial = os.path.join(parent, f".{os.path.basename(name)}.partial-{os.getpid()}")
+    try:
+        with open(partial, "w") as f:
+            f.write(text)
+        os.replace(partial, name)
+    except OSError as e:
+        raise error(f"cannot write {what} {name!r}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)

@@ -22,6 +22,7 @@ import torch
 
 from autopar.errors import InfeasibleError, PlanError, budget_unit_hint
 from autopar.hardware.cluster import Cluster
+from autopar.ir.buffer_writes import written_buffers
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
@@ -104,6 +105,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
             plan = or_single_stage(plan, single.result)
             clock.lap("single_stage_check")
     plan.planner["solver"] = backend()
+    if written_buffers(graph):  # why the planner kept one microbatch (``options.microbatch_candidates``)
+        plan.planner["buffers_written_in_forward"] = written_buffers(graph)
     record_offload(plan, options)
     plan.timings = {"seconds": round(clock.total(), 3), **clock.laps}
     _check(options, lambda: plan.validate(graph))

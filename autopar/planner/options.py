@@ -12,9 +12,11 @@ import dataclasses
 import difflib
 import fnmatch
 import math
+import warnings
 
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES, TrainingSpec, zero_levels
 from autopar.errors import OptionError, PlanError
+from autopar.ir.buffer_writes import written_buffers
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.passes.interleave import check_schedule
@@ -91,6 +93,9 @@ def plan_options(options: dict, also: tuple[str, ...] = ()) -> PlanOptions:
     (``also``: the calling function's own keywords, listed as known)."""
     known = [f.name for f in dataclasses.fields(PlanOptions)]
     for name in options:
+        if name in ("memory_per_device", "mesh_shape", "nodes", "device_type"):
+            raise OptionError(f"{name} is an argument of the cluster, not a planner option: describe it there, e.g. "
+                              f"autopar.Cluster.local(n, {name}=...) or Cluster.preset(name, nodes=...)")
         if name not in known:
             close = difflib.get_close_matches(name, known + list(also), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -207,7 +212,8 @@ def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
 
 
 def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:
-    """The user's B, or powers of two up to 512 that split the batch (dim 0 of the first input)."""
+    """The user's B, or powers of two up to 512 that split the batch (dim 0 of the first input); only 1 for a
+    model that writes buffers in forward (``ir.buffer_writes``), unless the user gives B, with a warning."""
     if options.schedule not in SCHEDULES:
         raise PlanError(f"schedule {options.schedule!r} is not known; use one of {list(SCHEDULES)}")
     batch = graph.input_signature[0][0][0] if graph.input_signature and graph.input_signature[0][0] else 1
@@ -215,7 +221,17 @@ def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:
         if not isinstance(options.microbatches, int) or options.microbatches < 1 or batch % options.microbatches:
             raise PlanError(f"microbatches={options.microbatches!r} does not split the batch of {batch} evenly; "
                             f"choose a divisor of {batch}")
+        if options.microbatches > 1 and written_buffers(graph):
+            warnings.warn(f"microbatches={options.microbatches}: the model writes buffers in forward "
+                          f"({written_buffers(graph)[:3]}), which then update once per microbatch "
+                          f"({options.microbatches} times per step, on smaller batches), unlike one device",
+                          stacklevel=2)
         return [options.microbatches]
+    if written_buffers(graph):
+        warnings.warn(f"the model writes buffers in forward ({written_buffers(graph)[:3]}): planned with one "
+                      f"microbatch so they update once per step as on one device (pass microbatches=N to allow "
+                      f"pipelining them; they then update N times per step)", stacklevel=2)
+        return [1]
     return [b for b in (2 ** k for k in range(10)) if b <= min(batch, MAX_MICROBATCHES) and batch % b == 0]
 
 

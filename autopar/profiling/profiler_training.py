@@ -266,9 +266,9 @@ def _compiled_probe_step(block, x, reference, settings, probe) -> tuple[float, f
     compiled = torch.compile(block, dynamic=False)
     try:
         compiled(x).backward()  # compiles forward and backward, outside the timing
-        ok = torch.ones(())
+        ok = torch.ones((), device=x.device)
     except Exception:  # noqa: BLE001 - no compiler here: the factor stays unmeasured
-        ok = torch.zeros(())
+        ok = torch.zeros((), device=x.device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
         return None

@@ -22,7 +22,7 @@ from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.placement import parse_spec
-from autopar.runtime import compiled, gradsync, groups
+from autopar.runtime import compiled, gradsync, groups, rng
 from autopar.runtime.codegen import fill_pending, generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
@@ -91,11 +91,8 @@ def _setup_training(runner, plan, graph, stage, mesh_index: int, timeout) -> Non
     runner.setup(policy, device_type, sync, LossScaler(policy) if policy.loss_scaling else None)
     offload = offloaded(plan, stage.index)
     runner.offload_optimizer, runner.offload_activations = offload["optimizer"], offload["activations"]
-    reasons = (["scales the loss (fp16)"] if policy.loss_scaling else []) + \
-        (["shards optimizer state (ZeRO)"] if any(b.level >= 1 for b in sync.buckets) else []) + \
-        (["keeps optimizer state in host memory (offload)"] if offload["optimizer"] else [])
-    if reasons:
-        mark_needs_builder(runner, " and ".join(reasons))
+    if offload["optimizer"]:  # ZeRO and fp16 work through any optimizer's step hooks (``plain_optim``)
+        mark_needs_builder(runner, "keeps optimizer state in host memory (offload)")
 
 
 def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime.timedelta | None,
@@ -115,7 +112,8 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
     meshes = stage_meshes(plan)
     shared, shared_groups = shared_parameters(plan, graph)
     base = groups.build_groups(meshes, timeout, shared_groups)
-    trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
+    trainable = {p.name for p in graph.placeholders  # frozen parameters (requires_grad False) get no gradient
+                 if p.kind == "parameter" and (p.fqn not in tensors.templates or tensors.requires_grad(p.fqn))}
     needs_grad = requires_grad_nodes(graph.gm, trainable)
     runners = []
     for stage in plan.stages_of_rank(rank):
@@ -123,6 +121,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
         regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
         gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions,
                                    local_batch=local is not None)
+        rng.own_draws(gm, stage.mesh_shape, coord)  # dropout on a sharded value: a mask per shard
         if len(plan.stages) == 1 and plan.microbatches == 1:
             runner = SpmdRunner(gm, stage, base + stage.index)
         else:

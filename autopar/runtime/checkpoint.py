@@ -45,6 +45,7 @@ from autopar.errors import CheckpointError
 from autopar.placement import parse_spec
 from autopar.runtime import checkpoint_files as files
 from autopar.runtime import checkpoint_paths as paths
+from autopar.runtime import faults, plain_optim
 from autopar.runtime.checkpoint_zero import bucket_entries
 
 FORMAT = 2  # 2: manifest.json, staging directory switched in by rename
@@ -69,6 +70,7 @@ def save(pm, path, optimizer: torch.optim.Optimizer | None = None, step: int | N
         state["optim"] = _optimizer_entries(pm, optimizer, set(model))
         state["optim_groups"] = _param_group_hyperparameters(optimizer)
     extra = {"position": _json_checked(position)} if position is not None else {}
+    extra["rng"] = _rng_states(pm)
     scaler = getattr(pm.runner, "scaler", None)
     if scaler is not None:
         extra["loss_scaler"] = {"scale": scaler.scale, "clean_steps": scaler.clean_steps, "skipped": scaler.skipped}
@@ -105,7 +107,23 @@ def load(pm, path, optimizer: torch.optim.Optimizer | None = None) -> None:
         _restore_objects(pm, optimizer, state["optim"])
         _set_param_group_hyperparameters(optimizer, state["optim_groups"], directory)
     _restore_loss_scaler(pm, manifest.get("loss_scaler"))
+    _restore_rng(pm, manifest.get("rng"), manifest.get("plan_digest") == pm.plan.digest())
     return manifest
+
+
+def _rng_states(pm) -> list:
+    """Every rank's dropout stream state (``runtime.rng``), by rank (a collective)."""
+    states = [None] * dist.get_world_size()
+    faults.guard("all_gather_object", None, dist.all_gather_object, states, pm._rng.state_dict())
+    return states
+
+
+def _restore_rng(pm, saved: list | None, same_plan: bool) -> None:
+    """This rank's saved stream under the same plan; rank 0's under another (every rank then shares one
+    state, as a stage's ranks must)."""
+    if saved:
+        mine = saved[dist.get_rank()] if same_plan and len(saved) == dist.get_world_size() else saved[0]
+        pm._rng.load_state_dict(mine)
 
 
 def _restore_loss_scaler(pm, saved: dict | None) -> None:
@@ -229,6 +247,7 @@ def _unread_entries(pm) -> dict[str, torch.Tensor]:
 # ---- optimizer -------------------------------------------------------------------------------------
 def _optimizer_entries(pm, optimizer, fqns: set[str]) -> dict[str, dict]:
     """{fqn: {state name: DTensor (parameter-shaped) | tensor | object}} for the parameters in ``fqns``."""
+    plain_optim.runners_of(optimizer)  # ZeRO: the optimizer steps (and holds state for) the bucket shards
     stage = _my_stage(pm)
     held = {}
     for info in pm._graph.placeholders:
@@ -291,7 +310,8 @@ def _materialize_state(optimizer) -> None:
         p.grad = torch.zeros_like(p)
     for g in optimizer.param_groups:
         g["lr"] = 0.0
-    optimizer.step()
+    with plain_optim.bare_step(optimizer):
+        optimizer.step()
     for g, lr in zip(optimizer.param_groups, saved_lrs):
         g["lr"] = lr
     for p, grad in zip(params, saved_grads):

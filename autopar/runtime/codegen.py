@@ -134,6 +134,7 @@ class _Emitter:
                                                    kwargs=kwargs)
         out = self.new.call_function(target, tuple(args), kwargs)
         out.meta["dtype"] = _first_dtype(node.meta.get("val"))  # under the precision policy (zero3_graph reads it)
+        out.meta["autopar_spec"] = out_spec  # this rank's layout of the value (``rng.own_draws`` reads it)
         self.env[node.name] = self._post_kernels(out, kernels)
 
     def _input(self, node: fx.Node, arg: fx.Node, dst: Spec, out_spec: Spec) -> fx.Node:

@@ -15,8 +15,8 @@ the compiled backward accumulates into ``.grad`` as eager autograd does). Inside
   * ZeRO-3's gather / prefetch / free calls (``runtime.zero3_graph.UnitCall``) change storage and wait on
     asynchronous work: they are the only graph breaks, run eagerly (``torch.compiler.disable``), one per
     unit use, i.e. a few per layer at most; their saved-tensor hooks still see every parameter the compiled
-    backward saves. A recompute region holding such a call cannot be traced as a checkpoint region and runs
-    eagerly whole (dynamo's own fallback).
+    backward saves. A recompute region holding such a call (ZeRO-3 with recompute) cannot be traced as one
+    checkpoint region; dynamo then runs it eagerly (not measured yet: the tests cover each alone).
 
 Compilation happens at the first call for each (grad mode, input shapes); the same shapes never compile
 again (``dynamic=False``: a later shape compiles its own static graph instead of a dynamic one). A graph

@@ -55,7 +55,7 @@ class Bucket:
     """One gradient-sync bucket of a stage (see module docstring)."""
 
     def __init__(self, gm, spec: dict, mesh_index: int, mesh_shape):
-        self.names, self.level, self.ways = spec["names"], spec["level"], spec["ways"]
+        self.names, self.level, self.ways, self.axes = spec["names"], spec["level"], spec["ways"], spec["axes"]
         self.params = [getattr(gm, n) for n in self.names]
         self.numel = spec["numel"]
         self.key = _group_key(mesh_index, spec["axes"], mesh_shape)
@@ -193,7 +193,8 @@ class GradSync:
 
     def __init__(self, gm, graph, stage, mesh_index: int, microbatches: int, bucket_bytes: float,
                  reduce_dtype: torch.dtype = torch.float32, timeout=None, gather_dtype: torch.dtype | None = None):
-        deferred = gm.meta.get("deferred_syncs", {})
+        deferred = {n: axes for n, axes in gm.meta.get("deferred_syncs", {}).items()
+                    if getattr(gm, n).requires_grad}  # a frozen parameter has no gradient to sync
         numel = {n: getattr(gm, n).numel() for n in deferred}
         specs = sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
         self.buckets = [Bucket(gm, spec, mesh_index, stage.mesh_shape) for spec in specs]
@@ -285,7 +286,7 @@ def sync_shared(gm, stage, shared: dict[str, str], coord, mesh_index: int, held:
     this stage's mesh id in the group registry; ``held``: ``take_shared``'s gradients from earlier steps."""
     for name in sorted(shared):
         param = getattr(gm, name, None)
-        if param is None:
+        if param is None or not param.requires_grad:
             continue
         spec = parse_spec(stage.shardings[name].out)
         grad = param.grad if param.grad is not None else torch.zeros_like(param)

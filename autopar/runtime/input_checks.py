@@ -10,11 +10,13 @@ checks its own share (``check_local_index_ranges``) and the ranks agree on the v
 (``local_data.LocalData.agree``).
 
 Which inputs: for each ``aten.embedding`` (indices < the table's rows) and each cross-entropy / NLL loss
-(0 <= target < classes, or == ignore_index), the index argument is followed back through value-preserving
-ops (views, slices, copies, casts) to a user input; the chain is replayed on each microbatch of the real
-input, so a model that drops a column first is checked on what it reads. Indices computed otherwise
-(arithmetic, buffers) are not covered. Cost: the replayed views plus one min and one max per index input
-and microbatch.
+(0 <= target < classes, or == ignore_index), the index argument is followed back through every op that
+computes it from user inputs and constants alone (views, slices, casts, and also ``F.pad`` of the labels
+as Hugging Face's loss does, ``torch.where``/``masked_fill`` with a mask from another input, shifts,
+arithmetic): that subgraph is replayed on each microbatch of the real inputs, so the check sees exactly
+the indices the kernel reads. An index that depends on a parameter, a buffer or a random op is not
+covered (``_replayable``). Cost: the replayed ops (on index-sized tensors) plus one min and one max per
+index and microbatch.
 """
 from __future__ import annotations
 
@@ -26,22 +28,29 @@ import torch.fx as fx
 from autopar.errors import IndexRangeError
 
 aten = torch.ops.aten
-_FOLLOWED = {aten.view, aten.reshape, aten._unsafe_view, aten.slice, aten.select, aten.clone, aten.contiguous,
-             aten._to_copy, aten.to, aten.unsqueeze, aten.squeeze, aten.flatten, aten.expand, aten.permute,
-             aten.transpose, aten.t, aten.alias, aten.detach, aten.lift_fresh_copy, aten.narrow}
+_RANDOM = {aten.rand, aten.rand_like, aten.randn, aten.randn_like, aten.randint, aten.randint_like,
+           aten.randperm, aten.bernoulli, aten.bernoulli_, aten.multinomial, aten.dropout, aten.native_dropout,
+           aten.normal, aten.uniform_, aten.exponential_}
+_MAX_REPLAYED = 64  # ops in one index's subgraph (HF's label shift is 3-4)
 _LOSSES = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss_forward, aten.nll_loss2d_forward}
 
 
 @dataclasses.dataclass(frozen=True)
 class IndexCheck:
-    """Input ``input_index``, replayed through ``chain`` (graph nodes, input first), must lie in
-    [0, bound) or equal ``ignore_index``; ``what`` names the consumer for the error."""
+    """The index that ``chain`` (graph nodes in graph order, the index last) computes from the user inputs
+    ``inputs`` ({placeholder name: input position}) must lie in [0, bound) or equal ``ignore_index``;
+    ``what`` names the consumer for the error."""
 
-    input_index: int
+    inputs: tuple
     chain: tuple
     bound: int
     ignore_index: int | None
     what: str
+
+    @property
+    def input_index(self) -> int:
+        """The first input the index is computed from (the one the error names)."""
+        return min(i for _, i in self.inputs)
 
 
 def index_checks(graph) -> list[IndexCheck]:
@@ -52,9 +61,10 @@ def index_checks(graph) -> list[IndexCheck]:
         if found is None:
             continue
         index_node, bound, ignore_index, what = found
-        chain = _chain_to_input(index_node, inputs)
-        if chain is not None:
-            checks.append(IndexCheck(inputs[chain[0].name], tuple(chain[1:]), bound, ignore_index, what))
+        replayed = _replayable(index_node, inputs)
+        if replayed is not None:
+            chain, used = replayed
+            checks.append(IndexCheck(tuple(sorted(used.items())), chain, bound, ignore_index, what))
     return checks
 
 
@@ -82,30 +92,43 @@ def _bound_args(node: fx.Node) -> dict:
     return values
 
 
-def _chain_to_input(node, inputs: dict[str, int]) -> list | None:
-    """[input placeholder, op nodes ... node], each op reading only the previous node, else None."""
-    chain = [node]
-    while isinstance(node, fx.Node) and node.op == "call_function":
-        if getattr(node.target, "overloadpacket", None) not in _FOLLOWED:
-            return None
-        sources = [a for a in node.all_input_nodes]
-        if len(sources) != 1:
-            return None
-        node = sources[0]
-        chain.append(node)
-    if not isinstance(node, fx.Node) or node.op != "placeholder" or node.name not in inputs:
+def _replayable(node, inputs: dict[str, int]):
+    """(the op nodes computing ``node`` in graph order, {input placeholder: position}) when ``node`` is
+    computed from user inputs and constants alone, without random ops, else None."""
+    if not isinstance(node, fx.Node):
         return None
-    return chain[::-1]
+    ops, used, seen, stack = [], {}, set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if n.name not in inputs:
+                return None  # a parameter or buffer
+            used[n.name] = inputs[n.name]
+            continue
+        if n.op != "call_function" or getattr(n.target, "overloadpacket", n.target) in _RANDOM:
+            return None
+        ops.append(n)
+        if len(ops) > _MAX_REPLAYED:
+            return None
+        stack.extend(n.all_input_nodes)
+    if not used:
+        return None
+    order = {n: k for k, n in enumerate(node.graph.nodes)}
+    return tuple(sorted(ops, key=order.__getitem__)), used
 
 
 def check_index_ranges(checks: list[IndexCheck], inputs: tuple, microbatches: int) -> None:
     """Raise ``IndexRangeError`` (identically on every rank) on the first index out of range."""
     for check in checks:
-        value = inputs[check.input_index]
-        if not isinstance(value, torch.Tensor) or value.is_floating_point():
+        values = {name: inputs[i] for name, i in check.inputs}
+        if not all(isinstance(v, torch.Tensor) for v in values.values()):
             continue
-        parts = value.chunk(microbatches, dim=0) if microbatches > 1 and value.dim() > 0 else (value,)
-        for part in parts:
+        for mb in range(microbatches):
+            part = {n: v.chunk(microbatches, dim=0)[mb] if microbatches > 1 and v.dim() > 0 else v
+                    for n, v in values.items()}
             _check_one(check, _replay(check.chain, part))
 
 
@@ -115,13 +138,15 @@ def check_local_index_ranges(checks: list[IndexCheck], inputs: tuple) -> None:
     captured graph; a chain that still cannot replay on it checks the input as passed (every value of
     it, a superset of what the model reads)."""
     for check in checks:
-        value = inputs[check.input_index] if check.input_index < len(inputs) else None
-        if not isinstance(value, torch.Tensor) or value.is_floating_point():
+        values = {name: inputs[i] if i < len(inputs) else None for name, i in check.inputs}
+        if not all(isinstance(v, torch.Tensor) for v in values.values()):
             continue
         try:
-            index = _replay(check.chain, value, free_leading=True)
+            index = _replay(check.chain, values, free_leading=True)
         except (RuntimeError, IndexError):
-            index = value
+            index = values[min(check.inputs, key=lambda item: item[1])[0]]
+            if index.is_floating_point():
+                continue
         _check_one(check, index)
 
 
@@ -138,14 +163,22 @@ def _free_leading(node, args: list) -> list:
     return [args[0], shape, *args[2:]]
 
 
-def _replay(chain: tuple, value: torch.Tensor, free_leading: bool = False) -> torch.Tensor:
+def _replay(chain: tuple, values: dict, free_leading: bool = False) -> torch.Tensor:
+    """Run ``chain``'s ops on the real inputs ``values`` ({placeholder name: tensor}); the last op's value."""
+    if not chain:  # the index is an input itself
+        return next(iter(values.values()))
+    env = dict(values)
+
+    def real(a):
+        return env[a.name] if isinstance(a, fx.Node) else a
+
+    value = None
     for node in chain:
-        previous = node.all_input_nodes[0]
-        args = [value if a is previous else a for a in node.args]
+        args = list(fx.node.map_aggregate(node.args, real))
         if free_leading:
             args = _free_leading(node, args)
-        kwargs = {k: value if v is previous else v for k, v in node.kwargs.items()}
-        value = node.target(*args, **kwargs)
+        kwargs = fx.node.map_aggregate(dict(node.kwargs), real)
+        value = env[node.name] = node.target(*args, **kwargs)
     return value
 
 

@@ -7,9 +7,10 @@ Contract (tests outside this repository rely on it):
   * ``pm.train_step(*inputs)`` runs forward and backward of the model's loss, leaves each local shard's
     gradient in ``.grad`` (accumulating, as PyTorch does; call ``optimizer.zero_grad()``), and returns
     the loss, identical on every rank and detached (``.item()`` it; backward has already run);
-  * ``pm.optimizer(torch.optim.AdamW, lr=...)`` builds the optimizer the plan needs (ZeRO shards, fp16 loss
-    scaling: ``runtime.optim``); for fp32/bf16 plans without ZeRO, any torch optimizer built from
-    ``pm.parameters()`` works as well;
+  * any torch optimizer built from ``pm.parameters()`` steps what this rank owns under every plan (ZeRO
+    shards, fp16 loss scaling: ``runtime.plain_optim``); ``pm.optimizer(torch.optim.AdamW, lr=...,
+    param_groups=[{"params": ["*.bias"], "weight_decay": 0.0}])`` builds one with param groups named by the
+    model's parameter names;
   * ``pm.parameters()`` are this rank's shards, so any torch optimizer steps them; for the same reason
     ``pm.state_dict()`` holds this rank's shards only (use ``full_state_dict()`` for whole tensors, or
     ``autopar.runtime.checkpoint`` for sharded checkpoints); with ZeRO-3 it is a collective of each
@@ -26,11 +27,11 @@ from collections import OrderedDict
 
 import torch
 import torch.utils._pytree as pytree
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from autopar.errors import InputError, UsageError
 from autopar.placement import parse_spec
-from autopar.runtime import faults
+from autopar.runtime import clipping, faults, modes, plain_optim, rng
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
 from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
@@ -48,15 +49,21 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         self._unused = unused
         self._loss_index = _find_loss_index(graph.out_spec, graph.gm)
         self._index_checks = index_checks(graph)
+        if not hasattr(runner, "plan"):
+            runner.plan = plan
+        plain_optim.tag(runner)
+        self._rng = rng.ModuleRng.agreed(plan.cluster.get("device_type", "cpu"))  # the ranks' shared dropout stream
         self._clock, self._flops = StepClock(), None  # ``step_stats``
         watch_optimizers()
+        clipping.patch_torch()
 
     # ---- running -------------------------------------------------------------------------------
     @faults.collective_call("pm(...)")
     def forward(self, *inputs, **named):
         inputs = bind_inputs(self._input_names(), inputs, named, "pm(...)", self._local_data is not None)
         self._check_inputs(inputs)
-        flat = self.runner.forward(inputs)
+        with self._rng.active():
+            flat = self.runner.forward(inputs)
         return pytree.tree_unflatten(list(flat), self._graph.out_spec)
 
     @faults.collective_call("pm.train_step")
@@ -72,24 +79,66 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         if self._loss_index is None:
             raise InputError("train_step needs forward to return the loss: a scalar tensor, or a dict/"
                              "ModelOutput with a 'loss' entry. Wrap the model so forward returns the loss.")
-        return self.runner.train_step(inputs, self._loss_index)
+        with self._rng.active():
+            loss = self.runner.train_step(inputs, self._loss_index)
+        clipping.mark_gradients(self.runner)
+        return loss
 
-    def optimizer(self, cls=torch.optim.AdamW, **kwargs):
-        """An optimizer of class ``cls`` (with ``kwargs``) over what this rank steps under the plan: its
-        parameter shards, and for ZeRO ≥ 1 its shard of each gradient bucket; ``step()`` also unscales and
-        skips overflowed steps (fp16) and all-gathers updated ZeRO shards. See ``autopar.runtime.optim``."""
-        from autopar.runtime.optim import PlanOptimizer
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """``torch.nn.utils.clip_grad_norm_`` of the whole model (a collective: call on every rank): the
+        norm of the full gradient (tensor-parallel shards, replicated parameters counted once, ZeRO shards,
+        every pipeline stage, fp16 unscaled), returned as a tensor equal on every rank, and every gradient
+        the optimizer steps scaled by min(1, max_norm / (norm + 1e-6)). ``torch.nn.utils.clip_grad_norm_(
+        pm.parameters(), max_norm)`` does the same (``runtime.clipping``)."""
+        return clipping.clip_grad_norm_(self.runner, self.plan, max_norm, norm_type, error_if_nonfinite)
+
+    def optimizer(self, cls=torch.optim.AdamW, param_groups: list[dict] | None = None, **kwargs):
+        """``cls(params, **kwargs)`` (a real torch optimizer: LR schedulers take it) over this rank's trainable
+        tensors. ``param_groups``: [{"params": [model parameter names or globs], **settings}, ...] as torch's
+        param groups but by the model's names (e.g. ``[{"params": ["*.bias", "*ln*"], "weight_decay": 0.0}]``);
+        parameters no group names form a last group with ``kwargs``. Under ZeRO it steps this rank's shard
+        of each bucket, under fp16 it unscales and skips overflowed steps (``runtime.plain_optim``)."""
+        from autopar.runtime.optim import named_groups
 
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise UsageError(f"pm.optimizer(cls, **kwargs) takes a torch optimizer class and its arguments, e.g. "
                              f"pm.optimizer(torch.optim.AdamW, lr=1e-3); got {cls!r}")
+        if any(getattr(r, "offload_optimizer", False) for r in clipping.stage_runners(self.runner)):
+            if param_groups is not None:
+                raise UsageError("param_groups with optimizer state offloaded to host memory is not supported; "
+                                 "plan without offload, or give one group's settings as keyword arguments")
+            from autopar.runtime.optim import PlanOptimizer
+
+            return PlanOptimizer(self.runner, cls, **kwargs)  # it steps host copies (``runtime.offload``)
+        named = self.named_model_parameters()
+        if param_groups is None:
+            groups = list({id(t): t for t in named.values() if t is not None and t.requires_grad}.values())
+        else:
+            groups = named_groups(named, param_groups)
         try:
-            return PlanOptimizer(self.runner, cls, **kwargs)
+            optimizer = cls(groups, **kwargs)
         except TypeError as e:
             if "argument" not in str(e):
                 raise
             raise UsageError(f"pm.optimizer({cls.__name__}, ...): {e}; pass the arguments {cls.__name__} "
                              f"takes") from None
+        plain_optim.runners_of(optimizer)
+        return optimizer
+
+    def named_model_parameters(self) -> "OrderedDict[str, torch.Tensor | None]":
+        """{the model's parameter name: this rank's tensor of it (its shard), or None where another
+        pipeline stage holds it}, tied names included (both names give the same tensor)."""
+        modules = list(self.runner.gm) if isinstance(self.runner.gm, torch.nn.ModuleList) else [self.runner.gm]
+        by_fqn = {}
+        for info in self._graph.placeholders:
+            if info.kind == "parameter":
+                by_fqn[info.fqn] = next((getattr(m, info.name) for m in modules if hasattr(m, info.name)), None)
+        out = OrderedDict()
+        for key in self._state_keys:
+            canonical = self._graph.param_aliases.get(key, key)
+            if canonical in by_fqn:
+                out[key] = by_fqn[canonical]
+        return out
 
     def _input_names(self) -> list[str]:
         return [p.name for p in self._graph.placeholders if p.kind == "input"]
@@ -101,6 +150,13 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         shares in index order; ranks with the same share pass the same rows; ``runtime.local_data``);
         under data="global", (0, 1): the whole batch."""
         return (0, 1) if self._local_data is None else self._local_data.share
+
+    def train(self, mode: bool = True) -> "ParallelModule":
+        """As ``nn.Module.train``, and the generated modules' dropout, BatchNorm and attention dropout switch
+        to ``mode`` as the model's own would (``runtime.modes``); ``pm.eval()`` is ``pm.train(False)``."""
+        super().train(mode)
+        modes.set_training(self.runner, mode)
+        return self
 
     def step_stats(self, warmup: int = 1) -> dict:
         """Throughput of the ``train_step`` calls so far on this rank: ``step_time`` (s, the mean wall-clock
@@ -315,14 +371,26 @@ _HOOK: list = []  # the handle of the registered hook, once a ParallelModule exi
 
 
 def watch_optimizers() -> None:
-    """Register ``_warn_if_no_parameter_has_a_gradient`` as a step pre-hook on torch optimizers, once per
-    process, when the first ParallelModule is built (never at import: importing autopar leaves torch's
-    optimizers untouched). torch offers the hook globally only, so optimizers stepped after that are checked."""
+    """Register the step hooks on torch optimizers, once per process, when the first ParallelModule is built
+    (never at import: importing autopar leaves torch's optimizers untouched): ``_before_step`` (the
+    no-gradient warning below; ZeRO and fp16's work, ``plain_optim``) and ``plain_optim.after_step``.
+    torch offers the hooks globally only; an optimizer none of whose tensors is autopar's finds nothing to do."""
     if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_warn_if_no_parameter_has_a_gradient))
+        _HOOK.append(register_optimizer_step_pre_hook(_before_step))
+        _HOOK.append(register_optimizer_step_post_hook(_after_step))
 
 
-def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    plain_optim.runners_of(optimizer)  # ZeRO: its bucket parameters become the shards, which have the gradients
+    _warn_if_no_parameter_has_a_gradient(optimizer)
+    plain_optim.before_step(optimizer)
+
+
+def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    plain_optim.after_step(optimizer)
+
+
+def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer) -> None:
     """Checks each optimizer's first step only (then one set lookup per step): ``train_step`` leaves
     gradients on ``pm.parameters()``, so an optimizer none of whose parameters has one was almost surely
     built from ``model.parameters()``, which autopar never trains."""

@@ -57,7 +57,6 @@ def compile_blocks(stage: torch.nn.Module) -> None:
 
 def build_runners(cluster: autopar.Cluster) -> tuple[dict, dict]:
     """{(layout, mode): (step fn, optimizer)} from the same weights, and autopar's plans in words. Collective."""
-    from benchmarks.vs_hand.vs_megatron import describe_plan
     from examples.megatron_baselines import build
 
     model, batch = make_gpt(LOCAL_GPT, batch_size=BATCH)
@@ -65,7 +64,7 @@ def build_runners(cluster: autopar.Cluster) -> tuple[dict, dict]:
     for mode in MODES:
         pm = autopar.compile(copy.deepcopy(model), cluster, batch, compile=mode == "compiled")
         runners["autopar", mode] = (pm.train_step, torch.optim.AdamW(pm.parameters(), lr=1e-4))
-        plans[mode] = describe_plan(pm.plan)
+        plans[mode] = report.describe_plan(pm.plan)
         for name, layout in hand_layouts(cluster.num_devices).items():
             hp = build(layout, copy.deepcopy(model), batch, microbatches=HAND_MICROBATCHES)
             if mode == "compiled":
