@@ -1,11 +1,15 @@
-"""autopar demo: plan a GPT for a simulated 2×8 DGX-A100 cluster, then train the GPT example on 4 CPU ranks.
+"""autopar demo: plan a GPT for a simulated 2×8 DGX-A100 cluster, then train a GPT built on the meta device in
+shards on 4 CPU ranks.
 
     python examples/demo.py          (or ./run.sh demo, which installs everything first)
 
 Part 1 plans GPT-1.3B (Alpa's suite, on the meta device: no memory needed) for two DGX-A100 nodes and
-prints the plan. Part 2 compiles the small GPT example for ``Cluster.local(4)`` as a 2×2 mesh, with a
-memory budget that forces sharding, trains it for a few AdamW steps on 4 gloo ranks, and prints its
-losses next to the same model trained on one device.
+prints the plan. Part 2 builds the small GPT example on the meta device (shapes only), compiles it for
+``Cluster.local(4)`` as a 2×2 mesh with a memory budget that forces sharding: each rank materializes only its
+own shards, initialized by autopar from ``init_seed`` (the same weights whatever the plan), and no rank ever
+holds the whole model. It trains a few AdamW steps on 4 gloo ranks and prints the losses next to the same
+model trained on one device from ``autopar.init_weights`` (exactly those weights), and each rank's share of
+the model's bytes.
 """
 from __future__ import annotations
 
@@ -39,11 +43,21 @@ def plan_for_dgx() -> None:
     print(plan.summary(max_rows=25))
 
 
+def meta_gpt():
+    """The GPT example on the meta device (no memory) and its batch."""
+    cfg = GPTConfig(n_layer=2)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return model, make_batch(cfg, 8)
+
+
 def train_on_local_cluster(rank: int, budget: float):
-    model, batch = make_gpt(GPTConfig(n_layer=2), batch_size=8)
-    reference = copy.deepcopy(model)
+    model, batch = meta_gpt()
+    reference = autopar.init_weights(copy.deepcopy(model), init_seed=0)  # the one-device reference
     cluster = autopar.Cluster.local(4, mesh_shape=(2, 2), memory_per_device=budget)
-    pm = autopar.compile(model, cluster, batch, stages=1)
+    pm = autopar.compile(model, cluster, batch, stages=1, init_seed=0)  # this rank's shards only
+    held = sum(p.numel() * p.element_size() for p in pm.parameters())
+    whole = sum(p.numel() * p.element_size() for p in reference.parameters())
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)  # any plan, ZeRO included
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     rows = []
@@ -56,12 +70,13 @@ def train_on_local_cluster(rank: int, budget: float):
         ref_opt.step()
         ref_opt.zero_grad()
         rows.append((step, loss.item(), ref_loss.item()))
-    return rows, (pm.plan.summary(max_rows=40) if rank == 0 else None), (pm.code if rank == 0 else None)
+    return rows, (pm.plan.summary(max_rows=40) if rank == 0 else None), (pm.code if rank == 0 else None), \
+        (held, whole)
 
 
 def tight_budget() -> float:
     """A per-device budget between the least memory any plan needs and a fully replicated plan's."""
-    model, batch = make_gpt(GPTConfig(n_layer=2), batch_size=8)
+    model, batch = make_gpt(GPTConfig(n_layer=2), batch_size=8)  # on the CPU: the planner's memory bounds
     floor, replicated = memory_bounds(capture(model, batch), autopar.Cluster.local(4, mesh_shape=(2, 2)),
                                       PlanOptions())
     return floor + 0.3 * (replicated - floor)
@@ -70,10 +85,10 @@ def tight_budget() -> float:
 def main() -> int:
     plan_for_dgx()
     budget = tight_budget()
-    print(f"\n== Part 2: the GPT example on Cluster.local(4) as a 2×2 mesh, {budget / 2**20:.2f} MiB per rank "
-          f"(a fully replicated copy would not fit)\n")
+    print(f"\n== Part 2: the GPT example built on the meta device, trained in shards on Cluster.local(4) as a 2×2 "
+          f"mesh, {budget / 2**20:.2f} MiB per rank (a fully replicated copy would not fit)\n")
     results = autopar.launch(train_on_local_cluster, 4, budget)
-    rows, summary, code = results[0]
+    rows, summary, code, _ = results[0]
     print(summary)
     print("\nrank 0's generated code (first lines):\n" + "\n".join(code.splitlines()[38:52]) + "\n    ...")
     print(f"\n{'step':>4}  {'autopar (4 ranks)':>18}  {'single device':>14}  {'rel. error':>10}")
@@ -82,6 +97,8 @@ def main() -> int:
         err = abs(loss - ref) / abs(ref)
         worst = max(worst, err)
         print(f"{step:>4}  {loss:>18.6f}  {ref:>14.6f}  {err:>10.1e}")
+    shares = ", ".join(f"rank {r}: {held / whole:.0%}" for r, (*_, (held, whole)) in enumerate(results))
+    print(f"\nparameter bytes each rank holds, as a share of the whole model's: {shares}")
     same = all(r[0] == results[0][0] for r in results)
     print(f"\nlosses identical on all 4 ranks: {same}; largest relative error vs one device: {worst:.1e}")
     return 0 if worst <= 1e-5 and same else 1

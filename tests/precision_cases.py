@@ -31,11 +31,12 @@ from tests.parity import rel
 LR, EPS, STEPS = 1e-3, 1e-6, 3
 BUCKET_BYTES = 20000  # several buckets even for the small test models, so overlap is visible
 PIPE = [{"layers": [0, 0], "submesh": [1, 2]}, {"layers": [1, 1], "submesh": [1, 2]}]
-DP_PINS = {"gpt": ("idx", "targets"), "llama": ("input_ids", "labels"), "zoo_llama": ("input_ids", "labels")}
+# Input nodes take forward's argument names: the zoo wrapper's forward(*inputs) gives inputs_0, inputs_1.
+DP_PINS = {"gpt": ("idx", "targets"), "llama": ("input_ids", "labels"), "zoo_llama": ("inputs_0", "inputs_1")}
 # Megatron's layout on mesh axis 1 (column-parallel q/k/v/gate/up, row-parallel o/down), batch over axis 0
 TP_PINS = {"zoo_llama": {**{f"p_*_{w}_proj_weight": "RS(0)" for w in ("q", "k", "v", "gate", "up")},
                          "p_*_o_proj_weight": "RS(1)", "p_*_down_proj_weight": "RS(1)",
-                         "input_ids": "S(0)R", "labels": "S(0)R"}}
+                         "inputs_0": "S(0)R", "inputs_1": "S(0)R"}}
 
 
 def options(model_name: str, layout: str) -> dict:

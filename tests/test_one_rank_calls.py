@@ -22,6 +22,7 @@ def save_on_rank_0_only(rank: int, path: str) -> int:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two launches of their own (about a minute): opt-in, with the other slow checks
 def test_a_save_called_on_one_rank_names_the_call_and_the_rank_that_skipped_it(tmp_path):
     with pytest.raises(CommunicationError) as err:
         autopar.launch(save_on_rank_0_only, 2, str(tmp_path / "ckpt"), timeout=10)
@@ -37,6 +38,7 @@ def returns_a_module(rank: int) -> torch.nn.Module:
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # two launches of their own (about a minute): opt-in, with the other slow checks
 def test_returning_a_module_from_launch_says_return_plain_data():
     with pytest.raises(UsageError, match=r"returned a Linear, which cannot leave its process.*full_state_dict\(\)"):
         autopar.launch(returns_a_module, 1, timeout=30)
