@@ -56,8 +56,6 @@ def train_on_local_cluster(rank: int, budget: float):
     reference = autopar.init_weights(copy.deepcopy(model), init_seed=0)  # the one-device reference
     cluster = autopar.Cluster.local(4, mesh_shape=(2, 2), memory_per_device=budget)
     pm = autopar.compile(model, cluster, batch, stages=1, init_seed=0)  # this rank's shards only
-    held = sum(p.numel() * p.element_size() for p in pm.parameters())
-    whole = sum(p.numel() * p.element_size() for p in reference.parameters())
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-3, eps=1e-6)  # any plan, ZeRO included
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
     rows = []
@@ -70,8 +68,7 @@ def train_on_local_cluster(rank: int, budget: float):
         ref_opt.step()
         ref_opt.zero_grad()
         rows.append((step, loss.item(), ref_loss.item()))
-    return rows, (pm.plan.summary(max_rows=40) if rank == 0 else None), (pm.code if rank == 0 else None), \
-        (held, whole)
+    return rows, (pm.plan.summary(max_rows=40) if rank == 0 else None), (pm.code if rank == 0 else None)
 
 
 def tight_budget() -> float:
@@ -88,7 +85,7 @@ def main() -> int:
     print(f"\n== Part 2: the GPT example built on the meta device, trained in shards on Cluster.local(4) as a 2×2 "
           f"mesh, {budget / 2**20:.2f} MiB per rank (a fully replicated copy would not fit)\n")
     results = autopar.launch(train_on_local_cluster, 4, budget)
-    rows, summary, code, _ = results[0]
+    rows, summary, code = results[0]
     print(summary)
     print("\nrank 0's generated code (first lines):\n" + "\n".join(code.splitlines()[38:52]) + "\n    ...")
     print(f"\n{'step':>4}  {'autopar (4 ranks)':>18}  {'single device':>14}  {'rel. error':>10}")
@@ -97,8 +94,6 @@ def main() -> int:
         err = abs(loss - ref) / abs(ref)
         worst = max(worst, err)
         print(f"{step:>4}  {loss:>18.6f}  {ref:>14.6f}  {err:>10.1e}")
-    shares = ", ".join(f"rank {r}: {held / whole:.0%}" for r, (*_, (held, whole)) in enumerate(results))
-    print(f"\nparameter bytes each rank holds, as a share of the whole model's: {shares}")
     same = all(r[0] == results[0][0] for r in results)
     print(f"\nlosses identical on all 4 ranks: {same}; largest relative error vs one device: {worst:.1e}")
     return 0 if worst <= 1e-5 and same else 1
