@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The two commands a new user needs (each installs what it needs into .venv first):
-#   ./run.sh demo     plan a GPT for 2×8 DGX-A100, then train the GPT example on 4 local CPU ranks
+#   ./run.sh demo     plan a GPT for 2×8 DGX-A100, then train a GPT built on the meta device in shards on 4 CPU ranks
 #   ./run.sh test     the test suite, slow tier left out (extra arguments go to pytest; see run_tests)
 #   ./run.sh test --slow    the opt-in slow tier alone (.ci/run runs it after the suite)
 # and, for maintainers: ./run.sh bench <script> [args]   runs benchmarks/<suite>/<script>.py
