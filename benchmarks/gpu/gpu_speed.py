@@ -223,8 +223,7 @@ def speed_rank(rank: int, device: str, tiny: bool, modes: list[str], out: str) -
                 row["tokens_per_s"] = seq * batch / row["step_s"]
                 row["mfu"] = flops / row["step_s"] / peak_flops(device)
             except Exception as e:  # recorded; the next case runs
-                row["error"] = f"{type(e).__name__}: {e}"[:1500]
-                row["traceback"] = traceback.format_exc()[-2500:]
+                _record_failure(row, e)
             rows.append(row)
             print(_line(row), flush=True)
             model = data = None
@@ -245,8 +244,7 @@ def long_rank(rank: int, device: str, tiny: bool, out: str, seqs: tuple = LONG_S
                 row.update(autopar_row(model, data, device, False, 2, 2 if tiny else 5, recompute=recompute))
                 row["tokens_per_s"] = seq / row["step_s"]
             except Exception as e:
-                row["error"] = f"{type(e).__name__}: {e}"[:1500]
-                row["traceback"] = traceback.format_exc()[-2500:]
+                _record_failure(row, e)
             rows.append(row)
             print(_line(row), flush=True)
             model = data = None
@@ -274,10 +272,15 @@ def scale_rank(rank: int, device: str, tiny: bool, seq: int, batch: int, out: st
                                offload="auto"))
         row["tokens_per_s"] = seq * batch / row["step_s"]
     except Exception as e:
-        row["error"] = f"{type(e).__name__}: {e}"[:1500]
-        row["traceback"] = traceback.format_exc()[-2500:]
+        _record_failure(row, e)
     print(_line(row), flush=True)
     return [row]
+
+
+def _record_failure(row: dict, error: Exception) -> None:
+    """A case that raised: its error and the traceback's end go into its row, and the next case runs."""
+    row["error"] = f"{type(error).__name__}: {error}"[:1500]
+    row["traceback"] = traceback.format_exc()[-2500:]
 
 
 def _line(row: dict) -> str:
