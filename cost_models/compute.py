@@ -56,6 +56,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.cost_models.experts import MOE_OP, moe_flops
 from autopar.ir.ops import is_free_view, node_signature
 from autopar.placement import local_shape
 
@@ -94,20 +95,11 @@ def _grouped_mm_flops(node: fx.Node) -> tuple[float, float]:
     return 2.0 * s * k * n, 4.0 * s * k * n
 
 
-def _moe_experts_flops(node: fx.Node) -> tuple[float, float]:
-    """The MoE experts op (``ir/moe_op.py``): T·k assignments, each through one expert's two matmuls,
-    2·(in·out) FLOPs per row and matmul forward, twice that backward (dropped assignments counted: a bound)."""
-    tokens, k = node.args[1].meta["val"].shape
-    w_in, w_out = (node.args[i].meta["val"].shape for i in (3, 4))
-    per_row = 2.0 * (w_in[1] * w_in[2] + w_out[1] * w_out[2])
-    return tokens * k * per_row, 2 * tokens * k * per_row
-
-
 # Ops by qualified name whose FLOPs flop_counter misses (a custom op registered only once its library is
-# imported; aten._grouped_mm, which it counts as zero): FLOPs by formula.
+# imported; aten._grouped_mm, which it counts as zero; autopar's MoE experts op, whose fake kernel it
+# sees): FLOPs by formula.
 NAMED_FLOPS = {"transformers.grouped_mm_fallback.default": _grouped_mm_flops,
-               "aten._grouped_mm.default": _grouped_mm_flops,
-               "autopar.moe_experts.default": _moe_experts_flops}
+               "aten._grouped_mm.default": _grouped_mm_flops, MOE_OP: moe_flops}
 
 
 def _measure_flops(node: fx.Node) -> tuple[float, float]:
