@@ -44,9 +44,10 @@ from typing import Sequence
 import torch.fx as fx
 
 from autopar.errors import OptionError
+from autopar.ir.moe_op import OP_NAME
 from autopar.placement import local_shape
 
-MOE_OP = "autopar.moe_experts.default"  # str(node.target) of the op in a captured graph (``ir/moe_op.py``)
+MOE_OP = OP_NAME  # str(node.target) of the op in a captured graph
 EXPERT_SPLIT_KERNELS = ("expert_all_to_all", "local_experts_op")
 DISPATCHES_PER_STEP = 4  # dispatch + combine forward, and their gradients backward
 RECOMPUTE = 4.0 / 3.0  # the op run whole recomputes its forward in backward: 1 + 1 + 2 forwards, not 1 + 2
