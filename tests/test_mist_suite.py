@@ -105,3 +105,24 @@ def test_a_long_context_point_is_written_and_summarised(tmp_path, monkeypatch):
     assert "at 1 of the 1 points where no hand layout without CP fits" in long_context.summary([no_cp])
     assert "at 0 of the 1 points where no hand layout without CP fits" in long_context.summary(
         [dict(no_cp, auto_step=None)]), "a point without an autopar plan is counted as such"
+
+
+def test_megatrons_layout_on_the_llama_style_models_by_their_names(monkeypatch):
+    """A Llama-style Mist model (HF Llama at a GPT-suite entry's shape) takes Megatron's tensor-parallel layout
+    by Llama's names: column-parallel q and gate, row-parallel o and down on the tp axis, the batch over dp."""
+    from autopar.baselines.hand_search import capture_once
+    from autopar.baselines.megatron_configs import LLAMA_NAMES, MegatronConfig, score_config
+
+    monkeypatch.setitem(gpt.GPT_SUITE, "tiny", (64, 2, 4))
+    work = vs_megatron.llama_workload("tiny", 64, 8)
+    assert work.model.lm.config.intermediate_size == 256 and work.flops > 0
+    graph, recapture = capture_once(work.model, work.batch, "bf16")
+    cluster = autopar.Cluster.preset("l4", gpus=4)
+    scored = score_config(graph, cluster, MegatronConfig(dp=2, tp=2, pp=1, microbatches=1, precision="bf16"), 2,
+                          recapture, names=LLAMA_NAMES)
+    specs = {name: s.out for name, s in scored.plan.stages[0].shardings.items()}
+    expect = {"q_proj": "RS(0)", "gate_proj": "RS(0)", "o_proj": "RS(1)", "down_proj": "RS(1)", "norm": "RR"}
+    for part, spec in expect.items():
+        names = [n for n in specs if n.startswith("p_") and n.endswith(f"{part}_weight")]
+        assert names and {specs[n] for n in names} == {spec}, (part, {n: specs[n] for n in names})
+    assert specs["input_ids"] == "S(0)R"

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from autopar.baselines.megatron_configs import TP_WEIGHT_SPECS  # noqa: E402
+from autopar.baselines.megatron_configs import LLAMA_TP_SPECS, TP_WEIGHT_SPECS  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
 from benchmarks.vs_hand.vs_megatron_report import RESULTS, machine_line  # noqa: E402
 
@@ -50,12 +50,6 @@ MODELS = {"llama3-8b": ("llama", LLAMA3_8B),
           "gpt-8b": ("gpt", dict(vocab_size=128256, n_layer=32, n_head=32, n_embd=4096)),
           "small": ("gpt", dict(vocab_size=1024, n_layer=2, n_head=8, n_embd=256))}
 DEFAULT_POINTS = ["32768:8", "131072:8", "32768:64", "131072:64"]
-# HF Llama's tensor-parallel weight specs on the m axis (torchtitan's plan: colwise q/k/v/gate/up, rowwise o/down,
-# rowwise (vocabulary) embedding, colwise output); norms replicated.
-LLAMA_TP_SPECS = {"p_*_self_attn_[qkv]_proj_weight": "S(0)", "p_*_mlp_gate_proj_weight": "S(0)",
-                  "p_*_mlp_up_proj_weight": "S(0)", "p_*_self_attn_o_proj_weight": "S(1)",
-                  "p_*_mlp_down_proj_weight": "S(1)", "p_*_embed_tokens_weight": "S(0)",
-                  "p_*lm_head_weight": "S(0)", "p_*norm_weight": "R"}
 INPUTS = {"llama": ("input_ids", "labels"), "gpt": ("idx", "targets")}
 WIDTHS = (2, 4, 8)
 

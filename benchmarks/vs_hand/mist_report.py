@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
+FAMILIES = {"mist": "GPT-3", "mistllama": "Llama-style"}
 GOALS = {"mist": {"geomean": 1.28, "min": 1.00}, "full": {"geomean": 1.10, "min": 1.00}}
 
 
@@ -47,9 +48,15 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+def point_order(point: str) -> tuple:
+    """GPT-3 before Llama-style, L4 before A100, then by GPUs."""
+    family, _, gpus, cluster = point.split(":")
+    return family, cluster != "l4", int(gpus)
+
+
 def scores(mist: dict[str, dict], full: dict[str, dict]) -> dict:
     """Per-grid ratios, the means the goals name, and whether each goal is met."""
-    points = sorted(set(mist) | set(full), key=lambda p: (p.split(":")[3] != "l4", int(p.split(":")[2])))
+    points = sorted(set(mist) | set(full), key=point_order)
     mist_r = {p: ratio(mist.get(p)) for p in points}
     full_r = {p: ratio(full.get(p)) for p in points}
     binds = [p for p in points if full.get(p, {}).get("memory_binds")]
@@ -76,10 +83,11 @@ def rows(mist: dict, full: dict, s: dict) -> list[list]:
     out = []
     for p in s["points"]:
         m, f = mist.get(p, {}), full.get(p, {})
-        _, name, gpus, cluster = p.split(":")
+        family, name, gpus, cluster = p.split(":")
         fmt = lambda r: f"{r:.3f}" if r is not None else "n/a"  # noqa: E731
         ceiling = f"{f['ceiling']:.3f}" if f.get("ceiling") is not None else "n/a"
-        out.append([f"GPT-3 {name}", gpus, cluster, (f or m).get("auto_plan", "n/a"), m.get("hand", "not run"),
+        out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, (f or m).get("auto_plan", "n/a"),
+                    m.get("hand", "not run"),
                     fmt(s["mist"][p]), f.get("hand", "not run"), fmt(s["full"][p]),
                     "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
     return out
