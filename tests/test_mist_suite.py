@@ -102,9 +102,11 @@ def test_a_long_context_point_is_written_and_summarised(tmp_path, monkeypatch):
     text = (tmp_path / "lc.md").read_text()
     assert "autopar plans at 1 of the 1 points where a hand layout fits" in text
     no_cp = dict(row, hand={k: (v if k.startswith("cp") else None) for k, v in row["hand"].items()})
-    assert "at 1 of the 1 points where no hand layout without CP fits" in long_context.summary([no_cp])
-    assert "at 0 of the 1 points where no hand layout without CP fits" in long_context.summary(
+    assert "at 1 of the 1 points where only context-parallel hand layouts fit" in long_context.summary([no_cp])
+    assert "at 0 of the 1 points where only context-parallel hand layouts fit" in long_context.summary(
         [dict(no_cp, auto_step=None)]), "a point without an autopar plan is counted as such"
+    nothing = dict(row, hand={k: None for k in row["hand"]}, best=None, hand_step=None)
+    assert "at 1 of the 1 points where no hand layout fits" in long_context.summary([nothing])
 
 
 def test_megatrons_layout_on_the_llama_style_models_by_their_names(monkeypatch):
