@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.compute import cast_time, compute_time, local_bytes
+from autopar.cost_models.experts import dispatch_seconds, with_expert_load
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
@@ -310,7 +311,9 @@ class GroupBuilder:
     def _node_time_of(self, node: fx.Node, view: OpView, strat: Strategy) -> tuple[float, float]:
         env = self.env
         grad = node.name in self.requires_grad
-        t = compute_time(node, strat, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
+        routing = env.training.expert_routing
+        loaded = with_expert_load(view, strat, env.mesh_shape, routing)  # the busiest expert shard bounds the op
+        t = compute_time(node, loaded, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
         t += cast_time(self.casts.get(node.name, ()), view.in_vals, strat.in_specs, env.mesh_shape, env.cluster, grad)
         comm = sum(self._kernel_comm(view, axis, tag, strat) for axis, tag in strat.kernels)
         return env.microbatches * (t + comm), env.microbatches * comm
@@ -324,6 +327,8 @@ class GroupBuilder:
         if tag == "causal_context":  # zig-zag balance: half a local query block out and back, forward and backward
             half = local_bytes(view.in_vals[0], strat.in_specs[0], self.env.mesh_shape) / 2
             return 4 * link.time("send", half)
+        if tag == "expert_all_to_all":  # token rows to their experts' devices and back (cost_models.experts)
+            return dispatch_seconds(view, axis, strat, self.env.mesh_shape, link, self.env.training.expert_routing)
         return 0.0
 
     def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:
