@@ -23,12 +23,13 @@ from tests.models import FACTORIES
 
 A2A = [("zoo_mixtral", (1, 2), "a2a", None), ("zoo_qwen2_moe", (1, 2), "a2a", None), ("olmoe", (1, 2), "a2a", None),
        ("moe_example", (1, 2), "a2a", None), ("moe_example", (1, 2), "gather", None)]
+OTHER_SPLITS = [("moe_example", (1, 2), "etp", None), ("moe_example", (1, 2), "tokens", None)]
 NEGATIVE = [("zoo_mixtral", (1, 2), "a2a", "unpermute"), ("moe_example", (1, 2), "a2a", "regroup")]
 KERNEL = [("dispatch", (1, 2), "skewed", None), ("dispatch", (1, 2), "capacity", None)]
 FOUR = [("moe_example", (2, 2), "a2a", None), ("zoo_mixtral", (1, 4), "a2a", None),
         ("zoo_qwen2_moe", (1, 4), "pp2x2a2a-1f1b", None), ("dispatch", (1, 4), "skewed", None)]
 NEGATIVE_FOUR = [("moe_example", (2, 2), "a2a", "unpermute")]
-CASES = {2: A2A + NEGATIVE + KERNEL, 4: FOUR + NEGATIVE_FOUR}
+CASES = {2: A2A + OTHER_SPLITS + NEGATIVE + KERNEL, 4: FOUR + NEGATIVE_FOUR}
 PARITY_CASES, PARITY_TIMEOUT = CASES, 900  # launched with the other parity suites' (conftest.parity_runs)
 
 
@@ -53,6 +54,17 @@ def test_expert_parallel_moe_matches_single_device(results, case):
     assert r["keys_match"] and r["shapes_match"] and r["ranks_agree"]
     if case[2].startswith("pp"):
         assert len(r["stages"]) == 2, r["stages"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", OTHER_SPLITS, ids=_id)
+def test_moe_op_split_inside_experts_or_by_tokens_matches_single_device(results, case):
+    """Expert tensor parallelism (the op on hidden-dim shards, out Partial) and the tokens split (the op on
+    each rank's tokens, whole experts): the op itself runs on local shards, no dispatch kernel."""
+    r = results[case][0]
+    assert not {"expert_all_to_all", "local_experts_op"} & set(r["kernels"]), r["kernels"]
+    assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-4, r
+    assert r["ranks_agree"]
 
 
 @pytest.mark.distributed
