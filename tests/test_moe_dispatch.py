@@ -127,3 +127,35 @@ def test_moe_experts_bad_input_is_one_clear_error(bad):
         w_out = torch.randn(2, 5, 4)
     with pytest.raises(UsageError, match="moe_experts"):
         moe_experts(x, index, w, w_in, w_out, **{"activation": "relu", **kwargs})
+
+
+def test_experts_the_op_cannot_express_keep_transformers_path():
+    """An activation outside the op's list (tanh) leaves the experts on grouped_mm; a meta-device model
+    captures through the op's fake kernel."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.zoo_models import _DECODER, _MOE, HFLoss
+
+    cfg = dict(_DECODER, num_key_value_heads=2, use_cache=False, **_MOE)
+    model = HFLoss(MixtralForCausalLM(MixtralConfig(**cfg, hidden_act="tanh")), ("input_ids", "labels"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    targets = {str(n.target) for n in capture(model, (ids, ids)).gm.graph.nodes}
+    assert "autopar.moe_experts.default" not in targets and any("grouped_mm" in t for t in targets)
+    with torch.device("meta"):
+        meta = HFLoss(MixtralForCausalLM(MixtralConfig(**cfg)), ("input_ids", "labels"))
+    meta_ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    targets = [str(n.target) for n in capture(meta, (meta_ids, meta_ids)).gm.graph.nodes]
+    assert targets.count("autopar.moe_experts.default") == 2
+
+
+def test_the_example_parity_model_drops_tokens_at_capacity():
+    """The parity cases' GShard example really exercises the capacity factor: some assignments overflow."""
+    model, batch = FACTORIES["moe_example"]()
+    layer = model.blocks[1].ffn
+    seen = []
+    layer.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    model(*batch)
+    tokens = seen[0].reshape(-1, seen[0].shape[-1])
+    index = (tokens @ layer.gate).softmax(-1).topk(2, dim=-1).indices
+    keep = capacity_keep(index, layer.cfg.n_expert, layer.cfg.capacity_factor, layer.cfg.group_size)
+    assert 0 < int((~keep).sum()) < keep.numel() // 2
