@@ -37,13 +37,15 @@ Alpa train) and both sides plan under that mixed-precision policy; without it GP
 whole (weights, gradients and optimizer state in fp16: the memory of neither real system).
 
 --suite mist: the hardware and shapes of Mist's evaluation (Zhu et al., EuroSys'25): GPT-3-shaped models (the
-sizes of Alpa's suite nearest Mist's 1.3B-22B; Mist's Llama-style models are not in this suite) on "l4" (24 GB,
-sequence 2048) and "a100-40gb" (sequence 4096), 2-32 GPUs, global batch 16 per GPU, bf16 mixed precision;
+sizes of Alpa's suite nearest Mist's 1.3B-22B) and Llama-style ones (family "mistllama": HF LlamaForCausalLM at
+those sizes, ``llama_workload``; Megatron's layout by Llama's names, ``megatron_configs.LLAMA_NAMES``) on "l4"
+(24 GB, sequence 2048) and "a100-40gb" (sequence 4096), 2-32 GPUs, global batch 16 per GPU, bf16 mixed precision;
 autopar plans with ``offload="auto"``. ``--grid mist`` (the default there) scores Mist's Megatron baseline
 (``megatron_configs.mist_grid``: full recompute, distributed optimizer, powers of two, micro-batch 1/2/4);
 ``--grid full`` the repository's grid. Megatron's sequence parallelism needs no grid entry: the activations of
 every hand layout are placed by the ILP, which may split the residual stream over the sequence between
 tensor-parallel blocks (tests/test_context_parallel.py pins and checks that layout).
+``benchmarks/vs_hand/mist_report.py`` puts the sweeps of both grids in one table, scored against the issue's goals.
 
 --local: see ``benchmarks/vs_megatron_local.py``. Both modes print a markdown table, write it with a PNG
 chart under benchmarks/results/, and end with the line "min speedup vs hand: X".
@@ -75,7 +77,9 @@ GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024}
 MIST_SEQ = {"l4": 2048, "a100-40gb": 4096}
 MIST_BATCH_PER_GPU = 16
 MIST_POINTS = [f"mist:{n}:{g}:l4" for n, g in [("1.3B", 2), ("2.6B", 4), ("6.7B", 8), ("15B", 16)]] + \
-    [f"mist:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32)]]
+    [f"mist:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32)]] + \
+    [f"mistllama:{n}:{g}:l4" for n, g in [("1.3B", 2), ("2.6B", 4), ("6.7B", 8)]] + \
+    [f"mistllama:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8)]]
 
 
 @dataclasses.dataclass
@@ -93,6 +97,8 @@ def build_workload(family: str, name: str, precision: str | None = None, preset:
     """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring).
     Family "mist": ``preset`` and ``gpus`` give the sequence and the global batch (``MIST_SEQ``)."""
     cast = (lambda m: m.half()) if precision is None else (lambda m: m)
+    if family == "mistllama":
+        return llama_workload(name, MIST_SEQ[preset], MIST_BATCH_PER_GPU * gpus)
     if family == "mist":
         from examples.gpt import GPT, make_batch, suite_config
 
@@ -129,6 +135,26 @@ def build_workload(family: str, name: str, precision: str | None = None, preset:
     return Workload(family, name, model, batch, graph_flops(model, batch))
 
 
+def llama_workload(name: str, seq: int, batch_size: int) -> Workload:
+    """A Llama-style model (HF ``LlamaForCausalLM``: RMSNorm, rotary positions, SwiGLU MLP of 8h/3 rounded up to a
+    multiple of 256, no biases, vocabulary 32000, as Llama 2) at the hidden size, depth and heads of Alpa's GPT
+    suite entry ``name``; FLOPs counted on its graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from examples.gpt import GPT_SUITE
+    from examples.hf_causal_lm import CausalLMLoss
+
+    hidden, layers, heads = GPT_SUITE[name]
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=-(-8 * hidden // 3 // 256) * 256,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      max_position_embeddings=seq, use_cache=False, attention_dropout=0.0)
+    with torch.device("meta"):
+        model = CausalLMLoss(LlamaForCausalLM(cfg))
+    ids = torch.zeros(batch_size, seq, dtype=torch.long, device="meta")
+    batch = (ids, ids.clone())
+    return Workload("mistllama", name, model, batch, graph_flops(model, batch))
+
+
 def graph_flops(model, batch) -> float:
     """Forward + backward FLOPs of every op of the captured graph (torch.utils.flop_counter's count)."""
     from autopar.cost_models.compute import node_flops
@@ -142,6 +168,11 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
     """The family's hand grid searched (best that fits, every config scored, best with memory ignored);
     ``grid``: "full" or "mist" for GPT (``megatron_configs.best_megatron``)."""
     common = dict(log=log, precision=precision, time_limit=time_limit)
+    if work.family == "mistllama":
+        cfg = work.model.lm.config
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.num_hidden_layers,
+                                              cfg.num_attention_heads, grid=grid, names=megatron_configs.LLAMA_NAMES,
+                                              **common)
     if work.family in ("gpt", "sc21", "mist"):
         cfg = work.model.cfg
         return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, grid=grid,
@@ -225,7 +256,8 @@ HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "auto
 def table_row(row: dict) -> list:
     r = ratio(row)
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
-    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)"}[
+    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)",
+             "mistllama": "Llama-style (Mist)"}[
         row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
