@@ -219,7 +219,11 @@ def write(name: str, header: str, rows: list[dict]) -> str:
     return path
 
 
-NOTES = ("Hand layouts (one stage, full activation checkpointing, FSDP = ZeRO-3 over the axes a weight is replicated "
+NOTES = ("Models: llama3-8b is HF LlamaForCausalLM at Llama-3.1-8B's config as torch.export captures it (HF "
+         "materializes an S × S causal mask under export: 16 GiB of booleans at 128K, replicated unless the sequence "
+         "is split); llama3-8b-causal the same model on HF's mask-free SDPA path (is_causal, grouped key/value heads), "
+         "as HF's eager path and torchtitan run it; gpt-8b the GPT example at that shape (no GQA or SwiGLU). "
+         "Hand layouts (one stage, full activation checkpointing, FSDP = ZeRO-3 over the axes a weight is replicated "
          "on): fsdpN = FSDP alone; tpM·fsdpN = tensor parallel on M devices of a node; cpM·fsdpN = context parallel "
          "(tokens and attention split over the sequence) on M devices. Scored by autopar's cost model; autopar plans "
          "with default options (its search includes the sequence split). See benchmarks/vs_hand/long_context.py.")
@@ -239,8 +243,12 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     parser.add_argument("--name", default="long_context", help="results: benchmarks/results/NAME.{md,json}")
     parser.add_argument("--merge", action="store_true", help="keep the saved rows of other points")
+    parser.add_argument("--render", action="store_true", help="re-write NAME.md from NAME.json, planning nothing")
     args = parser.parse_args(argv)
     header = machine_line(f"Long context, simulated ({args.model}, dgx-h100, bf16; autopar's cost model)")
+    if args.render:
+        print(f"wrote {write(args.name, header.replace('simulated', 'simulated, re-rendered'), saved(args.name))}")
+        return 0
     rows = saved(args.name) if args.merge else []
     for point in args.points:
         row = run_point(point, args.model, lambda line: print(line, file=sys.stderr, flush=True))
