@@ -82,13 +82,20 @@ def _plan(kind: str, dp: int, m: int, family_model: str = "llama-small"):
     return autopar.plan(model, cluster, batch, **long_context.hand_options(kind, dp, family))
 
 
+@pytest.mark.parametrize("model", ["llama-small", "llama-small-causal"])
 @pytest.mark.parametrize("kind,splits", [("cp", True), ("tp", False), ("fsdp", False)])
-def test_each_long_context_hand_layout_is_what_its_name_says(kind, splits):
+def test_each_long_context_hand_layout_is_what_its_name_says(kind, splits, model):
+    """On HF Llama as exported (materialized mask) and on its mask-free path (is_causal, grouped heads): CP splits
+    attention over the sequence (the mask-free one with the causal kernel), TP over heads, FSDP over the batch."""
     dp, m = (4, 1) if kind == "fsdp" else (2, 2)
-    plan = _plan(kind, dp, m)
+    plan = _plan(kind, dp, m, model)
     assert long_context.uses_context_parallel(plan) == splits
     sharded = [s.out for name, s in plan.stages[0].shardings.items() if name.endswith("_q_proj_weight")]
     assert sharded and all(out == ("RS(0)" if kind == "tp" else "RR") for out in sharded), sharded
+    attention = [s for name, s in plan.stages[0].shardings.items() if name.startswith("scaled_dot_product")]
+    if model.endswith("causal"):
+        assert {s.out for s in attention} == {{"cp": "S(0)S(2)", "tp": "S(0)S(1)", "fsdp": "S(0)R"}[kind]}
+        assert all(((1, "causal_context") in s.kernels) == (kind == "cp") for s in attention)
 
 
 def test_a_long_context_point_is_written_and_summarised(tmp_path, monkeypatch):
