@@ -26,8 +26,14 @@ multiplied by W · max_d H_d (1 for uniform routing; ``imbalance``).
 
 FLOPs (flop_counter sees only the op's fake kernel): per assignment the expert MLP multiplies by its two
 weight matrices, forward 2·(|W_in[e]| + |W_out[e]|); backward computes the input and weight gradients, twice
-that (the expert-parallel kernels differentiate the forward they ran). With a capacity factor c a fraction
-min(1, c) of the assignments is kept (balanced routing).
+that. With a capacity factor c a fraction min(1, c) of the assignments is kept (balanced routing).
+
+Backward memory against time: the expert-split kernels differentiate the forward they ran, so they keep per
+assignment row of their experts the row in (H), the first matmul's output (N_in: 2I gated, I plain), the
+activation's output (I) and the expert's output row (H): (2H + N_in + I) · itemsize bytes, on the busiest
+device max_d H_d · T_l·k·(W for all-to-all, 1 for the gathered split) rows (``kernel_saved_bytes``). The
+op run whole (tokens split, experts replicated or split on their hidden dim) keeps only its inputs and
+recomputes its forward in backward: its work is 4 forward-equivalents instead of 3 (``RECOMPUTE``).
 """
 from __future__ import annotations
 
@@ -38,11 +44,13 @@ from typing import Sequence
 import torch.fx as fx
 
 from autopar.errors import OptionError
+from autopar.ir.moe_op import OP_NAME
 from autopar.placement import local_shape
 
-MOE_OP = "autopar.moe_experts.default"  # str(node.target) of the op in a captured graph (``ir/moe_op.py``)
+MOE_OP = OP_NAME  # str(node.target) of the op in a captured graph
 EXPERT_SPLIT_KERNELS = ("expert_all_to_all", "local_experts_op")
 DISPATCHES_PER_STEP = 4  # dispatch + combine forward, and their gradients backward
+RECOMPUTE = 4.0 / 3.0  # the op run whole recomputes its forward in backward: 1 + 1 + 2 forwards, not 1 + 2
 
 
 def is_moe_op(node: fx.Node) -> bool:
@@ -161,14 +169,39 @@ def dispatch_messages(view, strategy, mesh_shape, links, routing) -> list[tuple[
     return out
 
 
-def with_expert_load(view, strategy, mesh_shape, routing):
-    """``strategy`` with its work fraction scaled by ``imbalance`` on the axis that splits the experts (the
-    op under an expert-split kernel); any other node's strategy unchanged."""
-    if not routing or not is_moe_op(view.node):
+def _expert_axis(strategy) -> int | None:
+    return next((axis for axis, tag in strategy.kernels if tag in EXPERT_SPLIT_KERNELS), None)
+
+
+def with_expert_load(view, strategy, mesh_shape, routing, differentiable: bool = True):
+    """``strategy`` with its work fraction scaled for the op (any other node's strategy unchanged): by
+    ``imbalance`` on the axis that splits the experts, or, without an expert split, by ``RECOMPUTE`` when
+    the op is differentiated (module docstring)."""
+    if not is_moe_op(view.node):
         return strategy
-    n_experts = view.in_vals[3].shape[0]
-    scale = 1.0
-    for axis, tag in strategy.kernels:
-        if tag in EXPERT_SPLIT_KERNELS:
-            scale *= imbalance(device_shares(routing, n_experts, mesh_shape[axis]))
+    axis = _expert_axis(strategy)
+    if axis is None:
+        scale = RECOMPUTE if differentiable else 1.0
+    else:
+        scale = imbalance(device_shares(routing, view.in_vals[3].shape[0], mesh_shape[axis])) if routing else 1.0
     return strategy if scale == 1.0 else dataclasses.replace(strategy, work_fraction=strategy.work_fraction * scale)
+
+
+def kernel_saved_bytes(view, strategy, mesh_shape, routing) -> float:
+    """Bytes the expert-split kernels keep for backward on the busiest device (0 for any other node and for
+    the op run whole, which keeps only its inputs): per assignment row its experts computed, the row in,
+    the first matmul's output, the activation's output and the expert's output row (module docstring)."""
+    if not is_moe_op(view.node) or (axis := _expert_axis(strategy)) is None:
+        return 0.0
+    x, index, w_in = view.in_vals[0], view.in_vals[1], view.in_vals[3]
+    ways = mesh_shape[axis]
+    w_in_local, w_out_local = (local_shape(tuple(view.in_vals[i].shape), strategy.in_specs[i], mesh_shape)
+                               for i in (3, 4))
+    transposed = view.node.args[7] if len(view.node.args) > 7 else view.node.kwargs.get("transposed", True)
+    wide = w_in_local[2] if transposed else w_in_local[1]  # [E, in, out] stored transposed, else [E, out, in]
+    inner = w_out_local[1] if transposed else w_out_local[2]
+    hidden = x.shape[1]
+    local_tokens = local_shape(tuple(x.shape), strategy.in_specs[0], mesh_shape)[0]
+    senders = ways if dict(strategy.kernels)[axis] == "expert_all_to_all" else 1
+    rows = local_tokens * index.shape[1] * senders * max(device_shares(routing, w_in.shape[0], ways))
+    return kept_fraction(view.node) * rows * (2 * hidden + wide + inner) * x.element_size()

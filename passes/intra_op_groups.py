@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.compute import cast_time, compute_time, local_bytes
-from autopar.cost_models.experts import dispatch_seconds, with_expert_load
+from autopar.cost_models.experts import dispatch_seconds, kernel_saved_bytes, with_expert_load
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
@@ -312,7 +312,7 @@ class GroupBuilder:
         env = self.env
         grad = node.name in self.requires_grad
         routing = env.training.expert_routing
-        loaded = with_expert_load(view, strat, env.mesh_shape, routing)  # the busiest expert shard bounds the op
+        loaded = with_expert_load(view, strat, env.mesh_shape, routing, grad)  # busiest expert shard, recompute
         t = compute_time(node, loaded, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
         t += cast_time(self.casts.get(node.name, ()), view.in_vals, strat.in_specs, env.mesh_shape, env.cluster, grad)
         comm = sum(self._kernel_comm(view, axis, tag, strat) for axis, tag in strat.kernels)
@@ -371,8 +371,11 @@ class GroupBuilder:
             ways = int(np.prod([size for size, p in zip(self.env.mesh_shape, strat.out_spec) if not p.is_shard()]))
             return self.env.training.param_bytes(name, float(numel), val.dtype, ways), 0.0
         share = self.saved.get(name, 0.0)
-        if not share or name in self.boundary:
+        view = self.views.get(name)
+        kernel = 0.0 if view is None or name in self.env.recomputed else \
+            kernel_saved_bytes(view, strat, self.env.mesh_shape, self.env.training.expert_routing)
+        if (not share and not kernel) or name in self.boundary:
             return 0.0, 0.0
         vals = val if isinstance(val, (tuple, list)) else [val]
         act = share * self.env.inflight * sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in vals)
-        return 0.0, act
+        return 0.0, act + self.env.inflight * kernel

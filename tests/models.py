@@ -95,5 +95,4 @@ def make_small_moe(seed: int = 0, capacity_factor: float | None = 1.0):
 FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "gpt4": lambda: make_small_gpt(n_layer=4), "hf_gpt2": make_hf_gpt2,
              "gpt_long": make_long_gpt, "gpt_long_bidir": lambda: make_long_gpt(causal=False),
              "llama_long": make_long_llama,
-             "olmoe": make_olmoe, "moe_example": make_small_moe, "moe_example_dropless": lambda: make_small_moe(
-                 capacity_factor=None), **{f"zoo_{k}": v for k, v in ZOO.items()}}
+             "olmoe": make_olmoe, "moe_example": make_small_moe, **{f"zoo_{k}": v for k, v in ZOO.items()}}

@@ -130,19 +130,26 @@ def context_parallel_pins(model_name: str, mesh_shape) -> dict[str, str]:
             "p_*": "RR"}
 
 
-EXPERT_SPLITS = {"a2a": "S(0)", "gather": "P"}  # the MoE experts op's output on its experts' axis
+EXPERT_SPLITS = {"a2a": "S(0)", "gather": "P", "etp": "P", "tokens": "S(0)"}  # the experts op's output there
 
 
 def expert_split_pins(layout: str, mesh_shape, model_name: str) -> dict[str, str]:
-    """The MoE experts op split by experts on the last axis of more than one device, dispatching by all-to-all
-    ("a2a": tokens split, out Shard(0)) or by the gathered tokens ("gather": out Partial); another axis of
-    more than one device splits the op's tokens (data parallel). Expert weights: Shard(0) on the experts' axis."""
+    """The MoE experts op split on the last axis of more than one device: by experts, dispatching by
+    all-to-all ("a2a": tokens split, out Shard(0)) or by the gathered tokens ("gather": out Partial); inside
+    each expert ("etp", the GShard example's non-gated experts: hidden dim split, out Partial); or by tokens
+    with the experts replicated ("tokens"). Another axis of more than one device splits the op's tokens
+    (data parallel)."""
     axis = max(a for a, size in enumerate(mesh_shape) if size > 1)
-    experts = "".join("S(0)" if a == axis else "R" for a in range(len(mesh_shape)))
+
+    def on_axis(placement: str) -> str:
+        return "".join(placement if a == axis else "R" for a in range(len(mesh_shape)))
+
     out = "".join(EXPERT_SPLITS[layout] if a == axis else "S(0)" if size > 1 else "R"
                   for a, size in enumerate(mesh_shape))
+    if layout == "etp":
+        return {"p_*ffn_w_in": on_axis("S(2)"), "p_*ffn_w_out": on_axis("S(1)"), "moe_experts*": out}
     weights = "p_*ffn_w_*" if model_name.startswith("moe_example") else "p_*experts_*"
-    return {weights: experts, "moe_experts*": out}
+    return {weights: on_axis("R" if layout == "tokens" else "S(0)"), "moe_experts*": out}
 
 
 def batch_pin_name(model_name: str, i: int) -> str:

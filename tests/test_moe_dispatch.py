@@ -23,12 +23,13 @@ from tests.models import FACTORIES
 
 A2A = [("zoo_mixtral", (1, 2), "a2a", None), ("zoo_qwen2_moe", (1, 2), "a2a", None), ("olmoe", (1, 2), "a2a", None),
        ("moe_example", (1, 2), "a2a", None), ("moe_example", (1, 2), "gather", None)]
+OTHER_SPLITS = [("moe_example", (1, 2), "etp", None), ("moe_example", (1, 2), "tokens", None)]
 NEGATIVE = [("zoo_mixtral", (1, 2), "a2a", "unpermute"), ("moe_example", (1, 2), "a2a", "regroup")]
 KERNEL = [("dispatch", (1, 2), "skewed", None), ("dispatch", (1, 2), "capacity", None)]
 FOUR = [("moe_example", (2, 2), "a2a", None), ("zoo_mixtral", (1, 4), "a2a", None),
         ("zoo_qwen2_moe", (1, 4), "pp2x2a2a-1f1b", None), ("dispatch", (1, 4), "skewed", None)]
 NEGATIVE_FOUR = [("moe_example", (2, 2), "a2a", "unpermute")]
-CASES = {2: A2A + NEGATIVE + KERNEL, 4: FOUR + NEGATIVE_FOUR}
+CASES = {2: A2A + OTHER_SPLITS + NEGATIVE + KERNEL, 4: FOUR + NEGATIVE_FOUR}
 PARITY_CASES, PARITY_TIMEOUT = CASES, 900  # launched with the other parity suites' (conftest.parity_runs)
 
 
@@ -53,6 +54,17 @@ def test_expert_parallel_moe_matches_single_device(results, case):
     assert r["keys_match"] and r["shapes_match"] and r["ranks_agree"]
     if case[2].startswith("pp"):
         assert len(r["stages"]) == 2, r["stages"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", OTHER_SPLITS, ids=_id)
+def test_moe_op_split_inside_experts_or_by_tokens_matches_single_device(results, case):
+    """Expert tensor parallelism (the op on hidden-dim shards, out Partial) and the tokens split (the op on
+    each rank's tokens, whole experts): the op itself runs on local shards, no dispatch kernel."""
+    r = results[case][0]
+    assert not {"expert_all_to_all", "local_experts_op"} & set(r["kernels"]), r["kernels"]
+    assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-4, r
+    assert r["ranks_agree"]
 
 
 @pytest.mark.distributed
@@ -115,3 +127,35 @@ def test_moe_experts_bad_input_is_one_clear_error(bad):
         w_out = torch.randn(2, 5, 4)
     with pytest.raises(UsageError, match="moe_experts"):
         moe_experts(x, index, w, w_in, w_out, **{"activation": "relu", **kwargs})
+
+
+def test_experts_the_op_cannot_express_keep_transformers_path():
+    """An activation outside the op's list (tanh) leaves the experts on grouped_mm; a meta-device model
+    captures through the op's fake kernel."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from tests.zoo_models import _DECODER, _MOE, HFLoss
+
+    cfg = dict(_DECODER, num_key_value_heads=2, use_cache=False, **_MOE)
+    model = HFLoss(MixtralForCausalLM(MixtralConfig(**cfg, hidden_act="tanh")), ("input_ids", "labels"))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    targets = {str(n.target) for n in capture(model, (ids, ids)).gm.graph.nodes}
+    assert "autopar.moe_experts.default" not in targets and any("grouped_mm" in t for t in targets)
+    with torch.device("meta"):
+        meta = HFLoss(MixtralForCausalLM(MixtralConfig(**cfg)), ("input_ids", "labels"))
+    meta_ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    targets = [str(n.target) for n in capture(meta, (meta_ids, meta_ids)).gm.graph.nodes]
+    assert targets.count("autopar.moe_experts.default") == 2
+
+
+def test_the_example_parity_model_drops_tokens_at_capacity():
+    """The parity cases' GShard example really exercises the capacity factor: some assignments overflow."""
+    model, batch = FACTORIES["moe_example"]()
+    layer = model.blocks[1].ffn
+    seen = []
+    layer.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+    model(*batch)
+    tokens = seen[0].reshape(-1, seen[0].shape[-1])
+    index = (tokens @ layer.gate).softmax(-1).topk(2, dim=-1).indices
+    keep = capacity_keep(index, layer.cfg.n_expert, layer.cfg.capacity_factor, layer.cfg.group_size)
+    assert 0 < int((~keep).sum()) < keep.numel() // 2

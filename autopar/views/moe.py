@@ -18,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import html
 
+from autopar.ir.moe_op import OP_NAME
 from autopar.ir.units import fmt_bytes
 
-MOE_OP = "autopar.moe_experts.default"
+MOE_OP = OP_NAME
 DISPATCH = {"expert_all_to_all": "all-to-all", "local_experts_op": "gather"}
 
 
