@@ -74,6 +74,10 @@ class Run:
     model: str = "gpt"
     zero: int = 0
     tokens_per_s: float = 0.0
+    amp: bool = False  # fp32 weights, ops under bf16/fp16 autocast (torch.amp; llm-foundry's amp_bf16)
+    memory_checked: bool = True  # False: planned without the memory bound (calibration.cluster_for)
+    attention_kernel: str = ""  # the run's fused attention where not SDPA's pick (published_schedule)
+    fused_softmax: bool = False  # the run's softmax applies the causal mask in-kernel (published_schedule)
     attention: str = "materialized"  # GPT rows: ``examples.gpt.GPTConfig.attention`` as the run's system ran it
     dropout: float = 0.1
 
@@ -142,6 +146,9 @@ RUNS = [
         grad_sync="after_backward"),
 ]
 
+# Megatron-LM (FusedScaleMaskSoftmax, --masked-softmax-fusion on by default) and Alpa (XLA fusion) apply the
+# causal mask inside the softmax kernel: re-priced by published_schedule ("Fused scale-mask-softmax").
+RUNS = [dataclasses.replace(r, fused_softmax=True) for r in RUNS]
 
 # Llama configurations (Hugging Face ``LlamaConfig`` fields; meta-llama/Llama-3.1-8B's config.json).
 LLAMAS = {"llama3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -184,8 +191,8 @@ RUNS += [
 # tokens/s per GPU. All hold-out rows: a system, a parallelism (pure FSDP, no pipeline or tensor parallel)
 # and a recompute policy (none) that no fitted row has.
 FOUNDRY = "llm-foundry MPT benchmarks (A100 80GB table)"
-MPT = dict(preset=A100, gpus=8, seq=2048, vocab=50368, layout="fsdp", precision="bf16", zero=3, recompute="none",
-           attention="sdpa", dropout=0.0)
+MPT = dict(preset=A100, gpus=8, seq=2048, vocab=50368, layout="fsdp", precision="bf16", amp=True, zero=3,
+           recompute="none", attention="sdpa", attention_kernel="efficient", dropout=0.0, memory_checked=False)
 RUNS += [
     Run(name="foundry 125M@8", source=FOUNDRY, hidden=768, layers=12, heads=12, batch=512, microbatches=2,
         tokens_per_s=141737, tflops=0.4445 * 312, **MPT),
