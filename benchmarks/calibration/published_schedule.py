@@ -94,10 +94,10 @@ def published_prediction(plan, run, graph=None) -> dict:
     captured graph, needed for ``run.recompute == "op_sac"``."""
     if run.grad_sync not in GRAD_SYNCS:
         raise ValueError(f"grad_sync {run.grad_sync!r}: expected one of {GRAD_SYNCS}")
-    fused, kernel = run.fused_softmax, run.attention_kernel
+    fused, kernel = getattr(run, "fused_softmax", False), getattr(run, "attention_kernel", "")
     if run.grad_sync == "overlapped" and run.recompute != "op_sac" and not fused and not kernel:
         return dict(plan.predicted)
-    cluster = Cluster.from_dict(plan.cluster)
+    cluster = Cluster.from_dict(plan.cluster) if fused or kernel else None
     stages = copy.deepcopy(plan.stages)
     share = op_sac_share(graph) if run.recompute == "op_sac" else 1.0
     for s in stages:
