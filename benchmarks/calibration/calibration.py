@@ -19,7 +19,10 @@ ratio = predicted / published throughput (above 1: the model is optimistic); the
 
 The plan's predicted step is then re-priced where the run's system differs from autopar's runtime
 (``published_schedule``: the gradient sync exposed after backward where the run used Megatron's local DDP,
-torchtitan's op-level selective recompute); the table's "predicted" is that step, "planner" the plan's own.
+torchtitan's op-level selective recompute, Megatron's and Alpa's fused scale-mask-softmax, llm-foundry's
+FlashAttention-1-level Triton attention); the table's "predicted" is that step, "planner" the plan's own.
+Rows run under amp (``Run.amp``: fp32 weights, bf16 autocast) are captured in fp32 and relabelled under the
+precision policy, as ``autopar.plan`` does.
 FSDP2's prefetched ZeRO-3 gathers are the plan's own price: autopar's runtime prefetches them too. Pipeline
 sends are the planner's own shard-to-shard transfers, which is Megatron-LM's scatter/gather.
 

@@ -189,7 +189,11 @@ RUNS += [
 # scripts/train/yamls/pretrain/mpt-{125m,350m,760m,1b}.yaml). Planned as ``examples.gpt`` with one fused
 # attention call (its biases and positional table are < 0.5 % of the FLOPs) and compared on the published
 # tokens/s per GPU. All hold-out rows: a system, a parallelism (pure FSDP, no pipeline or tensor parallel)
-# and a recompute policy (none) that no fitted row has.
+# and a recompute policy (none) that no fitted row has. As the runs ran: amp (fp32 weights, bf16 autocast:
+# the loss's log-softmax over the 50k vocabulary in fp32), the attention kernel MPT's Triton FlashAttention
+# with ALiBi (``attn_impl: triton``, the default of llm-foundry's scripts/train/benchmarking/
+# submit_benchmarks.py; re-priced in ``published_schedule``), and the memory bound off (``memory_checked``):
+# autopar's memory model finds no plan for the 350M and 760M layouts under amp (98 GiB per 80 GB GPU).
 FOUNDRY = "llm-foundry MPT benchmarks (A100 80GB table)"
 MPT = dict(preset=A100, gpus=8, seq=2048, vocab=50368, layout="fsdp", precision="bf16", amp=True, zero=3,
            recompute="none", attention="sdpa", attention_kernel="efficient", dropout=0.0, memory_checked=False)
