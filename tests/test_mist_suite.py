@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import autopar
 from autopar.baselines.megatron_configs import mist_grid
@@ -81,13 +82,20 @@ def _plan(kind: str, dp: int, m: int, family_model: str = "llama-small"):
     return autopar.plan(model, cluster, batch, **long_context.hand_options(kind, dp, family))
 
 
+@pytest.mark.parametrize("model", ["llama-small", "llama-small-causal"])
 @pytest.mark.parametrize("kind,splits", [("cp", True), ("tp", False), ("fsdp", False)])
-def test_each_long_context_hand_layout_is_what_its_name_says(kind, splits):
+def test_each_long_context_hand_layout_is_what_its_name_says(kind, splits, model):
+    """On HF Llama as exported (materialized mask) and on its mask-free path (is_causal, grouped heads): CP splits
+    attention over the sequence (the mask-free one with the causal kernel), TP over heads, FSDP over the batch."""
     dp, m = (4, 1) if kind == "fsdp" else (2, 2)
-    plan = _plan(kind, dp, m)
+    plan = _plan(kind, dp, m, model)
     assert long_context.uses_context_parallel(plan) == splits
     sharded = [s.out for name, s in plan.stages[0].shardings.items() if name.endswith("_q_proj_weight")]
     assert sharded and all(out == ("RS(0)" if kind == "tp" else "RR") for out in sharded), sharded
+    attention = [s for name, s in plan.stages[0].shardings.items() if name.startswith("scaled_dot_product")]
+    if model.endswith("causal"):
+        assert {s.out for s in attention} == {{"cp": "S(0)S(2)", "tp": "S(0)S(1)", "fsdp": "S(0)R"}[kind]}
+        assert all(((1, "causal_context") in s.kernels) == (kind == "cp") for s in attention)
 
 
 def test_a_long_context_point_is_written_and_summarised(tmp_path, monkeypatch):
@@ -128,3 +136,30 @@ def test_megatrons_layout_on_the_llama_style_models_by_their_names(monkeypatch):
         names = [n for n in specs if n.startswith("p_") and n.endswith(f"{part}_weight")]
         assert names and {specs[n] for n in names} == {spec}, (part, {n: specs[n] for n in names})
     assert specs["input_ids"] == "S(0)R"
+
+
+class _GroupedAttention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def test_grouped_query_attention_splits_heads_exactly_with_a_negative_control():
+    """SDPA with ``enable_gqa`` (HF Llama's mask-free path): q's 4 heads and k's, v's 2 split over a mesh axis
+    alike (each device keeps whole groups) match the full result's slice on every device of a 2×2 mesh; q split
+    with k and v replicated (groups torn apart) does not."""
+    from torch.distributed.tensor import Shard
+
+    from autopar.passes.strategies.base import Strategy
+    from autopar.placement import R
+    from tests.test_vs_megatron import ops_with_strategies, strategy_is_exact
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(2, 4, 4, 3, generator=gen), torch.randn(2, 2, 4, 3, generator=gen),
+              torch.randn(2, 2, 4, 3, generator=gen))
+    (node,), strategies, full = ops_with_strategies(_GroupedAttention(), inputs,
+                                                    {torch.ops.aten.scaled_dot_product_attention})
+    heads = [s for s in strategies[node.name] if Shard(1) in s.out_spec]
+    assert heads, "a head split is offered"
+    assert all(strategy_is_exact(node, s, full) for s in strategies[node.name])
+    torn = Strategy(((R, Shard(1)), (R, R), (R, R)), (R, Shard(1)))
+    assert not strategy_is_exact(node, torn, full), "the negative control must fail"

@@ -1,13 +1,16 @@
 """Long context: autopar's plan against a torchtitan-style hand grid (FSDP, FSDP × TP, FSDP × CP; checkpointing).
 
     python benchmarks/vs_hand/long_context.py            # HF Llama-3-8B at 32K and 128K on 8 and 64 H100 (dgx-h100)
+    python benchmarks/vs_hand/long_context.py --model llama3-8b-causal --name long_context_causal   # mask-free SDPA
     python benchmarks/vs_hand/long_context.py --points 32768:8 --model gpt-8b --name long_context_gpt
     python benchmarks/vs_hand/long_context.py --points 4096:8 --model llama-small --name lc_check  # quick check
 
 Models: "llama3-8b" is Hugging Face ``LlamaForCausalLM`` at meta-llama/Llama-3.1-8B's config (GQA with 8 key/value
 heads, SwiGLU MLP of 14336, vocabulary 128256, rotary theta 500000), built on the meta device. Its SDPA path
 passes a materialized causal mask (S² booleans: 16 GiB at 128K, as HF allocates it), priced alike on both sides;
-torchtitan's flash attention needs none, so the memory figures are HF's, not torchtitan's. "gpt-8b" is the GPT
+torchtitan's flash attention needs none, so the memory figures are HF's, not torchtitan's. "llama3-8b-causal" is
+the same model on HF's mask-free path (``register_causal_sdpa``: SDPA with ``is_causal`` and grouped key/value
+heads, as HF's eager path and torchtitan run it; its attention splits over heads or the sequence). "gpt-8b" is the GPT
 example at that shape (one fused causal SDPA, no mask, no GQA or SwiGLU). bf16 mixed precision; one sequence per
 data-parallel replica, as torchtitan's long-context runs take.
 
@@ -44,25 +47,28 @@ from benchmarks.vs_hand.vs_megatron_report import RESULTS, machine_line  # noqa:
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
-MODELS = {"llama3-8b": ("llama", LLAMA3_8B),
-          "llama-small": ("llama", dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                        num_attention_heads=8, num_key_value_heads=2)),
+SMALL_LLAMA = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=2)
+MODELS = {"llama3-8b": ("llama", LLAMA3_8B), "llama3-8b-causal": ("llama-causal", LLAMA3_8B),
+          "llama-small": ("llama", SMALL_LLAMA), "llama-small-causal": ("llama-causal", SMALL_LLAMA),
           "gpt-8b": ("gpt", dict(vocab_size=128256, n_layer=32, n_head=32, n_embd=4096)),
           "small": ("gpt", dict(vocab_size=1024, n_layer=2, n_head=8, n_embd=256))}
 DEFAULT_POINTS = ["32768:8", "131072:8", "32768:64", "131072:64"]
-INPUTS = {"llama": ("input_ids", "labels"), "gpt": ("idx", "targets")}
+INPUTS = {"llama": ("input_ids", "labels"), "llama-causal": ("input_ids", "labels"), "gpt": ("idx", "targets")}
+CAUSAL_SDPA = "sdpa_is_causal"  # the HF attention implementation "llama-causal" models run (``register_causal_sdpa``)
 WIDTHS = (2, 4, 8)
 
 
 def workload(model: str, seq: int, batch: int):
     """(model on the meta device, (tokens, labels) on the meta device, family)."""
     family, shape = MODELS[model]
-    if family == "llama":
+    if family.startswith("llama"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         from examples.hf_causal_lm import CausalLMLoss
 
-        cfg = LlamaConfig(**shape, max_position_embeddings=seq, use_cache=False, attention_dropout=0.0)
+        extra = {"attn_implementation": register_causal_sdpa()} if family == "llama-causal" else {}
+        cfg = LlamaConfig(**shape, max_position_embeddings=seq, use_cache=False, attention_dropout=0.0, **extra)
         with torch.device("meta"):
             lm = CausalLMLoss(LlamaForCausalLM(cfg))
         ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -73,6 +79,28 @@ def workload(model: str, seq: int, batch: int):
     with torch.device("meta"):
         gpt = GPT(cfg)
     return gpt, make_batch(cfg, batch, device="meta"), family
+
+
+def register_causal_sdpa() -> str:
+    """Register (once) an HF attention implementation that is SDPA with ``is_causal`` and no mask wherever the
+    inputs carry no padding (no attention_mask) and queries are as long as keys: HF's eager path skips the mask
+    there too, but under torch.export HF always materializes an S × S mask (``masking_utils``: an exported graph
+    would hard-code ``is_causal`` for later lengths, and it cannot read position ids to rule out packed sequences;
+    autopar's capture is fixed-shape, and this benchmark's inputs give no position ids, so nothing is packed).
+    Elsewhere it falls back to HF's own SDPA mask. Returns the implementation's name."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def mask(batch_size, q_length, kv_length, *args, attention_mask=None, local_size=None, **kwargs):
+        if attention_mask is None and local_size is None and q_length == kv_length and not args:
+            return None
+        return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask,
+                         local_size=local_size, **kwargs)
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    AttentionMaskInterface.register(CAUSAL_SDPA, mask)
+    return CAUSAL_SDPA
 
 
 def hand_layouts(gpus: int, per_node: int) -> list[tuple[str, int, int]]:
@@ -92,7 +120,7 @@ def hand_options(kind: str, dp: int, family: str) -> dict:
     if kind == "fsdp":
         pin = {"p_*": "RR", tokens: batch + "R", labels: batch + "R"}
     elif kind == "tp":
-        specs = LLAMA_TP_SPECS if family == "llama" else TP_WEIGHT_SPECS
+        specs = LLAMA_TP_SPECS if family.startswith("llama") else TP_WEIGHT_SPECS
         pin = {glob: "R" + spec for glob, spec in specs.items()}
         pin.update({tokens: batch + "R", labels: batch + "R"})
     else:
@@ -191,7 +219,11 @@ def write(name: str, header: str, rows: list[dict]) -> str:
     return path
 
 
-NOTES = ("Hand layouts (one stage, full activation checkpointing, FSDP = ZeRO-3 over the axes a weight is replicated "
+NOTES = ("Models: llama3-8b is HF LlamaForCausalLM at Llama-3.1-8B's config as torch.export captures it (HF "
+         "materializes an S × S causal mask under export: 16 GiB of booleans at 128K, replicated unless the sequence "
+         "is split); llama3-8b-causal the same model on HF's mask-free SDPA path (is_causal, grouped key/value heads), "
+         "as HF's eager path and torchtitan run it; gpt-8b the GPT example at that shape (no GQA or SwiGLU). "
+         "Hand layouts (one stage, full activation checkpointing, FSDP = ZeRO-3 over the axes a weight is replicated "
          "on): fsdpN = FSDP alone; tpM·fsdpN = tensor parallel on M devices of a node; cpM·fsdpN = context parallel "
          "(tokens and attention split over the sequence) on M devices. Scored by autopar's cost model; autopar plans "
          "with default options (its search includes the sequence split). See benchmarks/vs_hand/long_context.py.")
@@ -211,8 +243,12 @@ def main(argv=None) -> int:
     parser.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     parser.add_argument("--name", default="long_context", help="results: benchmarks/results/NAME.{md,json}")
     parser.add_argument("--merge", action="store_true", help="keep the saved rows of other points")
+    parser.add_argument("--render", action="store_true", help="re-write NAME.md from NAME.json, planning nothing")
     args = parser.parse_args(argv)
     header = machine_line(f"Long context, simulated ({args.model}, dgx-h100, bf16; autopar's cost model)")
+    if args.render:
+        print(f"wrote {write(args.name, header.replace('simulated', 'simulated, re-rendered'), saved(args.name))}")
+        return 0
     rows = saved(args.name) if args.merge else []
     for point in args.points:
         row = run_point(point, args.model, lambda line: print(line, file=sys.stderr, flush=True))
