@@ -56,6 +56,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar.cost_models.experts import MOE_OP, moe_flops
 from autopar.ir.ops import is_free_view, node_signature
 from autopar.placement import local_shape
 
@@ -95,9 +96,10 @@ def _grouped_mm_flops(node: fx.Node) -> tuple[float, float]:
 
 
 # Ops by qualified name whose FLOPs flop_counter misses (a custom op registered only once its library is
-# imported; aten._grouped_mm, which it counts as zero): FLOPs by formula.
+# imported; aten._grouped_mm, which it counts as zero; autopar's MoE experts op, whose fake kernel it
+# sees): FLOPs by formula.
 NAMED_FLOPS = {"transformers.grouped_mm_fallback.default": _grouped_mm_flops,
-               "aten._grouped_mm.default": _grouped_mm_flops}
+               "aten._grouped_mm.default": _grouped_mm_flops, MOE_OP: moe_flops}
 
 
 def _measure_flops(node: fx.Node) -> tuple[float, float]:
