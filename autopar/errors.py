@@ -47,7 +47,10 @@ class PrecisionError(AutoparError):
 
 
 class CommunicationError(RuntimeError):
-    """A collective failed or timed out, typically because another rank died."""
+    """A collective failed or timed out, typically because another rank died; ``dead_ranks`` names the peers
+    found dead or failed (empty when none was found: a peer may be stuck)."""
+
+    dead_ranks: list = []
 
 
 class UsageError(AutoparError):

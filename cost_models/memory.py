@@ -81,6 +81,7 @@ class TrainingSpec:
     bucket_bytes: float = 25 * 2 ** 20       # gradient-sync bucket cap: a ZeRO-3 unit is gathered whole
     host_optimizer: bool = False             # optimizer state and master weights in host memory (ZeRO-Offload)
     host_activations: bool = False           # activations saved for backward kept in host memory (save_on_cpu)
+    expert_routing: tuple[float, ...] | None = None  # MoE: share of assignments per expert (None: uniform)
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATE_BYTES:

@@ -3,19 +3,17 @@
     python examples/moe.py      # builds the tiny config and prints its loss on random tokens
 
 The MoE layer follows GShard (Lepikhin et al. 2021, Algorithm 1) as Alpa's benchmark model does (Zheng et
-al., OSDI'22 §8.1): the tokens are cut into G groups of S tokens; per group a gate [M, E] scores every
-expert; each token goes to its two best experts, each expert taking at most C = ⌈capacity_factor · 2S / E⌉
-tokens per group (later tokens overflow and skip the layer: the residual carries them). Dispatch and combine
-are einsums over one-hot tensors, so nothing is data-dependent in shape:
+al., OSDI'22 §8.1): the tokens are cut into G groups of S tokens; a gate [M, E] scores every expert; each
+token goes to its two best experts (weights: the two gates, normalized), each expert taking at most
+C = ⌈capacity_factor · 2S / E⌉ assignments per group of S tokens, first choices before second ones (later
+ones overflow and skip the layer: the residual carries them). The experts are one call of
+``autopar.moe.moe_experts`` (the op ``autopar::moe_experts``):
 
-    dispatch [G, S, E, C] (0/1), combine [G, S, E, C] (gate weights)
-    expert_in  = einsum("gsec,gsm->egcm", dispatch, tokens)
-    expert_out = relu(expert_in @ w_in[e]) @ w_out[e]           (einsum "egcm,emh->egch", "egch,ehm->egcm")
-    out        = einsum("gsec,egcm->gsm", combine, expert_out)
+    y[t] = Σ_j weight[t, j] · relu(x[t] @ w_in[e_j]) @ w_out[e_j]          (e_j = index[t, j], kept ones)
 
-Sharding the experts (w_in / w_out Shard(0)) with tokens split over groups turns the dispatch into an
-all-to-all from group-sharded to expert-sharded and back: expert parallelism, which the planner finds from
-the einsum rules alone. The auxiliary load-balancing loss (GShard: E · Σ_e mean_s(gate_e) · mean_s(top1_e))
+which the planner splits by experts with all-to-all dispatch (expert parallelism: each token row travels to
+its experts' devices and back), by gathered tokens, by tokens alone, or inside each expert.
+The auxiliary load-balancing loss (GShard: E · Σ_e mean_s(gate_e) · mean_s(top1_e))
 is added to the language-model loss with weight ``aux_weight``.
 
 ``MOE_SUITE`` is Alpa's MoE suite (OSDI'22 Table 4; benchmark/alpa/suite_manual_moe.py): seq 1024, vocab
@@ -30,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.moe import moe_experts
 from examples.gpt import CausalSelfAttention, GPTConfig
 
 
@@ -97,32 +96,21 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, T, M = x.shape
-        tokens = x.reshape(B * T // self.cfg.group_size, self.cfg.group_size, M)
-        gates = torch.einsum("gsm,me->gse", tokens, self.gate).softmax(dim=-1)
-        dispatch, combine, aux = self.route(gates)
-        expert_in = torch.einsum("gsec,gsm->egcm", dispatch, tokens)
-        hidden = F.relu(torch.einsum("egcm,emh->egch", expert_in, self.w_in))
-        expert_out = torch.einsum("egch,ehm->egcm", hidden, self.w_out)
-        return torch.einsum("gsec,egcm->gsm", combine, expert_out).reshape(B, T, M), aux
+        tokens = x.reshape(B * T, M)
+        gates = (tokens @ self.gate).softmax(dim=-1)                          # [B·T, E]
+        top2, index = gates.topk(2, dim=-1)
+        weights = top2 / (top2.sum(dim=-1, keepdim=True) + torch.finfo(gates.dtype).eps)
+        y = moe_experts(tokens, index, weights, self.w_in, self.w_out, activation="relu",
+                        capacity_factor=self.cfg.capacity_factor, group_size=self.cfg.group_size)
+        return y.reshape(B, T, M), self.aux_loss(gates, index[:, 0])
 
-    def route(self, gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(dispatch, combine [G, S, E, C], aux loss) for the top-2 experts of every token (GShard Alg. 1)."""
-        E, C = self.cfg.n_expert, self.cfg.capacity
-        mask1 = F.one_hot(gates.argmax(dim=-1), E)                           # [G, S, E], int64
-        mask2 = F.one_hot((gates * (1 - mask1)).argmax(dim=-1), E)
-        aux = E * (gates.float().mean(dim=1) * mask1.float().mean(dim=1)).sum(dim=-1).mean()
-        pos1 = torch.cumsum(mask1, dim=1) - mask1                            # slot in the expert's buffer
-        mask1 = mask1 * (pos1 < C)
-        pos2 = torch.cumsum(mask2, dim=1) - mask2 + mask1.sum(dim=1, keepdim=True)
-        mask2 = mask2 * (pos2 < C)
-        gate1, gate2 = (gates * mask1).sum(dim=-1), (gates * mask2).sum(dim=-1)  # [G, S]
-        norm = gate1 + gate2 + torch.finfo(gates.dtype).eps
-        slot1 = F.one_hot((pos1 * mask1).sum(dim=-1), C)                      # [G, S, C]
-        slot2 = F.one_hot((pos2 * mask2).sum(dim=-1), C)
-        combine = ((gate1 / norm).unsqueeze(-1).unsqueeze(-1) * mask1.unsqueeze(-1) * slot1.unsqueeze(2)
-                   + (gate2 / norm).unsqueeze(-1).unsqueeze(-1) * mask2.unsqueeze(-1) * slot2.unsqueeze(2))
-        dispatch = (combine > 0).to(gates.dtype)
-        return dispatch, combine.to(gates.dtype), aux
+    def aux_loss(self, gates: torch.Tensor, top1: torch.Tensor) -> torch.Tensor:
+        """GShard's load-balancing loss: E · Σ_e mean over a group(gate_e) · mean over a group(top-1 is e),
+        averaged over the groups."""
+        E, S = self.cfg.n_expert, self.cfg.group_size
+        grouped = gates.float().reshape(-1, S, E)
+        chosen = F.one_hot(top1, E).float().reshape(-1, S, E)
+        return E * (grouped.mean(dim=1) * chosen.mean(dim=1)).sum(dim=-1).mean()
 
 
 class DenseFFN(nn.Module):

@@ -29,6 +29,7 @@ from torch.fx import config as fx_config
 from autopar.errors import CaptureError
 from autopar.ir.graph import ModelGraph, PlaceholderInfo
 from autopar.passes.capture_hops import inline_higher_order_ops
+from autopar.passes.capture_moe import experts_as_op
 
 _ASSERT_OPS = {
     torch.ops.aten._assert_tensor_metadata.default,
@@ -115,7 +116,7 @@ def _export(model: torch.nn.Module, example_inputs: tuple, stack_traces: bool) -
     if recorded is not None:  # torch < 2.13 has no such switch and always records the stacks
         fx_config.do_not_emit_stack_traces = not stack_traces
     try:
-        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet), experts_as_op(model):
             return torch.export.export(model, example_inputs, strict=False)
     except Exception as e:  # torch.export raises many unrelated types; all mean "cannot capture"
         raise CaptureError(_describe_export_failure(model, e)) from None

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cost_models.compute import cast_time, compute_time, local_bytes
+from autopar.cost_models.experts import dispatch_seconds, kernel_saved_bytes, with_expert_load
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
@@ -310,7 +311,9 @@ class GroupBuilder:
     def _node_time_of(self, node: fx.Node, view: OpView, strat: Strategy) -> tuple[float, float]:
         env = self.env
         grad = node.name in self.requires_grad
-        t = compute_time(node, strat, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
+        routing = env.training.expert_routing
+        loaded = with_expert_load(view, strat, env.mesh_shape, routing, grad)  # busiest expert shard, recompute
+        t = compute_time(node, loaded, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
         t += cast_time(self.casts.get(node.name, ()), view.in_vals, strat.in_specs, env.mesh_shape, env.cluster, grad)
         comm = sum(self._kernel_comm(view, axis, tag, strat) for axis, tag in strat.kernels)
         return env.microbatches * (t + comm), env.microbatches * comm
@@ -324,6 +327,8 @@ class GroupBuilder:
         if tag == "causal_context":  # zig-zag balance: half a local query block out and back, forward and backward
             half = local_bytes(view.in_vals[0], strat.in_specs[0], self.env.mesh_shape) / 2
             return 4 * link.time("send", half)
+        if tag == "expert_all_to_all":  # token rows to their experts' devices and back (cost_models.experts)
+            return dispatch_seconds(view, axis, strat, self.env.mesh_shape, link, self.env.training.expert_routing)
         return 0.0
 
     def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:
@@ -366,8 +371,11 @@ class GroupBuilder:
             ways = int(np.prod([size for size, p in zip(self.env.mesh_shape, strat.out_spec) if not p.is_shard()]))
             return self.env.training.param_bytes(name, float(numel), val.dtype, ways), 0.0
         share = self.saved.get(name, 0.0)
-        if not share or name in self.boundary:
+        view = self.views.get(name)
+        kernel = 0.0 if view is None or name in self.env.recomputed else \
+            kernel_saved_bytes(view, strat, self.env.mesh_shape, self.env.training.expert_routing)
+        if (not share and not kernel) or name in self.boundary:
             return 0.0, 0.0
         vals = val if isinstance(val, (tuple, list)) else [val]
         act = share * self.env.inflight * sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in vals)
-        return 0.0, act
+        return 0.0, act + self.env.inflight * kernel

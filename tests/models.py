@@ -74,6 +74,25 @@ def make_long_llama(seed: int = 0):
     return model, (ids, ids.clone())
 
 
+def make_olmoe(seed: int = 0):
+    """A tiny HF OLMoE (4 experts top-2, q/k norms), the zoo's sizes."""
+    from transformers import OlmoeConfig
+
+    from tests.zoo_models import _DECODER, _lm
+
+    cfg = OlmoeConfig(**{**_DECODER, "intermediate_size": 64}, num_key_value_heads=4, num_experts=4,
+                      num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    return _lm("OlmoeForCausalLM", cfg, seed)
+
+
+def make_small_moe(seed: int = 0, capacity_factor: float | None = 1.0):
+    """The GShard-style MoE example (examples/moe.py): 2 blocks, 4 experts, capacity 1.0 by default."""
+    from examples.moe import MoEConfig, make_moe
+
+    return make_moe(MoEConfig(capacity_factor=capacity_factor), batch_size=4, seed=seed)
+
+
 FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "gpt4": lambda: make_small_gpt(n_layer=4), "hf_gpt2": make_hf_gpt2,
              "gpt_long": make_long_gpt, "gpt_long_bidir": lambda: make_long_gpt(causal=False),
-             "llama_long": make_long_llama, **{f"zoo_{k}": v for k, v in ZOO.items()}}
+             "llama_long": make_long_llama,
+             "olmoe": make_olmoe, "moe_example": make_small_moe, **{f"zoo_{k}": v for k, v in ZOO.items()}}

@@ -17,6 +17,7 @@ import autopar
 from autopar.cost_models.communication import UNREACHABLE_SECONDS, axis_links, redistribute_cost
 from autopar.errors import InfeasibleError
 from autopar.hardware.cluster import Link
+from autopar.passes.capture_moe import keep_hf_experts
 from autopar.placement import EXPERT_ROWS, P, R, local_shape, parse_spec, spec_str
 from autopar.redistribute import redistribute_steps
 from autopar.runtime import kernels
@@ -38,7 +39,8 @@ def mixtral_shaped():
 
 
 def _plan(model, batch, cluster, **options):
-    with warnings.catch_warnings():
+    """Plans of transformers' grouped_mm path (``keep_hf_experts``: captured without the MoE experts op)."""
+    with warnings.catch_warnings(), keep_hf_experts():
         warnings.simplefilter("ignore")
         return autopar.plan(model, cluster, batch, stages=1, **options)
 

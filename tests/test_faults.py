@@ -168,6 +168,48 @@ def test_an_error_a_rank_raised_itself_is_the_cause_not_a_death(remote_peers):
     assert message.startswith("rank 1 failed (raised ValueError: bad batch)"), message
 
 
+def _train_step_that_loses_its_peer():
+    raise RuntimeError("Connection reset by peer")
+
+
+def test_a_dead_peer_is_the_cause_even_when_its_last_published_call_was_another(remote_peers, monkeypatch):
+    """A rank that dies within a heartbeat of entering train_step still reads "is in autopar.compile": its
+    death, not a one-rank call, is what its peers must report."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    remote_peers.set("at/1", "is in autopar.compile")
+    remote_peers.set("at/2", "is in pm.train_step")
+    remote_peers.set("exit/1", "1")
+    stop = threading.Event()
+    beating = threading.Thread(target=keep_beating, args=(remote_peers, 2, stop))
+    beating.start()
+    try:
+        with pytest.raises(CommunicationError) as caught:
+            faults.collective_call("pm.train_step")(_train_step_that_loses_its_peer)()
+    finally:
+        stop.set()
+        beating.join()
+    assert str(caught.value).startswith("rank 1 died (exit code 1)"), str(caught.value)
+
+
+def test_a_live_peer_in_another_call_is_named_as_a_one_rank_call(remote_peers, monkeypatch):
+    """The control: the same stale-looking record from a peer that is alive is a one-rank call."""
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    remote_peers.set("at/1", "is in autopar.compile")
+    remote_peers.set("at/2", "is in pm.train_step")
+    stop = threading.Event()
+    beating = [threading.Thread(target=keep_beating, args=(remote_peers, r, stop)) for r in (1, 2)]
+    for thread in beating:
+        thread.start()
+    try:
+        with pytest.raises(CommunicationError) as caught:
+            faults.collective_call("pm.train_step")(_train_step_that_loses_its_peer)()
+    finally:
+        stop.set()
+        for thread in beating:
+            thread.join()
+    assert "called it alone: rank 1 is in autopar.compile" in str(caught.value), str(caught.value)
+
+
 def test_errors_that_are_not_about_communication_pass_unchanged():
     error = ValueError("shape mismatch")
     assert faults.explain(error) is error

@@ -76,6 +76,15 @@ def test_save_pretrained_round_trips_through_transformers(results, layout):
     r = results["save_pretrained"][layout]
     assert r["round_trip_equal"] and r["round_trip_keys"] and r["config_saved"], r
     assert r["saved_files"] >= 3
+    assert "lm_head.weight" in r["written"] and "model.embed_tokens.weight" in r["written"]  # untied: both
+
+
+@pytest.mark.distributed
+def test_save_pretrained_writes_a_tied_tensor_once(results):
+    r = results["tied"]
+    assert "model.embed_tokens.weight" in r["written"] and "lm_head.weight" not in r["written"], r["written"]
+    assert r["total_size"] == r["unique_bytes"]
+    assert r["trained"] and r["hf_equal"] and r["hf_tied"] and r["weights_equal"], r
 
 
 @pytest.mark.distributed

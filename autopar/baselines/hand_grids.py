@@ -12,10 +12,16 @@ same cost model), so "hand" means: the weight layout a practitioner writes by ha
   default layer clustering) are cut into pp contiguous stages of near-equal FLOPs, or of near-equal
   parameter bytes (``split``: a practitioner balances time by profiling, as GPipe does, or memory when the
   late, wide layers do not fit); the grid holds both.
-* MoE, DeepSpeed-MoE / GShard style: each stage's (dp, ep) mesh splits the batch over all dp·ep devices;
-  every expert weight (w_in, w_out) is Shard(0) over ep (each device of an ep group holds E/ep experts,
-  tokens reach them by all-to-all), every other weight is replicated; pp stages of equal layer counts
-  (pp divides the layer count; a layer is one block, or two when there are more than 16).
+* MoE, DeepSpeed-MoE / GShard / Megatron expert-parallel style: each stage's (dp, ep) mesh splits the batch
+  over all dp·ep devices; every expert weight is Shard(0) over ep (each device of an ep group holds E/ep
+  experts), every other weight is replicated; the MoE experts op (``autopar::moe_experts``) keeps its tokens
+  split on both axes (its output pinned to the batch spec), which on the ep axis only the all-to-all
+  dispatch gives (kernel ``expert_all_to_all``: tokens travel to their experts' devices and back; with a
+  capacity factor only where each device's tokens are whole routing groups, ``all_to_all_fits``, else the
+  expert split is the ILP's choice); pp
+  stages of equal layer counts (pp divides the layer count; a layer is one block, or two when there are
+  more than 16). ``moe_pins`` names the project's GShard example's tensors, ``mixtral_pins`` a Hugging
+  Face MoE causal LM's (experts ``*experts*``, inputs ``input_ids``/``labels``).
 
 Stage submeshes and microbatches follow ``megatron_configs``: dp·ep devices inside a node when they fit,
 else whole nodes; microbatches = pp·2^k splitting the global batch into whole samples per device.
@@ -37,6 +43,8 @@ from autopar.baselines.hand_search import (
     search_hand,
 )
 from autopar.baselines.megatron_configs import MAX_MICROBATCHES, stage_submesh
+from autopar.cost_models.experts import MOE_OP
+from autopar.ir.ops import OpView
 
 EP_DEGREES = (1, 2, 4, 8)
 
@@ -79,12 +87,24 @@ def wrn_pins(layout: HandLayout) -> dict[str, str]:
     return {"p_*": "RR", "images": batch_spec(layout), "labels": batch_spec(layout)}
 
 
-def moe_pins(layout: HandLayout) -> dict[str, str]:
-    """Data + expert parallel: weights replicated but the experts', split by expert over ep (the last
-    matching glob wins in ``PlanOptions.pin``, so the expert globs follow "p_*")."""
-    experts = _axis(layout.dp, "R") + _axis(layout.ep, "S(0)") if layout.ep > 1 else "RR"
-    return {"p_*": "RR", "p_blocks_*_ffn_w_in": experts, "p_blocks_*_ffn_w_out": experts,
-            "idx": batch_spec(layout), "targets": batch_spec(layout)}
+MOE_DISPATCH_GLOB = "moe_experts*"  # the MoE experts op's nodes (torch.export names them moe_experts, _1, ...)
+
+
+def moe_pins(layout: HandLayout, experts: tuple[str, ...] = ("p_blocks_*_ffn_w_in", "p_blocks_*_ffn_w_out"),
+             inputs: tuple[str, ...] = ("idx", "targets")) -> dict[str, str]:
+    """Data + expert parallel with all-to-all dispatch: weights replicated but the experts', split by expert
+    over ep (the last matching glob wins in ``PlanOptions.pin``, so the expert globs follow "p_*"); the
+    experts op's tokens split like the batch (module docstring)."""
+    expert_spec = _axis(layout.dp, "R") + _axis(layout.ep, "S(0)") if layout.ep > 1 else "RR"
+    pins = {"p_*": "RR", **{glob: expert_spec for glob in experts}, **{name: batch_spec(layout) for name in inputs}}
+    if layout.ep > 1:
+        pins[MOE_DISPATCH_GLOB] = batch_spec(layout)
+    return pins
+
+
+def mixtral_pins(layout: HandLayout) -> dict[str, str]:
+    """``moe_pins`` for a Hugging Face MoE causal LM (``examples.hf_causal_lm.CausalLMLoss``)."""
+    return moe_pins(layout, experts=("p_*experts*",), inputs=("input_ids", "labels"))
 
 
 def hand_grid(n_devices: int, n_layers: int, devices_per_node: int, global_batch: int, n_experts: int = 1,
@@ -109,6 +129,16 @@ def hand_grid(n_devices: int, n_layers: int, devices_per_node: int, global_batch
                 while microbatches <= max_microbatches and global_batch % (microbatches * width) == 0:
                     yield HandLayout(dp=dp, ep=ep, pp=pp, microbatches=microbatches, split=split)
                     microbatches *= 2
+
+
+def all_to_all_fits(op, layout: HandLayout) -> bool:
+    """Whether the MoE experts op ``op`` (captured at the global batch) can dispatch by all-to-all under
+    ``layout``: with a capacity factor each device's tokens of a microbatch must be whole routing groups
+    (the drop decision is per group); otherwise the experts are left to the ILP (its gathered split)."""
+    view = OpView(op)
+    tokens, group = view.in_shapes[0][0], view.arg(9) if view.arg(8) is not None else 0
+    parts = layout.microbatches * layout.dp * layout.ep
+    return tokens % parts == 0 and (not group or (tokens // parts) % group == 0)
 
 
 def balanced_ranges(costs: list[float], parts: int) -> list[tuple[int, int]]:
@@ -184,8 +214,13 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
 
     roomy = cluster.with_memory(UNBOUNDED_MEMORY)
 
+    moe_ops = [n for n in graph.gm.graph.nodes if str(n.target) == MOE_OP]
+
     def score(layout: HandLayout, unbounded: bool = False) -> Scored:
-        options = hand_options(layout, ranges(layout), cluster.devices_per_node, pins_for(layout))
+        pins = pins_for(layout)
+        if not all(all_to_all_fits(op, layout) for op in moe_ops):  # includes a model without the op
+            pins.pop(MOE_DISPATCH_GLOB, None)
+        options = hand_options(layout, ranges(layout), cluster.devices_per_node, pins)
         options["precision"] = precision
         return score_options(graph, roomy if unbounded else cluster, layout, options, recapture, time_limit,
                              model_name=type(model).__name__)

@@ -75,6 +75,25 @@ TP_WEIGHT_SPECS = {
     "p_wte_weight": COLUMN, "p_wpe_weight": REPLICATED, "p_lm_head_weight": COLUMN,
 }
 BATCH_INPUTS = ("idx", "targets")
+# The same layout on Hugging Face Llama (as torchtitan's tensor-parallel plan): column-parallel q, k, v, gate, up;
+# row-parallel o, down; vocabulary-parallel embedding and output; norms replicated (Llama has no biases).
+LLAMA_TP_SPECS = {
+    "p_*_self_attn_[qkv]_proj_weight": COLUMN, "p_*_mlp_gate_proj_weight": COLUMN, "p_*_mlp_up_proj_weight": COLUMN,
+    "p_*_self_attn_o_proj_weight": ROW, "p_*_mlp_down_proj_weight": ROW, "p_*_embed_tokens_weight": COLUMN,
+    "p_*lm_head_weight": COLUMN, "p_*norm_weight": REPLICATED,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelNames:
+    """A model family's node names: tensor-parallel weight specs by glob, and the inputs split over dp."""
+
+    weight_specs: dict
+    batch_inputs: tuple[str, ...]
+
+
+GPT_NAMES = ModelNames(TP_WEIGHT_SPECS, BATCH_INPUTS)  # examples.gpt
+LLAMA_NAMES = ModelNames(LLAMA_TP_SPECS, ("input_ids", "labels"))  # HF LlamaForCausalLM behind a loss wrapper
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,10 +126,10 @@ def spec_text(config: MegatronConfig, dp_axis: str, tp_axis: str) -> str:
     return (dp_axis if config.dp > 1 else "R") + (tp_axis if config.tp > 1 else "R")
 
 
-def megatron_pins(config: MegatronConfig) -> dict[str, str]:
+def megatron_pins(config: MegatronConfig, names: ModelNames = GPT_NAMES) -> dict[str, str]:
     """{node-name glob: spec}: Megatron's weight layout (module docstring) and the dp split of the inputs."""
-    pins = {glob: spec_text(config, "R", tp) for glob, tp in TP_WEIGHT_SPECS.items()}
-    pins.update({name: spec_text(config, "S(0)", "R") for name in BATCH_INPUTS})
+    pins = {glob: spec_text(config, "R", tp) for glob, tp in names.weight_specs.items()}
+    pins.update({name: spec_text(config, "S(0)", "R") for name in names.batch_inputs})
     return pins
 
 
@@ -140,7 +159,8 @@ def megatron_stages(config: MegatronConfig, n_blocks: int, devices_per_node: int
              "mesh": [config.dp, config.tp]} for first, last in chunks]
 
 
-def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: int) -> dict:
+def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: int,
+                     names: ModelNames = GPT_NAMES) -> dict:
     """Keyword options of ``autopar.plan`` that express ``config``."""
     if config.tp > devices_per_node:
         raise ValueError(f"tp={config.tp} exceeds the {devices_per_node} devices of a node; Megatron keeps "
@@ -151,7 +171,7 @@ def megatron_options(config: MegatronConfig, n_blocks: int, devices_per_node: in
                          f"interleaved schedule); got pp={config.pp}, microbatches={config.microbatches}")
     interleaved = {"schedule": "interleaved", "virtual_stages": v} if v > 1 else {"schedule": "1f1b"}
     return {"layers": n_blocks, "stages": megatron_stages(config, n_blocks, devices_per_node),
-            "microbatches": config.microbatches, **interleaved, "pin": megatron_pins(config),
+            "microbatches": config.microbatches, **interleaved, "pin": megatron_pins(config, names),
             "recompute": RECOMPUTE_LEVERS[config.recompute], "precision": config.precision,
             "zero": 1 if config.distributed_optimizer and config.dp > 1 else 0}
 
@@ -221,19 +241,21 @@ def _microbatch_configs(dp: int, tp: int, pp: int, global_batch: int, max_microb
 
 
 def score_config(graph, cluster, config: MegatronConfig, n_blocks: int, recapture=None,
-                 time_limit: float = 60.0) -> Scored:
+                 time_limit: float = 60.0, names: ModelNames = GPT_NAMES) -> Scored:
     """``score_options`` of a Megatron config (``megatron_options``)."""
-    options = megatron_options(config, n_blocks, cluster.devices_per_node)
+    options = megatron_options(config, n_blocks, cluster.devices_per_node, names)
     return score_options(graph, cluster, config, options, recapture, time_limit)
 
 
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
-                  log=None, precision: str = "fp32", time_limit: float = 60.0, grid: str = "full") -> HandSearch:
+                  log=None, precision: str = "fp32", time_limit: float = 60.0, grid: str = "full",
+                  names: ModelNames = GPT_NAMES) -> HandSearch:
     """``search_hand`` of ``megatron_grid`` scored by ``score_config``; with memory ignored only the configs
     without recompute are searched again (recompute adds a forward and saves only memory). A config's
     planning cost grows with its pipeline chunks (pp·v stage ILPs), which orders the layouts on the cores.
     ``time_limit``: each ILP solve's, in seconds (a solve that hits it scores the config "OOM"). ``grid``:
-    "full" (``megatron_grid``) or "mist" (``mist_grid``: Mist's Megatron baseline)."""
+    "full" (``megatron_grid``) or "mist" (``mist_grid``: Mist's Megatron baseline). ``names``: the model
+    family's node names (GPT_NAMES, LLAMA_NAMES)."""
     make = {"full": megatron_grid, "mist": mist_grid}[grid]
     grid = list(make(cluster.num_devices, n_blocks, cluster.devices_per_node, batch[0].shape[0], n_heads,
                      precision=precision))
@@ -242,7 +264,7 @@ def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: 
     roomy = cluster.with_memory(UNBOUNDED_MEMORY)
 
     def score(config: MegatronConfig, unbounded: bool = False) -> Scored:
-        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture, time_limit)
+        return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture, time_limit, names)
 
     return search_hand(grid, score,
                        lambda c: (c.dp, c.tp, c.pp, c.virtual_stages, c.recompute, c.distributed_optimizer),

@@ -48,6 +48,7 @@ from autopar.planner.offload_choice import choose_offload, record_offload
 from autopar.planner.options import (
     PlanOptions,
     check_against_graph,
+    check_expert_routing,
     first_microbatch,
     microbatch_candidates,
     training_spec,
@@ -105,6 +106,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
             plan = or_single_stage(plan, single.result)
             clock.lap("single_stage_check")
     plan.planner["solver"] = backend()
+    if options.expert_routing is not None:  # the measured histogram the MoE layers were priced with
+        plan.planner["expert_routing"] = list(check_expert_routing(options.expert_routing))
     if written_buffers(graph):  # why the planner kept one microbatch (``options.microbatch_candidates``)
         plan.planner["buffers_written_in_forward"] = written_buffers(graph)
     record_offload(plan, options)

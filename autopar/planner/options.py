@@ -14,6 +14,7 @@ import fnmatch
 import math
 import warnings
 
+from autopar.cost_models.experts import check_expert_routing, check_routing_against_graph
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES, TrainingSpec, zero_levels
 from autopar.errors import OptionError, PlanError
 from autopar.ir.buffer_writes import written_buffers
@@ -60,6 +61,10 @@ class PlanOptions:
       bool} to force it: optimizer state and fp32 master weights in host memory with the step on the host
       (ZeRO-Offload), and/or activations saved for backward kept in host memory
       (``torch.autograd.graph.save_on_cpu``). The plan records what it uses in ``plan.planner["offload"]``.
+    expert_routing: None (uniform routing) or a measured routing histogram of the MoE layers, one number per
+      expert (shares or token counts; normalized), used by the pricing of expert parallelism
+      (``cost_models.experts``: tokens that cross devices, the busiest expert shard's work). The plan records
+      the shares in ``plan.planner["expert_routing"]``.
     """
 
     optimizer: str = "adamw"
@@ -76,9 +81,11 @@ class PlanOptions:
     zero: object = "auto"
     bucket_bytes: int = 25 * 2 ** 20
     offload: object = "none"
+    expert_routing: object = None
 
     def __post_init__(self):
         _check_fields(self)
+        check_expert_routing(self.expert_routing)
         resolve_precision(self.precision)
         check_zero(self.zero)
         check_policy(self.recompute)
@@ -168,6 +175,7 @@ def check_against_graph(graph: ModelGraph, num_devices: int, options: PlanOption
     """OptionError for a ``pin`` or ``zero`` glob that matches nothing in ``graph``, or for more stages than
     devices (each stage needs a device of its own). ``recompute`` globs: ``passes.recompute.layer_modes``."""
     names = [n.name for n in graph.gm.graph.nodes]
+    check_routing_against_graph(graph, check_expert_routing(options.expert_routing))
     for glob in options.pin or {}:
         if not any(fnmatch.fnmatchcase(name, glob) for name in names):
             raise OptionError(f"pin glob {glob!r} matches no node of the graph; node names look like "
@@ -208,7 +216,8 @@ def training_spec(graph: ModelGraph, options: PlanOptions) -> TrainingSpec:
     return TrainingSpec(optimizer=options.optimizer, zero=tuple(sorted(zero_levels(options.zero, names).items())),
                         zero_search=not isinstance(options.zero, int), compute_itemsize=copy,
                         bucket_bytes=float(options.bucket_bytes), host_optimizer=offloaded(options)["optimizer"],
-                        host_activations=offloaded(options)["activations"])
+                        host_activations=offloaded(options)["activations"],
+                        expert_routing=check_expert_routing(options.expert_routing))
 
 
 def microbatch_candidates(graph: ModelGraph, options: PlanOptions) -> list[int]:

@@ -28,6 +28,7 @@ import numpy as np
 
 from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
+from autopar.cost_models.experts import dispatch_messages
 from autopar.cost_models.memory import held_state_bytes, single_step_release
 from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import exposed_gather, zero3_units
@@ -131,6 +132,9 @@ def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]
                 if arg.name in trainable and kind == "all_reduce" and phase == "backward":
                     phase = "step"  # a parameter's gradient sync: the runtime defers and buckets it per step
                 out.append(Collective(arg.name, node.name, kind, axis, float(nbytes), phase, float(seconds)))
+        for kind, axis, nbytes, phase, seconds in dispatch_messages(view, strat, env.mesh_shape, env.links,
+                                                                    env.training.expert_routing):
+            out.append(Collective(view.tensor_args[0].name, node.name, kind, axis, nbytes, phase, seconds))
     return out
 
 

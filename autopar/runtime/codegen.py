@@ -15,7 +15,8 @@ Output: ``fx.GraphModule`` whose forward takes the stage inputs and returns the 
     the steps of ``autopar.redistribute`` (collectives from ``autopar.runtime.collectives``);
   * shape arguments (view, reshape, expand, unflatten) are rewritten to local shapes;
   * rule kernels are applied (bias scaled by 1/W, mean scaled by 1/W, vocab-parallel embedding and
-    cross-entropy, expert-parallel grouped matmul replaced by ``autopar.runtime.kernels``).
+    cross-entropy, expert-parallel grouped matmul replaced by ``autopar.runtime.kernels``, the MoE experts
+    op by its expert-parallel kernels in ``autopar.runtime.expert_dispatch``).
 Each emitted op node records in ``meta["dtype"]`` the dtype its output has under the precision policy (the
 captured value's, relabelled by ``ir.precision.apply_to_graph``). The generated code is plain Python
 (``gm.code``) and autograd differentiates it as usual.
@@ -37,6 +38,7 @@ from autopar.placement import EXPERT_ROWS, P, R, Spec, local_shape, parse_spec
 from autopar.redistribute import grad_partial_axes, redistribute_steps
 from autopar.runtime import collectives as C
 from autopar.runtime import context_parallel as CP
+from autopar.runtime import expert_dispatch as ED
 from autopar.runtime import kernels as K
 from autopar.runtime.groups import group_key
 from autopar.runtime.recompute_regions import outline_recompute
@@ -204,6 +206,8 @@ class _Emitter:
             return CP.causal_context_attention, list(args[:3]), dict(
                 group=self.group(axis), dropout_p=view.kwarg("dropout_p", 0.0), scale=view.kwarg("scale"),
                 enable_gqa=view.kwarg("enable_gqa", False))
+        if "expert_all_to_all" in tags or "local_experts_op" in tags:
+            return self._experts_kernel(view, ins, axes, args)
         if "local_experts" in tags:
             first = _chunk_offset(ins[1], 0, view.in_shapes[1][0], self.mesh_shape, self.coord)
             native = node.target is aten._grouped_mm.default
@@ -211,6 +215,18 @@ class _Emitter:
             return K.local_experts_grouped_mm, [args[0], args[1], args[2], first, native, x_rows, pad,
                                                 view.in_shapes[0][0]], {}
         return target, args, kwargs
+
+    def _experts_kernel(self, view, ins, axes, args):
+        """The MoE experts op split by experts on one axis (``runtime/expert_dispatch``)."""
+        activation, gated, transposed, capacity_factor, group_size = args[5:10]
+        n_experts = view.in_shapes[3][0]
+        attrs = dict(n_experts=n_experts, activation=activation, gated=gated, transposed=transposed,
+                     capacity_factor=capacity_factor, group_size=group_size)
+        if axes("expert_all_to_all"):
+            (axis,) = axes("expert_all_to_all")
+            return ED.expert_all_to_all, list(args[:5]), dict(attrs, group=self.group(axis))
+        first = _chunk_offset(ins[3], 0, n_experts, self.mesh_shape, self.coord)
+        return ED.local_experts_op, list(args[:5]), dict(attrs, first=first)
 
     def _loss_kernel(self, node, view, ins, axes, args):
         common = dict(reduction=view.kwarg("reduction", 1), ignore_index=view.kwarg("ignore_index", -100),

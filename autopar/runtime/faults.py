@@ -124,15 +124,28 @@ def _explain_one_rank_call(error: BaseException, name: str) -> BaseException:
     torch.distributed (or already explained as one); else ``error``."""
     if _REG is None or (isinstance(error, AutoparError) or not isinstance(error, (RuntimeError, CommunicationError))):
         return error
+    error = explain(error, name)
+    if _died_inside_its_function(getattr(error, "dead_ranks", [])):  # its last published call may be stale
+        return error
     elsewhere = one_rank_call(f"is in {name}")
     if not elsewhere:
-        return explain(error, name)
+        return error
     peers = "; ".join(f"rank {r} {doing}" for r, doing in sorted(elsewhere.items()))
     explained = CommunicationError(
         f"{name} is a collective that every rank must call, but rank {_REG.rank} called it alone: {peers}. Fix: "
         f"call {name} on every rank (not under `if rank == 0:`); it writes each file once by itself")
     report_failure(explained)
     return explained
+
+
+def _died_inside_its_function(dead_ranks: list[int]) -> bool:
+    """True when a peer found dead had not returned from its function: its death, not a call the others
+    skipped, is the cause (a peer that returned while this rank waited in a collective is a one-rank call)."""
+    try:
+        doing = _read_all(_REG.store, "at", [r for r in dead_ranks if r >= 0])
+    except Exception:  # the store is gone: the death found is the best evidence
+        return bool(dead_ranks)
+    return any(not doing.get(r, "").startswith("returned from its function") for r in dead_ranks)
 
 
 def one_rank_call(mine: str) -> dict[int, str]:
@@ -217,6 +230,7 @@ def explain(error: BaseException, during: str = "a collective") -> BaseException
     if not causes and "time" not in str(error).lower():
         return error  # no rank died and nothing timed out: a genuine error of the call, keep it as is
     explained = CommunicationError(describe(me, during, error, causes, stopped))
+    explained.dead_ranks = sorted(causes)
     report_failure(explained)
     return explained
 

@@ -11,6 +11,7 @@ import re
 from collections import Counter
 
 from autopar.ir.units import fmt_bytes, fmt_seconds
+from autopar.views.moe import moe_lines
 
 
 def _header(plan) -> list[str]:
@@ -95,7 +96,7 @@ PARAM_GROUPS = (
 GROUP_ORDER = ("attention", "MLP", "norms", "embeddings", "head", "other")  # how a summary lists them
 # Ops a user recognizes as the model's work; every other op is glue (mask, position and shape arithmetic).
 MAIN_OPS = re.compile(r"linear|\bmm\b|addmm|bmm|matmul|einsum|convolution|conv\d|embedding|attention|"
-                      r"cross_entropy|nll_loss|layer_norm|rms_norm|grouped_mm|softmax")
+                      r"cross_entropy|nll_loss|layer_norm|rms_norm|grouped_mm|softmax|moe_experts")
 
 
 def param_group(name: str) -> str:
@@ -181,7 +182,7 @@ def _collective_lines(stage) -> list[str]:
 
 
 def plan_summary(plan, max_rows: int = 60, glue: bool = False) -> str:
-    lines = _header(plan)
+    lines = _header(plan) + moe_lines(plan)
     for stage in plan.stages:
         lines += _stage_table(plan, stage, max_rows, glue)
     return "\n".join(lines)

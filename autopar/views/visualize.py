@@ -2,7 +2,8 @@
 
 The page, top to bottom: the device mesh coloured by pipeline stage with each stage's submesh; the cost
 breakdown (step time, per-stage latency, memory per device against the budget); the pipeline schedule as
-simulated by ``autopar.views.trace`` (after the stages when there is only one); one section per stage
+simulated by ``autopar.views.trace`` (after the stages when there is only one); the mixture-of-experts
+layers' token dispatch (``autopar.views.moe``, after the overview, when the model has any); one section per stage
 ("stage 0", "stage 1", ...) with its ops against its mesh axes (colour = Replicate / Shard(d) / Partial),
 grouped by layer (repeated-block instance), later instances with identical shardings folded into the first;
 its parameters folded by name pattern; and every inserted collective with its bytes, at the op receiving it.
@@ -18,6 +19,7 @@ from html import escape
 from autopar.ir.units import fmt_bytes, fmt_seconds
 from autopar.placement import parse_spec
 from autopar.views import trace
+from autopar.views.moe import moe_html
 from autopar.views.report import recompute_text
 from autopar.views.visualize_groups import OpGroup, compress_ranges, group_ops, group_placeholders, short_op
 from autopar.views.visualize_svg import (
@@ -42,6 +44,8 @@ def plan_to_html(plan) -> str:
     schedule = [_schedule_section(plan)]
     # A pipeline's schedule is its headline; one stage's (F then B) matters less than its shardings.
     sections = [_overview_section(plan)] + (schedule + stages if len(plan.stages) > 1 else stages + schedule)
+    moe = moe_html(plan)  # which MoE layers dispatch by all-to-all, when the model has any
+    sections[1:1] = [moe] if moe else []
     return page(f"autopar plan: {plan.model} on {plan.cluster.get('name', '?')}", _header_lines(plan), sections)
 
 

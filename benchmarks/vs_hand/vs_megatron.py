@@ -5,6 +5,7 @@
     python benchmarks/vs_megatron.py --simulate --precision fp16     # fp32 master weights, fp16 compute, both sides
     python benchmarks/vs_megatron.py --simulate --precision fp16 --merge --points gpt:39B:64:p3.16xlarge
     python benchmarks/vs_megatron.py --simulate --suite mist [--grid full]   # Mist's points, L4 and A100 40 GB
+    python benchmarks/vs_megatron.py --simulate --suite moe          # GShard MoE + Mixtral-8x7B vs DP×EP×PP
     python benchmarks/vs_megatron.py --local --nprocs 2 [--cluster cluster.json]   # measured on 2 gloo ranks
     python benchmarks/vs_megatron.py --from-json benchmarks/results/vs_megatron_simulate.json  # re-render
     python benchmarks/vs_megatron.py --replan --precision fp16   # saved rows: autopar side planned again
@@ -37,13 +38,22 @@ Alpa train) and both sides plan under that mixed-precision policy; without it GP
 whole (weights, gradients and optimizer state in fp16: the memory of neither real system).
 
 --suite mist: the hardware and shapes of Mist's evaluation (Zhu et al., EuroSys'25): GPT-3-shaped models (the
-sizes of Alpa's suite nearest Mist's 1.3B-22B; Mist's Llama-style models are not in this suite) on "l4" (24 GB,
-sequence 2048) and "a100-40gb" (sequence 4096), 2-32 GPUs, global batch 16 per GPU, bf16 mixed precision;
+sizes of Alpa's suite nearest Mist's 1.3B-22B) and Llama-style ones (family "mistllama": HF LlamaForCausalLM at
+those sizes, ``llama_workload``; Megatron's layout by Llama's names, ``megatron_configs.LLAMA_NAMES``) on "l4"
+(24 GB, sequence 2048) and "a100-40gb" (sequence 4096), 2-32 GPUs, global batch 16 per GPU, bf16 mixed precision;
 autopar plans with ``offload="auto"``. ``--grid mist`` (the default there) scores Mist's Megatron baseline
 (``megatron_configs.mist_grid``: full recompute, distributed optimizer, powers of two, micro-batch 1/2/4);
 ``--grid full`` the repository's grid. Megatron's sequence parallelism needs no grid entry: the activations of
 every hand layout are placed by the ILP, which may split the residual stream over the sequence between
 tensor-parallel blocks (tests/test_context_parallel.py pins and checks that layout).
+``benchmarks/vs_hand/mist_report.py`` puts the sweeps of both grids in one table, scored against the issue's goals.
+
+--suite moe: mixture-of-experts points against the hand grid with all-to-all expert parallelism (DP × EP × PP,
+``hand_grids.moe_pins``: Megatron / DeepSpeed-MoE / GShard style): the GShard-style example at Alpa's 8- and
+16-GPU points on "p3.16xlarge" (fp16 whole) and a Mixtral-8x7B-sized Hugging Face model (32 layers, hidden 4096,
+8 experts top-2, sequence 4096, global batch 256, bf16 whole; ``examples.hf_causal_lm.MIXTRAL_8X7B``) on 16 and
+32 GPUs of "dgx-h100"; name "8x7B-L<n>" keeps n of its layers. The summary adds the geometric mean over every
+point against the 1.5× goal. Results: benchmarks/results/vs_megatron_moe.{md,json,png}.
 
 --local: see ``benchmarks/vs_megatron_local.py``. Both modes print a markdown table, write it with a PNG
 chart under benchmarks/results/, and end with the line "min speedup vs hand: X".
@@ -64,6 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import autopar  # noqa: E402
 from autopar.baselines import hand_grids, megatron_configs  # noqa: E402
 from autopar.errors import InfeasibleError  # noqa: E402
+from benchmarks.vs_hand import vs_megatron_moe as moe_points  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 GPT_POINTS = [("350M", 1), ("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32), ("39B", 64)]
@@ -71,11 +82,13 @@ PRESETS = ("p3.16xlarge", "dgx-a100")
 SC21_POINTS = ["sc21:1.7B:32:dgx-a100", "sc21:3.6B:64:dgx-a100"]
 OTHER_POINTS = ["wrn:2B:8:p3.16xlarge", "wrn:4B:16:p3.16xlarge", "moe:2.4B:8:p3.16xlarge", "moe:10B:16:p3.16xlarge"]
 DEFAULT_POINTS = [f"gpt:{n}:{g}:{p}" for p in PRESETS for n, g in GPT_POINTS] + SC21_POINTS + OTHER_POINTS
-GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024}
+GLOBAL_BATCH = {"gpt": 1024, "wrn": 1536, "moe": 1024, "mixtral": 256}
 MIST_SEQ = {"l4": 2048, "a100-40gb": 4096}
 MIST_BATCH_PER_GPU = 16
 MIST_POINTS = [f"mist:{n}:{g}:l4" for n, g in [("1.3B", 2), ("2.6B", 4), ("6.7B", 8), ("15B", 16)]] + \
-    [f"mist:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32)]]
+    [f"mist:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8), ("6.7B", 16), ("15B", 32)]] + \
+    [f"mistllama:{n}:{g}:l4" for n, g in [("1.3B", 2), ("2.6B", 4), ("6.7B", 8)]] + \
+    [f"mistllama:{n}:{g}:a100-40gb" for n, g in [("1.3B", 4), ("2.6B", 8)]]
 
 
 @dataclasses.dataclass
@@ -93,6 +106,8 @@ def build_workload(family: str, name: str, precision: str | None = None, preset:
     """``precision`` None casts GPT and MoE to fp16 whole; a policy name keeps them float32 (module docstring).
     Family "mist": ``preset`` and ``gpus`` give the sequence and the global batch (``MIST_SEQ``)."""
     cast = (lambda m: m.half()) if precision is None else (lambda m: m)
+    if family == "mistllama":
+        return llama_workload(name, MIST_SEQ[preset], MIST_BATCH_PER_GPU * gpus)
     if family == "mist":
         from examples.gpt import GPT, make_batch, suite_config
 
@@ -111,6 +126,9 @@ def build_workload(family: str, name: str, precision: str | None = None, preset:
         return Workload(family, name, model, make_batch(cfg, batch_size, device="meta"),
                         megatron_configs.gpt_flops(cfg, batch_size))
     batch_size = GLOBAL_BATCH[family]
+    if family == "mixtral":
+        model, batch = moe_points.mixtral(name, batch_size, torch.bfloat16 if precision is None else torch.float32)
+        return Workload(family, name, model, batch, graph_flops(model, batch))
     if family == "wrn":
         from examples.wide_resnet import WideResNet, make_batch, suite_config
 
@@ -129,6 +147,26 @@ def build_workload(family: str, name: str, precision: str | None = None, preset:
     return Workload(family, name, model, batch, graph_flops(model, batch))
 
 
+def llama_workload(name: str, seq: int, batch_size: int) -> Workload:
+    """A Llama-style model (HF ``LlamaForCausalLM``: RMSNorm, rotary positions, SwiGLU MLP of 8h/3 rounded up to a
+    multiple of 256, no biases, vocabulary 32000, as Llama 2) at the hidden size, depth and heads of Alpa's GPT
+    suite entry ``name``; FLOPs counted on its graph."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from examples.gpt import GPT_SUITE
+    from examples.hf_causal_lm import CausalLMLoss
+
+    hidden, layers, heads = GPT_SUITE[name]
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=-(-8 * hidden // 3 // 256) * 256,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                      max_position_embeddings=seq, use_cache=False, attention_dropout=0.0)
+    with torch.device("meta"):
+        model = CausalLMLoss(LlamaForCausalLM(cfg))
+    ids = torch.zeros(batch_size, seq, dtype=torch.long, device="meta")
+    batch = (ids, ids.clone())
+    return Workload("mistllama", name, model, batch, graph_flops(model, batch))
+
+
 def graph_flops(model, batch) -> float:
     """Forward + backward FLOPs of every op of the captured graph (torch.utils.flop_counter's count)."""
     from autopar.cost_models.compute import node_flops
@@ -142,12 +180,20 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
     """The family's hand grid searched (best that fits, every config scored, best with memory ignored);
     ``grid``: "full" or "mist" for GPT (``megatron_configs.best_megatron``)."""
     common = dict(log=log, precision=precision, time_limit=time_limit)
+    if work.family == "mistllama":
+        cfg = work.model.lm.config
+        return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.num_hidden_layers,
+                                              cfg.num_attention_heads, grid=grid, names=megatron_configs.LLAMA_NAMES,
+                                              **common)
     if work.family in ("gpt", "sc21", "mist"):
         cfg = work.model.cfg
         return megatron_configs.best_megatron(work.model, cluster, work.batch, cfg.n_layer, cfg.n_head, grid=grid,
                                               **common)
     if work.family == "wrn":
         return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.wrn_pins, **common)
+    if work.family == "mixtral":
+        return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.mixtral_pins,
+                                    n_experts=work.model.lm.config.num_local_experts, **common)
     return hand_grids.best_hand(work.model, cluster, work.batch, hand_grids.moe_pins,
                                 n_experts=work.model.cfg.n_expert, **common)
 
@@ -225,7 +271,8 @@ HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "auto
 def table_row(row: dict) -> list:
     r = ratio(row)
     oom = sum(1 for s in row["scored"] if s[1] == "OOM")
-    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)"}[
+    label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)",
+             "mistllama": "Llama-style (Mist)", "mixtral": "Mixtral"}[
         row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
@@ -280,6 +327,8 @@ def render_simulation(header: str, rows: list[dict], name: str = "simulate") -> 
     print(f"\nwrote {path} and {chart}")
     print(report.summary_line([(r["point"], ratio(r)) for r in rows if ratio(r) is not None],
                               {r["point"] for r in rows if memory_binds(r)}))
+    if any(r["family"] in moe_points.FAMILIES for r in rows):
+        print(moe_points.goal_line([ratio(r) for r in rows if r["family"] in moe_points.FAMILIES]))
     return 0
 
 
@@ -322,7 +371,7 @@ def main(argv=None) -> int:
     mode.add_argument("--local", action="store_true", help="measure hand layouts and autopar on --nprocs gloo ranks")
     parser.add_argument("--points", nargs="+", default=DEFAULT_POINTS, help="FAMILY:NAME:GPUS:PRESET (--simulate)")
     parser.add_argument("--merge", action="store_true", help="--simulate: keep the saved JSON's other points")
-    parser.add_argument("--suite", choices=("default", "mist"), default="default", help="--simulate: the points "
+    parser.add_argument("--suite", choices=("default", "mist", "moe"), default="default", help="--simulate: the points "
                         "(mist: Mist's hardware and shapes, bf16, autopar with offload='auto'; see above)")
     parser.add_argument("--grid", choices=("full", "mist"), help="--simulate: the GPT hand grid (default: mist "
                         "for --suite mist, else full)")
@@ -358,6 +407,11 @@ def main(argv=None) -> int:
             + (f", {args.precision} mixed precision" if args.precision else "") + "; autopar side re-planned)"))
     if args.simulate:
         extra = {"schedule": args.autopar_schedule} if args.autopar_schedule else {}
+        if args.suite == "moe":
+            points = args.points if args.points is not DEFAULT_POINTS else moe_points.POINTS
+            name = args.name if args.name != "simulate" else "moe"
+            return simulate(points, args.precision, args.merge, extra or None, name, args.time_limit,
+                            args.grid or "full")
         if args.suite == "mist":
             points = args.points if args.points is not DEFAULT_POINTS else MIST_POINTS
             name = args.name if args.name != "simulate" else f"mist_{args.grid or 'mist'}"

@@ -20,7 +20,8 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def describe_plan(plan) -> str:
     """'8 × 1x8 (mesh 2x4), B=512': runs of equal stages (interleaved: chunks), their submesh and logical
-    mesh, microbatches, and ', interleaved v=2' when the device groups hold several chunks each."""
+    mesh, microbatches, ', interleaved v=2' when the device groups hold several chunks each, and what the plan
+    offloads to host memory (``plan.planner["offload"]``)."""
     runs: list[list] = []
     for s in plan.stages:
         key = (tuple(s.submesh), tuple(s.mesh_shape))
@@ -30,7 +31,9 @@ def describe_plan(plan) -> str:
             runs.append([key, 1])
     parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
     v = getattr(plan, "virtual_stages", 1)
-    return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "")
+    moved = plan.planner.get("offload", {}) if isinstance(getattr(plan, "planner", None), dict) else {}
+    offload = "".join(f", {kind} offloaded (stages {','.join(map(str, stages))})" for kind, stages in moved.items())
+    return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "") + offload
 
 
 def machine_line(title: str) -> str:

@@ -38,6 +38,7 @@ from autopar.passes.strategies import (  # noqa: E402,F401
     experts,
     loss,
     matmul,
+    moe_experts,
     norms,
     pointwise,
     reductions,
@@ -90,7 +91,8 @@ def node_strategies(node: fx.Node, mesh_shape: tuple[int, int], fn: RuleFn | Non
     base = all_replicated_rule(view)
     per_axis_rules = [base] + (fn(view) if fn is not None else []) + expert_rows.expert_rows_rules(view)
     kept = (expert_rows.one_axis_experts(view, s) for s in combine(view, per_axis_rules, mesh_shape))
-    return list(dict.fromkeys(s for s in kept if s is not None and not attention.nested_context(s)))
+    return list(dict.fromkeys(s for s in kept if s is not None and not attention.nested_context(s)
+                              and moe_experts.consistent(view, s, mesh_shape)))
 
 
 def combine(view: OpView, rules: list[AxisRule], mesh_shape: tuple[int, int]) -> list[Strategy]:

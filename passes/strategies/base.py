@@ -41,6 +41,8 @@ KERNELS = {
     "ce_batch": "loss = local sum / global count of counted targets (output is Partial)",
     "ce_class": "softmax statistics are all-reduced over the class shards (vocab-parallel cross-entropy)",
     "local_experts": "a grouped expert matmul computes only its own experts' rows, zeros elsewhere (output is Partial)",
+    "local_experts_op": "the MoE experts op computes only its own experts' assignments of every token (out Partial)",
+    "expert_all_to_all": "the MoE experts op sends each token to its experts' devices and back (all-to-all)",
     "causal_context": "causal attention of a query chunk against whole k, v: prefix keys, offset mask, zig-zag balance",
 }
 

@@ -1,0 +1,151 @@
+"""The Mist comparison in one table: autopar against Mist's Megatron baseline and against the full hand grid.
+
+    python benchmarks/vs_hand/vs_megatron.py --simulate --suite mist --grid mist   # -> vs_megatron_mist_mist.json
+    python benchmarks/vs_hand/vs_megatron.py --simulate --suite mist --grid full   # -> vs_megatron_mist_full.json
+    python benchmarks/vs_hand/mist_report.py       # -> benchmarks/results/vs_megatron_mist.{md,png}
+
+Reads the two sweeps' saved rows (the same points, the same autopar plan on both: ``autopar.plan`` with default
+options and ``offload="auto"``) and scores each point as a throughput ratio autopar / best hand layout that fits
+(= hand step time / autopar step time). The issue's goals, each reported met or not:
+  * against Mist's baseline (``megatron_configs.mist_grid``: full recompute, distributed optimizer, powers of
+    two, micro-batch 1/2/4): geometric mean over all points >= 1.28 (Mist's own average) and min >= 1.00;
+  * against the full grid (``megatron_grid``; sequence parallelism through the ILP's placement of activations):
+    min >= 1.00 and geometric mean >= 1.10 over the points where memory binds (``HandSearch.memory_binds``).
+A point missing from either sweep, or where one side has no plan, is listed and left out of the means.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
+
+FAMILIES = {"mist": "GPT-3", "mistllama": "Llama-style"}
+GOALS = {"mist": {"geomean": 1.28, "min": 1.00}, "full": {"geomean": 1.10, "min": 1.00}}
+
+
+def load(name: str) -> dict[str, dict]:
+    """{point: row} of ``benchmarks/results/vs_megatron_NAME.json`` (empty when it is not there)."""
+    path = os.path.join(report.RESULTS, f"vs_megatron_{name}.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return {r["point"]: r for r in json.load(f)}
+
+
+def ratio(row: dict | None) -> float | None:
+    if not row or row.get("hand_step") is None or row.get("auto_step") is None:
+        return None
+    return row["hand_step"] / row["auto_step"]
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def point_order(point: str) -> tuple:
+    """GPT-3 before Llama-style, L4 before A100, then by GPUs."""
+    family, _, gpus, cluster = point.split(":")
+    return family, cluster != "l4", int(gpus)
+
+
+def scores(mist: dict[str, dict], full: dict[str, dict]) -> dict:
+    """Per-grid ratios, the means the goals name, and whether each goal is met."""
+    points = sorted(set(mist) | set(full), key=point_order)
+    mist_r = {p: ratio(mist.get(p)) for p in points}
+    full_r = {p: ratio(full.get(p)) for p in points}
+    binds = [p for p in points if full.get(p, {}).get("memory_binds")]
+    out = {"points": points, "mist": mist_r, "full": full_r, "binds": binds}
+    mist_vals = [r for r in mist_r.values() if r is not None]
+    full_vals = [r for r in full_r.values() if r is not None]
+    out["mist_geomean"], out["mist_min"] = geomean(mist_vals), min(mist_vals, default=None)
+    out["full_geomean_binds"] = geomean([full_r[p] for p in binds if full_r[p] is not None])
+    out["full_geomean_all"], out["full_min"] = geomean(full_vals), min(full_vals, default=None)
+    return out
+
+
+def verdict(value: float | None, goal: float) -> str:
+    if value is None:
+        return "n/a (no point scored)"
+    return f"{value:.3f} (goal ≥ {goal:.2f}: {'met' if value >= goal - 1e-12 else 'NOT met'})"
+
+
+HEADERS = ["model", "GPUs", "cluster", "autopar plan", "Mist's Megatron: best", "autopar / it", "full grid: best",
+           "autopar / it", "memory binds (full grid)", "ceiling (full grid)"]
+
+
+def rows(mist: dict, full: dict, s: dict) -> list[list]:
+    out = []
+    for p in s["points"]:
+        m, f = mist.get(p, {}), full.get(p, {})
+        family, name, gpus, cluster = p.split(":")
+        fmt = lambda r: f"{r:.3f}" if r is not None else "n/a"  # noqa: E731
+        ceiling = f"{f['ceiling']:.3f}" if f.get("ceiling") is not None else "n/a"
+        out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, (f or m).get("auto_plan", "n/a"),
+                    m.get("hand", "not run"),
+                    fmt(s["mist"][p]), f.get("hand", "not run"), fmt(s["full"][p]),
+                    "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
+    return out
+
+
+def summary(s: dict) -> str:
+    return "\n".join([
+        f"- vs Mist's Megatron baseline, {sum(r is not None for r in s['mist'].values())} points: geometric mean "
+        f"{verdict(s['mist_geomean'], GOALS['mist']['geomean'])}; min {verdict(s['mist_min'], GOALS['mist']['min'])}",
+        f"- vs the full grid, {sum(r is not None for r in s['full'].values())} points: min "
+        f"{verdict(s['full_min'], GOALS['full']['min'])}; geometric mean where memory binds ({len(s['binds'])} points) "
+        f"{verdict(s['full_geomean_binds'], GOALS['full']['geomean'])}; over all points "
+        f"{s['full_geomean_all']:.3f}" if s["full_geomean_all"] else "- vs the full grid: no point scored"])
+
+
+def chart(s: dict) -> str:
+    plt = report._pyplot()
+    labels = [p.split(":", 1)[1] for p in s["points"]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels) + 2), 4.5))
+    xs = range(len(labels))
+    for shift, key, label, color in ((-0.2, "mist", "vs Mist's Megatron baseline", "#1f77b4"),
+                                     (0.2, "full", "vs the full hand grid (+ SP)", "#ff7f0e")):
+        ax.bar([x + shift for x in xs], [s[key][p] or 0 for p in s["points"]], width=0.4, label=label, color=color)
+    ax.axhline(1.28, color="#1f77b4", linestyle="--", linewidth=1)
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("autopar / best hand layout (throughput)")
+    ax.set_title("Mist's points, simulated (autopar's cost model, bf16)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return report._save(fig, plt, "mist")
+
+
+def render(mist_name: str = "mist_mist", full_name: str = "mist_full") -> str:
+    mist, full = load(mist_name), load(full_name)
+    s = scores(mist, full)
+    headers = [r.get("autopar_options") for r in list(mist.values()) + list(full.values())][:1]
+    text = "\n\n".join([report.machine_line("autopar on Mist's points (Zhu et al., EuroSys'25), simulated: "
+                                            "both hand grids; rendered from the two sweeps' JSON"),
+                        report.markdown_table(HEADERS, rows(mist, full, s)), summary(s),
+                        f"autopar options: {headers[0] if headers else 'n/a'}. Rows: "
+                        f"vs_megatron_{mist_name}.json, vs_megatron_{full_name}.json (every scored hand config). "
+                        "Ceiling: best full-grid layout that fits / fastest full-grid layout with memory ignored."])
+    path = report.write_results("mist", text)
+    if s["points"]:
+        chart(s)
+    print(text)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mist", default="mist_mist", help="NAME of vs_megatron_NAME.json, Mist's baseline sweep")
+    parser.add_argument("--full", default="mist_full", help="NAME of vs_megatron_NAME.json, the full-grid sweep")
+    args = parser.parse_args(argv)
+    render(args.mist, args.full)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
