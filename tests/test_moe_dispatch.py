@@ -186,3 +186,17 @@ def test_moe_op_backward_matches_autograd_of_its_forward(activation, gated, tran
     if activation != "silu":
         wrong = torch.ops.autopar.moe_experts_backward(probe, x, index, weights, w_in, w_out, "silu", *attrs[1:])
         assert not torch.allclose(wrong[2], leaves[3].grad)
+
+
+def test_capacity_groups_are_never_cut_by_a_token_split():
+    """With a capacity factor, a strategy that leaves a device part of a routing group is not offered (the
+    drop decision is per group): 64 tokens in one group of 64 cannot split over 2 devices; in groups of 32 they can."""
+    from examples.moe import MoEConfig, make_moe
+
+    def token_splits(group_size: int) -> set:
+        graph = capture(*make_moe(MoEConfig(group_size=group_size), batch_size=2))
+        node = next(n for n in graph.gm.graph.nodes if str(n.target) == "autopar.moe_experts.default")
+        return {s.in_specs[0] for s in generate_strategies(graph, (1, 2))[node.name] if s.in_specs[0][1].is_shard()}
+
+    assert token_splits(64) == set()
+    assert token_splits(32)  # tokens split, all-to-all
