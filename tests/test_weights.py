@@ -88,6 +88,16 @@ def test_save_pretrained_writes_a_tied_tensor_once(results):
 
 
 @pytest.mark.distributed
+def test_zero3_parameters_read_and_written_between_steps(results):
+    r = results["zero3_reads"]
+    assert r["norms_finite"] and r["piece_numel"] * 2 <= r["numel"] + 2 * 64, r  # pieces, not whole tensors
+    assert abs(r["sum_of_pieces"] - r["full_sum"]) <= 1e-9 * max(1.0, abs(r["full_sum"])), r
+    assert abs(r["rank0_pieces"] - r["full_sum"]) > 1e-3, r  # negative control: one rank's pieces are not all
+    assert r["halved"], "an in-place write to a piece must write the shard"
+    assert r["after"]["loss_err"] <= 1e-5 and r["after"]["param_err"] <= 1e-4, r
+
+
+@pytest.mark.distributed
 def test_pm_save_checkpoint_loads_through_weights(results):
     assert results["checkpoint"]["checkpoint_equal"]
 

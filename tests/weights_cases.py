@@ -224,6 +224,39 @@ def tied_case(world: int) -> dict:
     return result
 
 
+def zero3_reads_case(world: int) -> dict:
+    """Reading and writing ``pm.parameters()`` between ZeRO-3 steps (this rank's pieces of the shards), then
+    training on: sums against the full weights, an in-place halving against the same on the reference."""
+    model, batch = build("gpt")
+    pm = autopar.compile(model, cluster(world, "zero3"), batch, **options("gpt", "zero3", world))
+    reference = autopar.init_weights(build("gpt")[0], init_seed=0)
+    train(pm, optimizer(pm, "zero3"), reference, batch)  # ends with full_state_dict: every unit gathered
+    with torch.no_grad():
+        pm(*batch)  # a forward frees each unit after its last use: the parameters are at rest
+    zero3 = set(pm.runner.gradsync.units.of_param)
+    pieces = [p.detach() for n, p in pm.named_parameters() if n.rsplit(".", 1)[-1] in zero3]
+    whole = [p.detach() for n, p in pm.named_parameters() if n.rsplit(".", 1)[-1] not in zero3]
+    norms = [float(p.data.norm()) for p in pm.parameters()]
+    mine = torch.stack([p.double().sum() for p in pieces + (whole if dist.get_rank() == 0 else [])]).sum()
+    every = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, mine)
+    full = pm.full_state_dict()
+    names = dict(reference.named_parameters())
+    total = sum(v.double().sum() for k, v in full.items() if k in names)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.mul_(0.5)
+        for p in reference.parameters():
+            p.mul_(0.5)
+    halved = pm.full_state_dict()
+    after = train(pm, optimizer(pm, "zero3"), reference, batch)
+    return {"sum_of_pieces": float(sum(every)), "rank0_pieces": float(every[0]), "full_sum": float(total),
+            "norms_finite": all(n == n for n in norms), "piece_numel": sum(p.numel() for p in pieces),
+            "numel": sum(p.numel() for p in reference.parameters()) - sum(p.numel() for p in whole),
+            "halved": all(torch.equal(halved[k], full[k] * 0.5) for k in full if k in names),
+            "after": after}
+
+
 def checkpoint_case(world: int) -> dict:
     """pm.save of a zero3 module, loaded through weights= into a meta model under the tp layout."""
     model, batch = build("llama")
@@ -254,6 +287,7 @@ def run_all(rank: int, world: int) -> dict:
     out["save_pretrained"] = {layout: save_pretrained_case(loaded[layout], layout, world) for layout in ("tp", "zero3")}
     out["checkpoint"] = checkpoint_case(world)
     out["tied"] = tied_case(world)
+    out["zero3_reads"] = zero3_reads_case(world)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)
