@@ -192,7 +192,7 @@ def fits_without_cp(row: dict) -> bool:
 def table(rows: list[dict]) -> str:
     lines = ["| model | sequence | GPUs | hand layouts that fit | fits without CP | best hand (s/step) | autopar plan "
              "| autopar (s/step) | autopar / hand |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["model"], int(r["point"].split(":")[1]), int(r["point"].split(":")[0]))):
         seq, gpus = r["point"].split(":")
         fits = ", ".join(k for k, v in r["hand"].items() if v is not None) or "none"
         ratio = f"{r['hand_step'] / r['auto_step']:.3f}" if r["hand_step"] and r["auto_step"] else "n/a"
