@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -39,6 +40,14 @@ def load(*names: str) -> dict[str, dict]:
             with open(path) as f:
                 rows.update({r["point"]: r for r in json.load(f)})
     return rows
+
+
+def compact(plan: str) -> str:
+    """'..., optimizer offloaded (stages 0,1,...,15)' as '(every stage)' where those are all the plan's stages
+    (rows written before ``describe_plan`` said so itself)."""
+    stages = sum(int(n) for n in re.findall(r"(?:^|\+ )(\d+) ×", plan))
+    every = ",".join(str(i) for i in range(stages))
+    return plan.replace(f"(stages {every})", "(every stage)") if stages else plan
 
 
 def ratio(row: dict | None) -> float | None:
@@ -89,7 +98,7 @@ def rows(mist: dict, full: dict, s: dict) -> list[list]:
         family, name, gpus, cluster = p.split(":")
         fmt = lambda r: f"{r:.3f}" if r is not None else "n/a"  # noqa: E731
         ceiling = f"{f['ceiling']:.3f}" if f.get("ceiling") is not None else "n/a"
-        out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, (f or m).get("auto_plan", "n/a"),
+        out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, compact((f or m).get("auto_plan", "n/a")),
                     m.get("hand", "not run"),
                     fmt(s["mist"][p]), f.get("hand", "not run"), fmt(s["full"][p]),
                     "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
