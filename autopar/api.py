@@ -20,7 +20,7 @@ from autopar.planner.options import first_microbatch, plan_options
 from autopar.runtime import compiled, faults
 from autopar.runtime.build import build_parallel_module
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.pretrained_files import hf_config_of, open_weights, weights_source
+from autopar.runtime.pretrained_files import hf_config_of, open_weights, tied_targets, weights_source
 from autopar.runtime.tensor_source import on_meta_for, retarget_meta_device
 
 # How long other ranks wait for a rank 0 that is still planning (a large model may plan for minutes). A
@@ -93,6 +93,7 @@ def compile(model: torch.nn.Module, cluster: Cluster, example_inputs, plan: Plan
     if checkpoint_dir is not None:
         built.load(checkpoint_dir)
     built.hf_config = hf_config_of(model)
+    built.tied_targets = tied_targets(model)
     if share_with is not None:
         built.share_state_of(share_with)
     return built

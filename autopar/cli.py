@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -113,6 +114,8 @@ def _add_outputs(p: argparse.ArgumentParser, json_out: bool) -> None:
         p.add_argument("--out", metavar="PLAN.json", help="save the plan (reload with `autopar show`)")
     p.add_argument("--html", metavar="REPORT.html", help="write the self-contained HTML picture of the plan")
     p.add_argument("--trace", metavar="TRACE.json", help="write the pipeline schedule as a Chrome trace (Perfetto)")
+    p.add_argument("--force", action="store_true", help="replace existing --html/--trace files (otherwise an "
+                   "existing file is an error and is left as it was)")
 
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
@@ -122,6 +125,10 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             parser.error("--nodes applies to presets only; a cluster file already says how many nodes it has")
         if args.nodes is not None and args.nodes < 1:
             parser.error(f"--nodes must be a positive integer, got {args.nodes}")
+    if args.command in ("plan", "show"):
+        named = [v for v in (getattr(args, "out", None), args.html, args.trace) if v]
+        if len({os.path.abspath(v) for v in named}) < len(named):
+            parser.error("--out, --html and --trace must name different files")
     if args.command == "profile" and args.nprocs is not None and args.nprocs < 1:
         parser.error(f"--nprocs must be a positive integer, got {args.nprocs}")
 
@@ -131,6 +138,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
 def cmd_plan(args) -> int:
     import autopar
 
+    refuse_existing_outputs(args)  # before planning, which may take minutes
     cluster = load_cluster(args.cluster, args.nodes)
     model, example_inputs = call_factory(load_factory(args.factory), args.factory)
     options = {k: v for k, v in (("time_limit", args.time_limit), ("optimizer", args.optimizer)) if v is not None}
@@ -144,6 +152,7 @@ def cmd_plan(args) -> int:
 def cmd_show(args) -> int:
     from autopar.plan import Plan
 
+    refuse_existing_outputs(args)
     plan = Plan.from_json(args.plan)
     print(plan.summary())
     write_outputs(plan, args)
@@ -253,14 +262,32 @@ def call_factory(factory, text: str):
     return model, (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
 
 
+def refuse_existing_outputs(args) -> None:
+    """Without --force, an existing --html/--trace file is an AutoparError naming --force (checked again,
+    atomically, when writing: ``text_files.write_new_text``)."""
+    for path, what in ((args.html, "HTML report"), (args.trace, "schedule trace")):
+        if path and not args.force and os.path.lexists(path) and not os.path.isdir(path):
+            raise AutoparError(f"{what} {path!r} exists; autopar does not overwrite it: pass --force to replace "
+                               f"it, or write to another path")
+
+
 def write_outputs(plan, args) -> None:
-    """Write whichever of --out, --html, --trace were given; an unwritable path is an AutoparError."""
-    from autopar.views.trace import write_chrome_trace
-    from autopar.views.visualize import write_html
+    """Write whichever of --out, --html, --trace were given; an unwritable path is an AutoparError. --out
+    replaces only an earlier plan file (``Plan.to_json``); --html and --trace never replace a file without
+    --force, and are written whole or not at all."""
+    from autopar.ir.text_files import write_new_text
+    from autopar.views.trace import schedule_to_chrome_trace
+    from autopar.views.visualize import plan_to_html
+
+    def text_writer(make, what):
+        return lambda p: write_new_text(p, make(), what, AutoparError, force=args.force)
+
+    def trace_text() -> str:
+        return json.dumps(schedule_to_chrome_trace(plan), indent=1) + "\n"
 
     writers = [(getattr(args, "out", None), plan.to_json, "plan (reload: autopar show)"),
-               (args.html, lambda p: write_html(plan, p), "HTML report (open in a browser)"),
-               (args.trace, lambda p: write_chrome_trace(plan, p), "schedule trace (open in ui.perfetto.dev)")]
+               (args.html, text_writer(lambda: plan_to_html(plan), "HTML report"), "HTML report (open in a browser)"),
+               (args.trace, text_writer(trace_text, "schedule trace"), "schedule trace (open in ui.perfetto.dev)")]
     for path, write, what in writers:
         if path:
             try:

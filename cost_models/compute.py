@@ -172,9 +172,10 @@ def op_overhead_time(cluster, differentiable: bool) -> float:
 # Fused attention's achieved rate relative to a large GEMM's on the same GPU. FlashAttention-2 (Dao 2023,
 # §4.1, A100): forward up to 73 % and backward up to 63 % of peak, against ~86 % for the best bf16 GEMM
 # (stas00/ml-engineering MAMF table: 267.9 of 312 TFLOPS), i.e. ~0.75 of the GEMM rate over fwd+bwd.
-# The memory-efficient kernel (xformers-style, FlashAttention-1 level: 25-40 % of peak in Dao et al. 2022,
-# Table/Fig. on A100) reaches about half of the GEMM rate.
-ATTENTION_RATE = {"flash": 0.75, "efficient": 0.5}
+# The memory-efficient kernel (xformers-style, FlashAttention-1 level) reaches "only 25-40 % of the
+# theoretical maximum FLOPs/s" (Dao 2023, abstract, of FlashAttention-1 on A100): the range's midpoint,
+# 32.5 % of peak, over the same GEMM's 85.9 % is 0.38 of the GEMM rate (it was priced at 0.5, above the range).
+ATTENTION_RATE = {"flash": 0.75, "efficient": 0.325 / 0.859}
 # Passes over the score matrix of a materialized attention, forward + backward: S = QK^T written (1),
 # softmax reads S and writes P (2), PV reads P (1); backward writes dP (1), softmax backward reads P and dP
 # and writes dS (3), and dQ, dK, dV read dS, dS, P (3).

@@ -32,7 +32,11 @@ Autocast caches the copy of a leaf tensor that requires grad (a parameter) until
 exits; those copies are the per-weight copy of ``memory.TrainingSpec.param_bytes``, not activations.
 
 Invariants: the rule depends only on the op, its arguments' shapes/dtypes/strides and non-tensor values,
-and which inputs need a gradient, so it is cached by (``node_signature``, gradient flags, device type).
+and which inputs need a gradient, so it is cached by (``node_signature``, the inputs' strides, gradient
+flags, device type, autocast dtype). The signature holds shapes and dtypes only, and strides decide views:
+``reshape`` of a transposed tensor copies, of a contiguous one aliases (a graph captured on the meta device
+has the transposed layout where the CPU graph's attention output is contiguous), so a key without strides
+would give a later plan the rule of whichever graph was probed first.
 An op that fake tensors cannot run (data-dependent shapes) gets the hand-written rule of
 ``FALLBACK_SAVES_INPUTS`` / ``FALLBACK_SAVES_OUTPUT`` with ``measured=False``.
 
@@ -95,8 +99,9 @@ def saved_rule(node: fx.Node, grad_names: set[str], device_type: str = "cpu",
     ``autocast_dtype``: the precision policy's compute dtype (None: no autocast, fp32)."""
     if node.op != "call_function" or node.target is operator.getitem or not hasattr(node.target, "_schema"):
         return SavedRule(measured=False)
-    flags = tuple(isinstance(a, fx.Node) and a.name in grad_names for a in _flat_args(node))
-    key = (node_signature(node), flags, device_type, autocast_dtype)
+    flat = _flat_args(node)
+    flags = tuple(isinstance(a, fx.Node) and a.name in grad_names for a in flat)
+    key = (node_signature(node), _strides(flat), flags, device_type, autocast_dtype)
     if key not in _CACHE:
         rule = _probe(node, flags, autocast_dtype)
         _CACHE[key] = _cuda_kernels(node, rule) if device_type == "cuda" else rule
@@ -105,6 +110,18 @@ def saved_rule(node: fx.Node, grad_names: set[str], device_type: str = "cpu",
 
 def _flat_args(node: fx.Node) -> list:
     return pytree.tree_flatten((node.args, node.kwargs))[0]
+
+
+def _strides(flat: list) -> tuple:
+    """The strides of the tensor arguments' values (the probe's fake tensors take them: ``_fake_tensor``)."""
+    def of(val):
+        if isinstance(val, torch.Tensor):
+            return tuple(val.stride())
+        if isinstance(val, (tuple, list)):
+            return tuple(of(v) for v in val)
+        return None
+
+    return tuple(of(a.meta.get("val")) for a in flat if isinstance(a, fx.Node))
 
 
 def _probe(node: fx.Node, flags: tuple[bool, ...], autocast_dtype: torch.dtype | None = None) -> SavedRule:

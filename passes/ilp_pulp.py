@@ -16,8 +16,9 @@ from autopar.passes.ilp_model import SparseModel
 _OK = ("Optimal", "Not Solved")  # "Not Solved": CBC stopped at the time limit, possibly with a solution
 
 
-def solve(model: SparseModel, time_limit: float) -> tuple[str, np.ndarray | None]:
-    """(PuLP status, column values or None when CBC found no integer solution)."""
+def solve(model: SparseModel, time_limit: float, presolve: bool = True) -> tuple[str, np.ndarray | None]:
+    """(PuLP status, column values or None when CBC found no integer solution). ``presolve`` is HiGHS's
+    (``ilp_highs.solve``); CBC keeps its own presolve either way."""
     if not model.n_cols:  # every class has one strategy: nothing to decide
         return "Optimal", np.zeros(0)
     problem = pulp.LpProblem("autopar_ilp", pulp.LpMinimize)

@@ -214,9 +214,19 @@ class GroupBuilder:
         for node in self.order:
             users = self.users_in_scope(node) if node.op == "placeholder" else []
             if len(users) == 1 and users[0].op == "call_function" \
-                    and self.views[users[0].name].tensor_args.count(node) == 1:
+                    and self.views[users[0].name].tensor_args.count(node) == 1 and self._storable(node, users[0]):
                 out[node.name] = users[0].name
         return out
+
+    def _storable(self, node: fx.Node, reader: fx.Node) -> bool:
+        """Whether every spec ``reader`` may read ``node`` in is a spec ``node`` may be stored in. A pin
+        cuts a placeholder read by several nodes to one spec without cutting its readers (``passes.pins``);
+        with one of them in scope (a pipeline stage) that reader may want another spec: the placeholder then
+        leads its own group and the move is priced on the edge."""
+        idx = self.views[reader.name].tensor_args.index(node)
+        options = {s.out_spec for s in self.strategies[node.name]}
+        return all(tuple(R if p.is_partial() else p for p in s.in_specs[idx]) in options
+                   for s in self.strategies[reader.name])
 
     def _owner_groups(self, node: fx.Node, absorbed) -> set[int]:
         if node.op == "placeholder" or node.name in self.boundary:

@@ -112,6 +112,42 @@ def test_unwritable_output_is_an_autopar_error(planned, capsys):
     assert "cannot write '/nonexistent-dir/plan.html'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--html", "--trace"])
+def test_existing_report_files_are_kept_unless_forced(planned, tmp_path, capsys, monkeypatch, flag):
+    mine = tmp_path / "mine.out"
+    mine.write_text("the user's own notes\n")
+    assert main(["show", planned[1]["out"], flag, str(mine)]) == 1
+    err = capsys.readouterr().err
+    assert "exists" in err and "--force" in err and "Traceback" not in err
+    monkeypatch.chdir(ROOT)  # plan refuses before planning: no factory is called
+    assert main(["plan", "examples.gpt:make_gpt", "--cluster", "dgx-a100", flag, str(mine)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert mine.read_text() == "the user's own notes\n"
+    assert main(["show", planned[1]["out"], flag, str(mine), "--force"]) == 0  # control: --force replaces it
+    expected = open(planned[1]["html" if flag == "--html" else "trace"], encoding="utf-8").read()
+    assert mine.read_text(encoding="utf-8") == expected
+    assert sorted(os.listdir(tmp_path)) == ["mine.out"]  # no temporary file left behind
+
+
+def test_outputs_naming_one_file_are_a_usage_error(planned, tmp_path):
+    same = str(tmp_path / "x.json")
+    assert main(["show", planned[1]["out"], "--html", same, "--trace", same]) == 2
+    assert not os.path.exists(same)
+
+
+def test_write_new_text_never_replaces_a_file_created_meanwhile(tmp_path):
+    from autopar.errors import AutoparError
+    from autopar.ir.text_files import write_new_text
+
+    target = tmp_path / "report.html"
+    write_new_text(target, "first", "HTML report", AutoparError)
+    with pytest.raises(AutoparError, match="--force"):
+        write_new_text(target, "second", "HTML report", AutoparError)
+    assert target.read_text() == "first" and sorted(os.listdir(tmp_path)) == ["report.html"]
+    write_new_text(target, "second", "HTML report", AutoparError, force=True)
+    assert target.read_text() == "second"
+
+
 def test_profile_writes_the_cluster_file(tmp_path, capsys, monkeypatch):
     profiler = pytest.importorskip("autopar.profiling.profiler", reason="autopar.profiling.profiler is not written yet")
     calls = []

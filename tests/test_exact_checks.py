@@ -1,5 +1,7 @@
 """``autopar.planner.exact_checks``: the planner's answer re-solved exactly where the stage DP's scaled prices are
 furthest off. Planned on simulated clusters (meta device)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,3 +59,29 @@ def test_a_one_device_plan_predicts_the_release_of_a_one_microbatch_step():
     single = autopar.plan(model, autopar.Cluster.local(1), batch, stages=1)
     assert default.predicted["step_time"] == pytest.approx(single.predicted["step_time"], rel=1e-9)
     assert default.predicted["peak_memory"] == single.predicted["peak_memory"]
+
+
+def test_the_half_microbatch_plan_solved_beside_is_the_one_solved_in_turn(monkeypatch):
+    """The driver solves the DP's stages at half its B in a forked worker while it solves them at B
+    (``driver._half_ahead``); the plan is byte-identical to planning with every solve in this process. The
+    case (GPT-1.3B's width, 6 layers, on 4 V100s) moves from the DP's B to half of it, so the worker's plan
+    is the one returned (negative control: a plan at the DP's own B would differ in its microbatches)."""
+    import autopar.passes.forked as forked
+    import autopar.planner.driver as driver
+    from examples.gpt import suite_config
+
+    cfg = dataclasses.replace(suite_config("1.3B"), n_layer=6)
+    with torch.device("meta"):
+        model = GPT(cfg).half()
+    batch, cluster = make_batch(cfg, 1024, device="meta"), autopar.Cluster.preset("p3.16xlarge", gpus=4)
+    made = []
+    half_ahead = driver._half_ahead
+    monkeypatch.setattr(driver, "_half_ahead", lambda *args: made.append(half_ahead(*args)) or made[-1])
+    forked_plan = autopar.plan(model, cluster, batch)
+    assert made and made[0] is not None, "the half-B plan was solved beside"
+    dp_b = forked_plan.planner.get("dp_microbatches")
+    assert dp_b == 2 * forked_plan.microbatches, forked_plan.planner
+    monkeypatch.setattr(forked, "can_fork", lambda: False)
+    in_turn = autopar.plan(model, cluster, batch)
+    assert in_turn.to_json() == forked_plan.to_json()
+    assert in_turn.planner["dp_microbatches"] == dp_b

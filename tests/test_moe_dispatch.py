@@ -159,3 +159,44 @@ def test_the_example_parity_model_drops_tokens_at_capacity():
     index = (tokens @ layer.gate).softmax(-1).topk(2, dim=-1).indices
     keep = capacity_keep(index, layer.cfg.n_expert, layer.cfg.capacity_factor, layer.cfg.group_size)
     assert 0 < int((~keep).sum()) < keep.numel() // 2
+
+
+@pytest.mark.parametrize("activation,gated,transposed,capacity", [
+    ("silu", True, False, None), ("relu", False, True, 1.0), ("gelu", True, True, None),
+    ("gelu_tanh", False, False, 0.5)])
+def test_moe_op_backward_matches_autograd_of_its_forward(activation, gated, transposed, capacity):
+    """The op's written-out backward against autograd through ``experts_math`` (routing with an expert that
+    gets no token); a wrong activation derivative (silu's used for every activation) must be caught."""
+    g = torch.Generator().manual_seed(3)
+    x, weights = torch.randn(8, 6, generator=g, dtype=torch.float64), torch.rand(8, 2, generator=g, dtype=torch.float64)
+    index = torch.randint(0, 3, (8, 2), generator=g)  # expert 3 of 4 gets nothing
+    width = 10 if gated else 5
+    w_in = torch.randn(4, 6, width, generator=g, dtype=torch.float64)
+    w_out = torch.randn(4, 5, 6, generator=g, dtype=torch.float64)
+    if not transposed:
+        w_in, w_out = w_in.transpose(1, 2).contiguous(), w_out.transpose(1, 2).contiguous()
+    attrs = (activation, gated, transposed, capacity, 4 if capacity else 0)
+    inputs = [t.clone().requires_grad_(t.is_floating_point()) for t in (x, index, weights, w_in, w_out)]
+    probe = torch.randn(8, 6, generator=g, dtype=torch.float64)
+    (torch.ops.autopar.moe_experts(*inputs, *attrs) * probe).sum().backward()
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in (x, index, weights, w_in, w_out)]
+    (experts_math(*leaves, *attrs) * probe).sum().backward()
+    for i in (0, 2, 3, 4):
+        torch.testing.assert_close(inputs[i].grad, leaves[i].grad)
+    if activation != "silu":
+        wrong = torch.ops.autopar.moe_experts_backward(probe, x, index, weights, w_in, w_out, "silu", *attrs[1:])
+        assert not torch.allclose(wrong[2], leaves[3].grad)
+
+
+def test_capacity_groups_are_never_cut_by_a_token_split():
+    """With a capacity factor, a strategy that leaves a device part of a routing group is not offered (the
+    drop decision is per group): 64 tokens in one group of 64 cannot split over 2 devices; in groups of 32 they can."""
+    from examples.moe import MoEConfig, make_moe
+
+    def token_splits(group_size: int) -> set:
+        graph = capture(*make_moe(MoEConfig(group_size=group_size), batch_size=2))
+        node = next(n for n in graph.gm.graph.nodes if str(n.target) == "autopar.moe_experts.default")
+        return {s.in_specs[0] for s in generate_strategies(graph, (1, 2))[node.name] if s.in_specs[0][1].is_shard()}
+
+    assert token_splits(64) == set()
+    assert token_splits(32)  # tokens split, all-to-all

@@ -249,3 +249,15 @@ def test_moe_goal_line():
                                            "min 1.000; goal 1.5x met"
     assert goal_line([1.2, 1.0]).endswith("goal 1.5x not met")
     assert goal_line([None]) == "MoE points: none with both sides planned (goal 1.5x)"
+
+
+def test_hand_all_to_all_only_where_each_device_holds_whole_routing_groups():
+    """The GShard example drops tokens per routing group of 32: a device's share of a microbatch must be whole
+    groups for the all-to-all (else the hand layout leaves the experts' dispatch to the ILP)."""
+    from examples import moe
+
+    model, batch = moe.make_moe(moe.MoEConfig(n_layer=2, n_expert=8, group_size=32), batch_size=16)
+    op = next(n for n in capture(model, batch).gm.graph.nodes if experts.is_moe_op(n))  # 512 tokens
+    assert hand_grids.all_to_all_fits(op, hand_grids.HandLayout(dp=1, ep=8, pp=1, microbatches=1))  # 64 each
+    assert hand_grids.all_to_all_fits(op, hand_grids.HandLayout(dp=2, ep=4, pp=2, microbatches=2))  # 32 each
+    assert not hand_grids.all_to_all_fits(op, hand_grids.HandLayout(dp=2, ep=8, pp=1, microbatches=2))  # 16

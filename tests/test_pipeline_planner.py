@@ -139,3 +139,28 @@ def test_a_user_fixed_microbatch_count_above_eight_plans():
     """B = 16 leaves no candidate ≤ 8 for the data-parallel reference microbatch (once a crash)."""
     plan = gpt_plan(autopar.Cluster.preset("dgx-a100", nodes=2), 32, microbatches=16, stages=2)
     assert plan.microbatches == 16 and len({tuple(s.ranks) for s in plan.stages}) == 2
+
+
+class TwoStageReaders(nn.Module):
+    """y is read in both stages: by the add of stage 0 and by the mul of stage 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x, y):
+        h = torch.relu(self.fc1(x)) + y
+        return (self.fc2(h) * y).mean()
+
+
+def test_a_pinned_input_read_in_two_stages_is_moved_where_a_stage_reads_it_otherwise():
+    """A pin cuts an input read by two nodes to one spec but leaves its readers free; in a stage holding one
+    of them, the input is not stored "as its reader reads it" (it was a KeyError): it keeps its pinned spec
+    and the move to the reader's is priced."""
+    stages = [{"layers": [0, 0], "submesh": [1, 2], "mesh": [1, 2]},
+              {"layers": [1, 1], "submesh": [1, 2], "mesh": [1, 2]}]
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    plan = autopar.plan(TwoStageReaders(), autopar.Cluster.local(4), (x, y), layers=2, stages=stages,
+                        microbatches=2, pin={"y": "RR", "x": "RS(0)"})
+    assert [s.shardings["y"].out for s in plan.stages] == ["RR", "RR"]
+    assert all("y" in s.nodes for s in plan.stages)

@@ -144,3 +144,26 @@ def test_a_bound_below_every_plan_prunes_and_above_it_changes_nothing():
     assert stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01, bound=free.cost) == free  # a tie is still found
     pruned = stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01, bound=0.5 * free.cost)
     assert pruned is None or pruned.cost > 0.5 * free.cost
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_solve_without_presolve_stays_within_the_gap(seed):
+    """The stage DP's pricing solves skip HiGHS's presolve (``ilp_highs.solve``); their answers stay within
+    the solver's relative gap of the brute-force optimum, memory row included. Negative control: the worst
+    choice is outside that gap."""
+    import itertools
+
+    from autopar.passes import ilp_highs
+    from autopar.passes.ilp import backend, evaluate, memory_of, min_memory, solve_ilp
+    from tests.test_ilp import brute, random_problem
+
+    if backend() != "highs":
+        pytest.skip("highspy not installed")
+    problem = random_problem(np.random.default_rng(seed), classes=7)
+    problem.budget = 0.5 * (min_memory(problem) + memory_of(problem, [0] * problem.n_classes))
+    want = brute(problem)
+    result = solve_ilp(problem, 30, presolve=False)
+    assert memory_of(problem, result.choice) <= problem.budget * (1 + 1e-9)
+    assert want <= result.objective <= want * (1 + ilp_highs.MIP_GAP) + 1e-12
+    worst = max(evaluate(problem, list(c)) for c in itertools.product(*[range(len(v)) for v in problem.cost]))
+    assert worst > want * (1 + ilp_highs.MIP_GAP)

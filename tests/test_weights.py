@@ -76,6 +76,25 @@ def test_save_pretrained_round_trips_through_transformers(results, layout):
     r = results["save_pretrained"][layout]
     assert r["round_trip_equal"] and r["round_trip_keys"] and r["config_saved"], r
     assert r["saved_files"] >= 3
+    assert "lm_head.weight" in r["written"] and "model.embed_tokens.weight" in r["written"]  # untied: both
+
+
+@pytest.mark.distributed
+def test_save_pretrained_writes_a_tied_tensor_once(results):
+    r = results["tied"]
+    assert "model.embed_tokens.weight" in r["written"] and "lm_head.weight" not in r["written"], r["written"]
+    assert r["total_size"] == r["unique_bytes"]
+    assert r["trained"] and r["hf_equal"] and r["hf_tied"] and r["weights_equal"], r
+
+
+@pytest.mark.distributed
+def test_zero3_parameters_read_and_written_between_steps(results):
+    r = results["zero3_reads"]
+    assert r["norms_finite"] and r["piece_numel"] * 2 <= r["numel"] + 2 * 64, r  # pieces, not whole tensors
+    assert abs(r["sum_of_pieces"] - r["full_sum"]) <= 1e-9 * max(1.0, abs(r["full_sum"])), r
+    assert abs(r["rank0_pieces"] - r["full_sum"]) > 1e-3, r  # negative control: one rank's pieces are not all
+    assert r["halved"], "an in-place write to a piece must write the shard"
+    assert r["after"]["loss_err"] <= 1e-5 and r["after"]["param_err"] <= 1e-4, r
 
 
 @pytest.mark.distributed

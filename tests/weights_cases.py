@@ -8,6 +8,7 @@ microbatches, 1F1B). Each case reports the full weights right after compile (ran
 ``autopar.init_weights`` on one device, and across layouts) and the loss/parameter errors of 3 AdamW steps
 against the single-device model initialized by ``autopar.init_weights``.
 """
+import json
 import os
 import shutil
 import tempfile
@@ -24,12 +25,12 @@ VOCAB, SEQ, BATCH = 128, 16, 8
 LAYOUTS = ("dp", "tp", "zero3", "pp2")
 
 
-def llama_config(layers: int = 2):
+def llama_config(layers: int = 2, tied: bool = False):
     from transformers import LlamaConfig
 
     return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
-                       attention_dropout=0.0, use_cache=False)
+                       attention_dropout=0.0, use_cache=False, tie_word_embeddings=tied)
 
 
 class LossOf(torch.nn.Module):
@@ -43,8 +44,8 @@ class LossOf(torch.nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def build(name: str, device="meta") -> tuple[torch.nn.Module, tuple]:
-    """(model on ``device``, batch)."""
+def build(name: str, device="meta", tied: bool = False) -> tuple[torch.nn.Module, tuple]:
+    """(model on ``device``, batch); ``tied``: the Llama's lm_head is its embedding."""
     with torch.device(device):
         if name == "gpt":
             cfg = GPTConfig(n_layer=2, vocab_size=VOCAB, seq_len=SEQ, n_embd=64, n_head=4)
@@ -52,7 +53,7 @@ def build(name: str, device="meta") -> tuple[torch.nn.Module, tuple]:
         else:
             from transformers import LlamaForCausalLM
 
-            model = LossOf(LlamaForCausalLM(llama_config()))
+            model = LossOf(LlamaForCausalLM(llama_config(tied=tied)))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     if name == "gpt":
         return model, make_batch(cfg, BATCH, seed=1)
@@ -175,11 +176,85 @@ def save_pretrained_case(loaded: dict, layout: str, world: int) -> dict:
     result = {"round_trip_equal": all(torch.equal(full["model." + k], v) for k, v in back.items()),
               "round_trip_keys": sorted("model." + k for k in back) == sorted(full),
               "saved_files": len([f for f in os.listdir(out_dir) if f.endswith(".safetensors")]),
-              "config_saved": os.path.exists(os.path.join(out_dir, "config.json"))}
+              "config_saved": os.path.exists(os.path.join(out_dir, "config.json")),
+              "written": sorted(saved_keys(out_dir))}
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(out_dir, ignore_errors=True)
     return result
+
+
+def saved_keys(directory: str) -> list[str]:
+    with open(os.path.join(directory, "model.safetensors.index.json"), encoding="utf-8") as f:
+        return list(json.load(f)["weight_map"])
+
+
+def tied_case(world: int) -> dict:
+    """A Llama whose lm_head is its embedding, trained 2 steps at ZeRO-3: pm.save_pretrained writes the shared
+    tensor once (as transformers does); from_pretrained ties it back, and weights= loads it under tp."""
+    from transformers import LlamaForCausalLM
+
+    model, batch = build("llama", tied=True)
+    pm = autopar.compile(model, cluster(world, "zero3"), batch, init_seed=5, **options("llama", "zero3", world))
+    opt = optimizer(pm, "zero3")
+    for _ in range(2):
+        pm.train_step(*batch)
+        opt.step()
+        opt.zero_grad()
+    out_dir = shared_dir()
+    pm.save_pretrained(out_dir, prefix="model.", max_shard_size="30KB")
+    full = pm.full_state_dict()
+    back = LlamaForCausalLM.from_pretrained(out_dir)
+    again = autopar.compile(build("llama", tied=True)[0], cluster(world, "tp"), batch, weights=out_dir,
+                            prefix="model.", **options("llama", "tp", world))
+    got = again.full_state_dict()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), encoding="utf-8") as f:
+        total = json.load(f)["metadata"]["total_size"]
+    result = {"written": sorted(saved_keys(out_dir)), "total_size": total,
+              "unique_bytes": sum(v.numel() * v.element_size() for k, v in full.items() if "lm_head" not in k),
+              "hf_equal": all(torch.equal(full["model." + k], v) for k, v in back.state_dict().items()),
+              "hf_tied": back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr(),
+              "weights_equal": list(got) == list(full) and all(torch.equal(got[k], v) for k, v in full.items()),
+              "trained": not torch.equal(full["model.lm_head.weight"],
+                                         autopar.init_weights(build("llama", tied=True)[0], init_seed=5)
+                                         .state_dict()["model.lm_head.weight"])}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return result
+
+
+def zero3_reads_case(world: int) -> dict:
+    """Reading and writing ``pm.parameters()`` between ZeRO-3 steps (this rank's pieces of the shards), then
+    training on: sums against the full weights, an in-place halving against the same on the reference."""
+    model, batch = build("gpt")
+    pm = autopar.compile(model, cluster(world, "zero3"), batch, **options("gpt", "zero3", world))
+    reference = autopar.init_weights(build("gpt")[0], init_seed=0)
+    train(pm, optimizer(pm, "zero3"), reference, batch)  # ends with full_state_dict: every unit gathered
+    with torch.no_grad():
+        pm(*batch)  # a forward frees each unit after its last use: the parameters are at rest
+    zero3 = set(pm.runner.gradsync.units.of_param)
+    pieces = [p.detach() for n, p in pm.named_parameters() if n.rsplit(".", 1)[-1] in zero3]
+    whole = [p.detach() for n, p in pm.named_parameters() if n.rsplit(".", 1)[-1] not in zero3]
+    norms = [float(p.data.norm()) for p in pm.parameters()]
+    mine = torch.stack([p.double().sum() for p in pieces + (whole if dist.get_rank() == 0 else [])]).sum()
+    every = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(every, mine)
+    full = pm.full_state_dict()
+    names = dict(reference.named_parameters())
+    total = sum(v.double().sum() for k, v in full.items() if k in names)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.mul_(0.5)
+        for p in reference.parameters():
+            p.mul_(0.5)
+    halved = pm.full_state_dict()
+    after = train(pm, optimizer(pm, "zero3"), reference, batch)
+    return {"sum_of_pieces": float(sum(every)), "rank0_pieces": float(every[0]), "full_sum": float(total),
+            "norms_finite": all(n == n for n in norms), "piece_numel": sum(p.numel() for p in pieces),
+            "numel": sum(p.numel() for p in reference.parameters()) - sum(p.numel() for p in whole),
+            "halved": all(torch.equal(halved[k], full[k] * 0.5) for k in full if k in names),
+            "after": after}
 
 
 def checkpoint_case(world: int) -> dict:
@@ -211,6 +286,8 @@ def run_all(rank: int, world: int) -> dict:
         out["weights"][layout] = {k: v for k, v in loaded[layout].items() if k not in ("pm", "hf")}
     out["save_pretrained"] = {layout: save_pretrained_case(loaded[layout], layout, world) for layout in ("tp", "zero3")}
     out["checkpoint"] = checkpoint_case(world)
+    out["tied"] = tied_case(world)
+    out["zero3_reads"] = zero3_reads_case(world)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(path, ignore_errors=True)

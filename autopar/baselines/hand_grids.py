@@ -16,7 +16,9 @@ same cost model), so "hand" means: the weight layout a practitioner writes by ha
   over all dp·ep devices; every expert weight is Shard(0) over ep (each device of an ep group holds E/ep
   experts), every other weight is replicated; the MoE experts op (``autopar::moe_experts``) keeps its tokens
   split on both axes (its output pinned to the batch spec), which on the ep axis only the all-to-all
-  dispatch gives (kernel ``expert_all_to_all``: tokens travel to their experts' devices and back); pp
+  dispatch gives (kernel ``expert_all_to_all``: tokens travel to their experts' devices and back; with a
+  capacity factor only where each device's tokens are whole routing groups, ``all_to_all_fits``, else the
+  expert split is the ILP's choice); pp
   stages of equal layer counts (pp divides the layer count; a layer is one block, or two when there are
   more than 16). ``moe_pins`` names the project's GShard example's tensors, ``mixtral_pins`` a Hugging
   Face MoE causal LM's (experts ``*experts*``, inputs ``input_ids``/``labels``).
@@ -42,6 +44,7 @@ from autopar.baselines.hand_search import (
 )
 from autopar.baselines.megatron_configs import MAX_MICROBATCHES, stage_submesh
 from autopar.cost_models.experts import MOE_OP
+from autopar.ir.ops import OpView
 
 EP_DEGREES = (1, 2, 4, 8)
 
@@ -128,6 +131,16 @@ def hand_grid(n_devices: int, n_layers: int, devices_per_node: int, global_batch
                     microbatches *= 2
 
 
+def all_to_all_fits(op, layout: HandLayout) -> bool:
+    """Whether the MoE experts op ``op`` (captured at the global batch) can dispatch by all-to-all under
+    ``layout``: with a capacity factor each device's tokens of a microbatch must be whole routing groups
+    (the drop decision is per group); otherwise the experts are left to the ILP (its gathered split)."""
+    view = OpView(op)
+    tokens, group = view.in_shapes[0][0], view.arg(9) if view.arg(8) is not None else 0
+    parts = layout.microbatches * layout.dp * layout.ep
+    return tokens % parts == 0 and (not group or (tokens // parts) % group == 0)
+
+
 def balanced_ranges(costs: list[float], parts: int) -> list[tuple[int, int]]:
     """Contiguous [first, last] ranges of ``costs`` in ``parts`` pieces minimizing the largest piece's sum
     (the linear partition problem, by DP over prefix sums: O(parts · n²))."""
@@ -201,11 +214,11 @@ def best_hand(model, cluster, batch, pins_for, n_experts: int = 1, patience: int
 
     roomy = cluster.with_memory(UNBOUNDED_MEMORY)
 
-    has_op = any(str(n.target) == MOE_OP for n in graph.gm.graph.nodes)
+    moe_ops = [n for n in graph.gm.graph.nodes if str(n.target) == MOE_OP]
 
     def score(layout: HandLayout, unbounded: bool = False) -> Scored:
         pins = pins_for(layout)
-        if not has_op:  # a model whose experts are captured as other ops: their layout is the ILP's choice
+        if not all(all_to_all_fits(op, layout) for op in moe_ops):  # includes a model without the op
             pins.pop(MOE_DISPATCH_GLOB, None)
         options = hand_options(layout, ranges(layout), cluster.devices_per_node, pins)
         options["precision"] = precision

@@ -19,8 +19,9 @@ locally.
 
 The op is opaque to export (one node per MoE layer, which the planner shards as a whole:
 ``passes/strategies/moe_experts.py``); its eager kernel is ``experts_math``, which the runtime's local
-kernels (``runtime/expert_dispatch.py``) share. Autograd recomputes the forward in backward (as activation
-checkpointing does): the op saves only its inputs.
+kernels (``runtime/expert_dispatch.py``) share. Its backward is the op ``autopar::moe_experts_backward``, the
+chain rule written out per expert: it recomputes each expert's hidden activations from the saved inputs (as
+activation checkpointing does), so the op saves only its inputs, and compiled graphs keep both ops whole.
 """
 from __future__ import annotations
 
@@ -117,21 +118,79 @@ def _moe_experts_fake(x, index, weights, w_in, w_out, activation, gated, transpo
     return torch.empty_like(x)
 
 
+def _act_and_grad(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(h), act'(h)) of the activations in ``ACTIVATIONS``."""
+    if activation == "relu":
+        return h.clamp_min(0), (h > 0).to(h.dtype)
+    if activation == "silu":
+        s = torch.sigmoid(h)
+        return h * s, s * (1 + h * (1 - s))
+    if activation == "gelu":
+        cdf = 0.5 * (1 + torch.erf(h / math.sqrt(2)))
+        return h * cdf, cdf + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+    c = math.sqrt(2 / math.pi)
+    t = torch.tanh(c * (h + 0.044715 * h ** 3))
+    return 0.5 * h * (1 + t), 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * 0.044715 * h * h)
+
+
+def _one_expert_backward(v, dy, w_in, w_out, activation: str, gated: bool, transposed: bool):
+    """(y, dv, dw_in, dw_out) of one expert on rows v given dy = ∂loss/∂y (module docstring's expert_e)."""
+    w_in_m, w_out_m = (w_in, w_out) if transposed else (w_in.t(), w_out.t())  # [in, N], [I, out]
+    h = v @ w_in_m
+    if gated:
+        gate, up = h.chunk(2, dim=-1)
+        act, act_grad = _act_and_grad(gate, activation)
+        a = act * up
+    else:
+        a, act_grad = _act_and_grad(h, activation)
+    da = dy @ w_out_m.t()
+    dh = torch.cat([da * up * act_grad, da * act], -1) if gated else da * act_grad
+    dw_in, dw_out = v.t() @ dh, a.t() @ dy
+    return a @ w_out_m, dh @ w_in_m.t(), (dw_in if transposed else dw_in.t()), (dw_out if transposed else dw_out.t())
+
+
+@torch.library.custom_op("autopar::moe_experts_backward", mutates_args=())
+def moe_experts_backward(grad: torch.Tensor, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                         w_in: torch.Tensor, w_out: torch.Tensor, activation: str, gated: bool, transposed: bool,
+                         capacity_factor: float | None, group_size: int,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of x, weights, w_in, w_out given ∂loss/∂out (``grad``), by the chain rule per expert (an op
+    of its own, so compiled backward graphs keep it whole, as forward graphs keep ``moe_experts``)."""
+    keep = capacity_keep(index, w_in.shape[0], capacity_factor, group_size) if capacity_factor is not None else None
+    order, counts = dispatch_order(index, keep, 0, w_in.shape[0])
+    tokens = order // index.shape[1]
+    scale = (weights if keep is None else weights * keep).reshape(-1)[order].unsqueeze(-1)
+    rows_grad = grad[tokens].to(w_out.dtype)
+    gx, gw_in, gw_out = torch.zeros_like(x), torch.zeros_like(w_in), torch.zeros_like(w_out)
+    gweights = torch.zeros(weights.numel(), dtype=weights.dtype, device=weights.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        part = slice(start, start + count)
+        y, dv, gw_in[e], gw_out[e] = _one_expert_backward(
+            x[tokens[part]].to(w_in.dtype), rows_grad[part] * scale[part].to(w_out.dtype), w_in[e], w_out[e],
+            activation, gated, transposed)
+        gweights[order[part]] = (rows_grad[part] * y).sum(-1).to(weights.dtype)
+        gx.index_add_(0, tokens[part], dv.to(x.dtype))
+        start += count
+    return gx, gweights.view(weights.shape), gw_in, gw_out
+
+
+@moe_experts_backward.register_fake
+def _moe_experts_backward_fake(grad, x, index, weights, w_in, w_out, *attrs):
+    return torch.empty_like(x), torch.empty_like(weights), torch.empty_like(w_in), torch.empty_like(w_out)
+
+
 def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs[:5])
     ctx.attrs = inputs[5:]
 
 
 def _backward(ctx, grad):
-    """Recompute the forward with autograd on and differentiate it (the op saves only its inputs)."""
-    saved = ctx.saved_tensors
-    wanted = [i for i in (0, 2, 3, 4) if ctx.needs_input_grad[i]]
-    with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(i in wanted) for i, t in enumerate(saved)]
-        out = experts_math(*leaves, *ctx.attrs)
-        grads = torch.autograd.grad(out, [leaves[i] for i in wanted], grad, allow_unused=True)
-    by_input = dict(zip(wanted, grads))
-    return tuple(by_input.get(i) for i in range(5)) + (None,) * len(ctx.attrs)
+    """The op saves only its inputs; ``moe_experts_backward`` recomputes each expert's activations."""
+    gx, gweights, gw_in, gw_out = torch.ops.autopar.moe_experts_backward(grad, *ctx.saved_tensors, *ctx.attrs)
+    return (gx, None, gweights, gw_in, gw_out) + (None,) * len(ctx.attrs)
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup_context)

@@ -65,3 +65,38 @@ def write_json_text(path, text: str, what: str, error: type, is_ours) -> None:
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def write_new_text(path, text: str, what: str, error: type, force: bool = False) -> None:
+    """Write ``text`` to ``path`` through a sibling temporary file, never losing a file already there: without
+    ``force`` an existing ``path`` is an ``error`` naming ``--force`` (the temporary file is linked into place,
+    which fails rather than replaces, so a file created meanwhile is kept too); with ``force`` it is replaced
+    whole by one rename (a reader sees the old file or the new one, never half of either)."""
+    name = str(path)
+    parent = os.path.dirname(os.path.abspath(name))
+    if os.path.isdir(name):
+        raise error(f"{what} {name!r} is a directory; pass a file path such as {os.path.join(name, 'plan.html')!r}")
+    if not os.path.isdir(parent):
+        raise error(f"cannot write {name!r} ({what}): its directory {parent!r} does not exist; create it first")
+    if not force and os.path.lexists(name):
+        raise _exists(error, what, name)
+    partial = os.path.join(parent, f".{os.path.basename(name)}.partial-{os.getpid()}")
+    try:
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+        if force:
+            os.replace(partial, name)
+        else:
+            os.link(partial, name)
+    except FileExistsError:
+        raise _exists(error, what, name) from None
+    except OSError as e:
+        raise error(f"cannot write {name!r} ({what}): {e.strerror or e}") from None
+    finally:
+        if os.path.lexists(partial):
+            os.unlink(partial)
+
+
+def _exists(error: type, what: str, name: str):
+    return error(f"{what} {name!r} exists; autopar does not overwrite it: pass --force to replace it, or write to "
+                 f"another path")

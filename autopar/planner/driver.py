@@ -173,9 +173,18 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                 raise
             raise InfeasibleError(f"{e}{_tried(rejected)}") from None
         clock.lap("stage_dp")
+        solve_at = lambda b: feasible(lambda: _pipeline(  # noqa: E731
+            graph, layers, blocks, cluster, options, model_name, same_stages_at(choice, b, dp_schedule(
+                options.schedule)), at_microbatch, costs.modes))
+        fewer = options.microbatches is None and choice.virtual == 1
+        ahead = _half_ahead(choice.microbatches, candidates, solve_at) if fewer else None
         try:
             plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch, costs.modes)
-        except _StageInfeasible as e:
+        except BaseException as e:
+            if ahead is not None:
+                ahead.cancel()
+            if not isinstance(e, _StageInfeasible):
+                raise
             clock.lap("stage_ilps")
             interleave = not (choice.virtual > 1 and options.schedule == "auto")
             if interleave:
@@ -185,13 +194,24 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                 raise _infeasible(InfeasibleError("the stage DP's choices do not fit when solved exactly"), graph,
                                   cluster, options, rejected) from None
             continue
-        if options.microbatches is None and choice.virtual == 1:
-            plan = fewer_microbatches(plan, candidates, lambda b: feasible(lambda: _pipeline(
-                graph, layers, blocks, cluster, options, model_name, same_stages_at(choice, b, dp_schedule(
-                    options.schedule)), at_microbatch, costs.modes)))
+        if fewer:
+            half = choice.microbatches // 2
+            plan = fewer_microbatches(plan, candidates,
+                                      lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
+            if ahead is not None:
+                ahead.cancel()  # already joined when it was asked for; stopped here when it was not
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
+
+
+def _half_ahead(microbatches: int, candidates: list[int], solve_at) -> Beside | None:
+    """The DP's stages solved exactly at half its B in a forked worker while this process solves them at B:
+    ``fewer_microbatches`` asks for that plan whenever half the B is a candidate and B's own stages fit, so
+    solving it beside costs no work the sequential walk would not do, and halves the wall time of the two.
+    None when half the B is no candidate (nothing would be asked)."""
+    half = microbatches // 2
+    return Beside(lambda: solve_at(half)) if half in candidates else None
 
 
 def _tried(rejected: list[str]) -> str:

@@ -57,6 +57,7 @@ class Bucket:
     def __init__(self, gm, spec: dict, mesh_index: int, mesh_shape):
         self.names, self.level, self.ways, self.axes = spec["names"], spec["level"], spec["ways"], spec["axes"]
         self.params = [getattr(gm, n) for n in self.names]
+        self.numels = [p.numel() for p in self.params]  # a ZeRO-3 parameter at rest is a piece (``zero3``)
         self.numel = spec["numel"]
         self.key = _group_key(mesh_index, spec["axes"], mesh_shape)
         self.group = groups.get(self.key)
@@ -71,16 +72,24 @@ class Bucket:
         if self.level <= 1:
             self.grad_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
             self._grads_as_views()
-        else:
-            self.grad_shard = torch.zeros(self.shard_size, dtype=self.params[0].dtype)
-        if self.shard is not None:
-            self.shard.grad = self.grad_flat[self.lo:self.hi] if self.level == 1 else self.grad_shard
+        self._grad_shard = None  # levels 2-3: allocated by the first step (``grad_shard``), not at build
+        if self.shard is not None and self.level == 1:
+            self.shard.grad = self.grad_flat[self.lo:self.hi]
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        """Levels 2-3: the shard's gradient buffer, allocated on first use (a step's ``begin``), as FSDP2
+        allocates gradients in backward: building the module holds parameters only. Until then the shard's
+        ``.grad`` is None, as any torch parameter's is before its first backward."""
+        if self._grad_shard is None:
+            self._grad_shard = torch.zeros(self.shard_size, dtype=self.params[0].dtype)
+        return self._grad_shard
 
     def offsets(self):
         offset = 0
-        for p in self.params:
-            yield p, offset, offset + p.numel()
-            offset += p.numel()
+        for p, numel in zip(self.params, self.numels):
+            yield p, offset, offset + numel
+            offset += numel
 
     def _flatten_params(self, pending: dict) -> None:
         if self.level == 3 and any(n in pending for n in self.names):
@@ -104,6 +113,7 @@ class Bucket:
             if lo < hi:
                 full = value() if value is not None else p.detach()
                 shard[lo - self.lo:hi - self.lo].copy_(full.reshape(-1)[lo - a:hi - a])
+                del full  # not alive beside the next parameter's full value
             p.data = self.param_flat[a:b].view_as(p)
         self.shard = torch.nn.Parameter(shard)
 

@@ -230,3 +230,14 @@ def hf_config_of(model: torch.nn.Module):
     """{module name: its Hugging Face config} for the modules that carry one (``save_pretrained`` writes it)."""
     return {name: m.config for name, m in model.named_modules()
             if callable(getattr(getattr(m, "config", None), "save_pretrained", None))}
+
+
+def tied_targets(model: torch.nn.Module) -> list[str]:
+    """The state-dict keys (regular expressions, as ``transformers`` matches them) that the model's modules
+    declare as tied copies of another key (``_tied_weights_keys``: a {target: source} dict in transformers 5,
+    a list of targets before): ``save_pretrained`` leaves them out of the files."""
+    out = []
+    for name, m in model.named_modules():
+        declared = getattr(m, "_tied_weights_keys", None) or ()
+        out.extend(f"{name}.{k}" if name else k for k in declared)
+    return out

@@ -5,7 +5,9 @@ Layout (what ``transformers``' ``from_pretrained(DIR)`` reads): ``model-0000i-of
 of at most ``max_shard_size`` bytes each (a larger tensor alone in its file), ``model.safetensors.index.json``
 ({"metadata": {"total_size"}, "weight_map": {key: file}}), and ``config.json`` when the model (the module at
 ``prefix``) carries a Hugging Face config. Keys are the model's state-dict keys with ``prefix`` taken off;
-keys outside ``prefix`` are not written.
+keys outside ``prefix`` are not written. A tied tensor (one parameter under several keys: embedding and
+``lm_head``) is written once, as ``transformers`` writes it: under the key its model does not declare a tied
+target (``_tied_weights_keys``, which ``from_pretrained`` ties back to the source), else its first key.
 
 Invariants:
   * every file's tensors belong to one stage (the first that holds them); the file's writer is one rank of
@@ -53,7 +55,7 @@ def save_pretrained(pm, directory, prefix: str = "", max_shard_size="5GB") -> No
     """See the module docstring. Collective: call on every rank."""
     limit = parse_size(max_shard_size)
     final = Path(os.fspath(directory)).absolute()
-    entries = _entries(pm, prefix)
+    entries = _once_per_tied_tensor(pm, _entries(pm, prefix))
     if not entries:
         raise CheckpointError(f"no state-dict key of the model starts with prefix={prefix!r}; the keys look like "
                               f"{pm._state_keys[:2]}")
@@ -90,6 +92,20 @@ def _entries(pm, prefix: str) -> list[tuple[str, str, object, int]]:
             numel *= d
         out.append((key, info.name, owner, numel * info.dtype.itemsize))
     return out
+
+
+def _once_per_tied_tensor(pm, entries: list) -> list:
+    """``entries`` less every key of a tied tensor but the one written (see the module docstring)."""
+    targets = [re.compile(t) for t in getattr(pm, "tied_targets", ())]
+    groups: dict[str, list[str]] = {}
+    for key, *_ in entries:
+        groups.setdefault(pm._graph.param_aliases.get(key, key), []).append(key)
+    dropped = set()
+    for keys in groups.values():
+        declared = [k for k in keys if any(t.search(k) for t in targets)]
+        kept = next((k for k in keys if k not in declared), keys[0])
+        dropped.update(k for k in keys if k != kept)
+    return [e for e in entries if e[0] not in dropped]
 
 
 def _files(entries: list, limit: int) -> list[tuple[str, int, list]]:

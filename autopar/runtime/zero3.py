@@ -35,7 +35,11 @@ into the fp32 shard, as at level 2. The fp32 master buffer is gathered only for 
   * recompute: the body of a checkpointed region that reads a unit starts with an ``ensure`` node (nothing
     in forward, where the unit is gathered; a gather when backward replays the region, which then holds
     all its units at once as its forward call did: no prefetch beyond them, which would add to that);
-  * after the optimizer step the units are left freed (the next forward gathers the updated shards).
+  * after the optimizer step the units are left freed (the next forward gathers the updated shards);
+  * at rest (freed, with no backward to come) each parameter is a 1-D view of its piece of this rank's shard
+    (empty where the shard holds none of it), as FSDP1's original parameters are: ``pm.parameters()`` read
+    or written between steps reach this rank's share, never the freed buffer (which has no bytes: a read
+    of it crashed the process); gathering points them back at the buffer, with their shapes.
 Every issue and every wait is a collective of the unit's group under ``faults.guard`` (its timeout); a unit
 is never released while its all-gather is in flight. The graph rewrite is ``runtime.zero3_graph``.
 
@@ -87,6 +91,7 @@ class Unit:
         self.dirty = False  # the master buffer may have been written outside a step (``materialize``)
         self.backward_seen = self.pending_backward = 0
         self.gathers = 0  # all-gathers issued
+        self.whole = [p.data for p in bucket.params]  # views of the master buffer, whose storage comes and goes
         registry.note(self.master.nbytes + (0 if same else self.flat.nbytes))
         self.free()  # built gathered (gradsync filled the master buffer): free it at once
 
@@ -115,6 +120,7 @@ class Unit:
             return
         self.absorb()
         self.flat.allocate()
+        self._point_params(whole=True)
         self.sent = self.bucket.shard.detach().to(self.flat.tensor.dtype)
         self.work = faults.guard("all_gather", self.bucket.key, _ALL_GATHER, self.flat.tensor, self.sent,
                                  group=self.bucket.group, async_op=True)
@@ -153,7 +159,24 @@ class Unit:
             self.master.release()
             self.registry.note(-self.master.nbytes)
         self.backward_seen = 0
+        if self.pending_backward <= 0:  # no backward of a forward already run reads the parameters
+            self._point_params(whole=False)
         self.registry.released()
+
+    def _point_params(self, whole: bool) -> None:
+        """Point the parameters at the master buffer (``whole``: their own shapes, for the generated ops and
+        readers that gathered it) or, at rest, at their pieces of this rank's shard (1-D, empty where the
+        shard holds none of a parameter): reading ``pm.parameters()`` between steps then reads this rank's
+        share of each, and an in-place write to one writes the shard, as FSDP's original parameters do;
+        never the freed buffer, which has no bytes."""
+        bucket = self.bucket
+        shard = bucket.shard.detach()
+        for (p, a, b), view in zip(bucket.offsets(), self.whole):
+            if whole:
+                p.data = view
+            else:
+                lo, hi = max(a, bucket.lo), min(b, bucket.hi)
+                p.data = shard[lo - bucket.lo:hi - bucket.lo] if lo < hi else shard[:0]
 
     def absorb(self) -> None:
         """After ``materialize`` (a checkpoint load writes the full buffer): copy this rank's slice into the shard."""
@@ -165,6 +188,7 @@ class Unit:
     def materialize(self, writes: bool = True) -> None:
         """Gather the fp32 master buffer for a reader outside ``train_step`` (state dicts, checkpoints), which
         may also write it (``writes``: fold the writes into the shard at the next use or free)."""
+        self._point_params(whole=True)
         if self.master is self.flat:
             self.gather()
         elif not self.master.held:

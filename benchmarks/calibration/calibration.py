@@ -19,7 +19,10 @@ ratio = predicted / published throughput (above 1: the model is optimistic); the
 
 The plan's predicted step is then re-priced where the run's system differs from autopar's runtime
 (``published_schedule``: the gradient sync exposed after backward where the run used Megatron's local DDP,
-torchtitan's op-level selective recompute); the table's "predicted" is that step, "planner" the plan's own.
+torchtitan's op-level selective recompute, Megatron's and Alpa's fused scale-mask-softmax, llm-foundry's
+FlashAttention-1-level Triton attention); the table's "predicted" is that step, "planner" the plan's own.
+Rows run under amp (``Run.amp``: fp32 weights, bf16 autocast) are captured in fp32 and relabelled under the
+precision policy, as ``autopar.plan`` does.
 FSDP2's prefetched ZeRO-3 gathers are the plan's own price: autopar's runtime prefetches them too. Pipeline
 sends are the planner's own shard-to-shard transfers, which is Megatron-LM's scatter/gather.
 
@@ -49,6 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import autopar  # noqa: E402
 from autopar.baselines.megatron_configs import MegatronConfig, megatron_options, score_options, spec_text  # noqa: E402
+from autopar.ir.precision import apply_to_graph  # noqa: E402
+from autopar.ir.precision import resolve as resolve_precision  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.planner.driver import PlanOptions  # noqa: E402
 from autopar.profiling.fidelity import log_ratio_summary  # noqa: E402
@@ -59,15 +64,19 @@ from examples.hf_causal_lm import CausalLMLoss  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "calibration.md")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+UNCHECKED_MEMORY = 4  # memory_checked=False rows: budget × this (cluster_for)
 PLANNER_OPTIONS = {f.name for f in dataclasses.fields(PlanOptions)}
 
 
 def cluster_for(run: Run, scale: float | None = None) -> autopar.Cluster:
-    """The preset for the run's GPUs (``preset_gpus``), with ``scale`` as its compute_time_scale when given."""
+    """The preset for the run's GPUs (``preset_gpus``), with ``scale`` as its compute_time_scale when given.
+    A row with ``memory_checked=False`` gets the device's memory several times over: its published layout
+    ran on that hardware, where autopar's memory model finds no plan for it (llm-foundry's MPT 350M and 760M
+    under amp: 98 GiB predicted per 80 GB GPU), and the row checks time, not memory."""
     cluster = autopar.Cluster.preset(run.preset, gpus=run.gpus)
     if scale is not None:
         cluster = dataclasses.replace(cluster, compute_time_scale=scale)
-    return cluster
+    return cluster if run.memory_checked else cluster.with_memory(UNCHECKED_MEMORY * cluster.memory_per_device)
 
 
 HIDDEN_STREAM_OPS = ("aten.layer_norm.default", "aten.dropout.default", "aten.add.Tensor")
@@ -99,8 +108,9 @@ def layout_options(run: Run, cluster, graph=None) -> dict:
     elif run.layout == "fsdp":
         mesh = cluster.mesh_shape
         split = "".join("S(0)" if n > 1 else "R" for n in mesh)
+        inputs = ("idx", "targets") if run.model == "gpt" else ("input_ids", "labels")  # forward's argument names
         options = {"stages": 1, "microbatches": run.microbatches,
-                   "pin": {"p_*": "R" * len(mesh), "input_ids": split, "labels": split}}
+                   "pin": {"p_*": "R" * len(mesh), **{name: split for name in inputs}}}
     else:
         stages = [{"layers": [first, last], "submesh": list(submesh), "mesh": list(mesh)}
                   for first, last, submesh, mesh in run.stages]
@@ -135,8 +145,10 @@ def capture_run(run: Run):
     cfg = GPTConfig(vocab_size=run.vocab, seq_len=run.seq, n_layer=run.layers, n_head=run.heads,
                     n_embd=run.hidden, dropout=run.dropout, attention=run.attention)
     with torch.device("meta"):
-        model = GPT(cfg).to(DTYPES[run.precision])
-    return capture(model, make_batch(cfg, run.batch, device="meta"))
+        model = GPT(cfg).to(torch.float32 if run.amp else DTYPES[run.precision])
+    graph = capture(model, make_batch(cfg, run.batch, device="meta"))
+    # amp: fp32 master weights, ops under autocast (the planner's precision policy, as autopar.plan runs it)
+    return apply_to_graph(graph, resolve_precision(run.precision)) if run.amp else graph
 
 
 def causal_sdpa(module, query, key, value, attention_mask, **kwargs):

@@ -20,6 +20,23 @@ bf16 under a bf16 policy) and the plan charges only what compute does not hide
   Memory-bound ops carry no FLOPs, so their rerun is priced at ρ of their time, not all of it: an
   under-estimate of the run's recompute.
 
+* Fused scale-mask-softmax (``fused_softmax``): Megatron-LM's ``FusedScaleMaskSoftmax`` (its
+  ``scaled_upper_triang_masked_softmax`` kernel, on by default as ``--masked-softmax-fusion``) applies the causal
+  mask inside the softmax kernel, forward and backward; Alpa's XLA fuses the mask's select into the softmax's
+  reduction the same way. The GPT written op by op (``examples.gpt``, materialized attention) runs a separate
+  ``masked_fill`` over the score matrix first, which autopar's eager runtime really pays and the plan prices
+  (read and write of b·h·s² elements, three times with backward). For these runs that pass is taken out:
+  each stage's ``masked_fill`` nodes on 4-D score tensors are priced with ``cost_models.compute.compute_time``
+  under the plan's own shardings, per microbatch, and removed from forward (1/3) and backward (2/3, plus the
+  forward's share again where the stage recomputes).
+
+* Attention kernel (``attention_kernel``): where the run's fused attention was another kernel than the one
+  torch's SDPA picks on the cluster (flash), each stage's SDPA nodes are re-priced at that kernel's rate
+  (``cost_models.compute.ATTENTION_RATE``): the plan's seconds for them (``compute_time`` under the plan's
+  shardings) times flash's rate over the run kernel's, split between forward and backward by their FLOPs.
+  llm-foundry's MPT runs used its Triton FlashAttention with the ALiBi bias (``attn_impl: triton``, the
+  default of its ``submit_benchmarks.py``), a FlashAttention-1-level kernel: "efficient".
+
 The adjusted step is ``plan_builder.predict`` over the adjusted stages: the same schedule replay as the
 plan's own prediction. Pipeline transfers need no adjustment: the planner prices shard-to-shard sends
 itself (``autopar.ir.shard_boxes``: each piece crosses the slow link once, the receivers gather over their
@@ -30,8 +47,11 @@ from __future__ import annotations
 import copy
 import re
 
-from autopar.cost_models.compute import node_flops
+from autopar.cost_models.compute import ATTENTION_RATE, attention_kernel, attention_rate, compute_time, node_flops
+from autopar.hardware.cluster import Cluster
+from autopar.placement import parse_spec, shard_fraction
 from autopar.planner.plan_builder import predict
+from passes.strategies.base import Strategy
 
 GRAD_SYNCS = ("overlapped", "after_backward")
 MATMULS = ("aten.linear.default", "aten.mm.default", "aten.addmm.default")
@@ -74,8 +94,10 @@ def published_prediction(plan, run, graph=None) -> dict:
     captured graph, needed for ``run.recompute == "op_sac"``."""
     if run.grad_sync not in GRAD_SYNCS:
         raise ValueError(f"grad_sync {run.grad_sync!r}: expected one of {GRAD_SYNCS}")
-    if run.grad_sync == "overlapped" and run.recompute != "op_sac":
+    fused, kernel = getattr(run, "fused_softmax", False), getattr(run, "attention_kernel", "")
+    if run.grad_sync == "overlapped" and run.recompute != "op_sac" and not fused and not kernel:
         return dict(plan.predicted)
+    cluster = Cluster.from_dict(plan.cluster) if fused or kernel else None
     stages = copy.deepcopy(plan.stages)
     share = op_sac_share(graph) if run.recompute == "op_sac" else 1.0
     for s in stages:
@@ -84,7 +106,49 @@ def published_prediction(plan, run, graph=None) -> dict:
             p["sync_buckets"] = 1.0  # one buffer after backward: exposed_sync exposes all of it
         saved = (1.0 - share) * p.get("recompute", 0.0)
         _shift(p, "backward", -saved)
+        if fused:
+            mask = score_mask_seconds(s, graph, cluster) / plan.microbatches
+            _shift(p, "forward", -mask / 3)
+            _shift(p, "backward", -mask * (2 / 3 + (1 / 3 if s.recompute else 0.0)))
+        if kernel:
+            fwd, bwd = attention_extra_seconds(s, graph, cluster, kernel)
+            _shift(p, "forward", fwd / plan.microbatches)
+            _shift(p, "backward", (bwd + (fwd if s.recompute else 0.0)) / plan.microbatches)
     return predict(stages, plan.microbatches, plan.schedule, plan.transfers, plan.virtual_stages)
+
+
+def _planned_seconds(stage, node, cluster) -> float:
+    """Forward + backward seconds of ``node`` at the graph's batch under the stage's sharding of it."""
+    sharding = stage.shardings[node.name]
+    ins = [a.meta.get("val") for a in node.all_input_nodes]
+    out = parse_spec(sharding.out)  # the op's work splits as its output does (elementwise ops, attention)
+    strategy = Strategy(tuple(parse_spec(x) for x in sharding.ins), out, shard_fraction(out, stage.mesh_shape))
+    return compute_time(node, strategy, ins, [node.meta.get("val")], stage.mesh_shape, cluster, True)
+
+
+def _stage_nodes(stage, graph):
+    names = set(stage.nodes)
+    return [n for n in graph.gm.graph.nodes if n.name in names and n.op == "call_function"]
+
+
+def score_mask_seconds(stage, graph, cluster) -> float:
+    """Seconds (forward + backward, at the graph's batch) of ``stage``'s ``masked_fill`` nodes over 4-D score
+    tensors, under the stage's own shardings (module docstring, "Fused scale-mask-softmax")."""
+    return sum(_planned_seconds(stage, n, cluster) for n in _stage_nodes(stage, graph)
+               if "masked_fill" in str(n.target) and getattr(n.meta.get("val"), "ndim", 0) == 4)
+
+
+def attention_extra_seconds(stage, graph, cluster, kernel: str) -> tuple[float, float]:
+    """(forward, backward) seconds at the graph's batch that ``stage``'s flash-priced attention nodes take more
+    when run by ``kernel`` (module docstring, "Attention kernel")."""
+    fwd = bwd = 0.0
+    for node in _stage_nodes(stage, graph):
+        if attention_kernel(node, cluster) != "flash":
+            continue
+        extra = _planned_seconds(stage, node, cluster) * (attention_rate("flash", cluster) / ATTENTION_RATE[kernel] - 1)
+        f, b = node_flops(node)
+        fwd, bwd = fwd + extra * f / (f + b), bwd + extra * b / (f + b)
+    return fwd, bwd
 
 
 def _shift(predicted: dict, phase: str, seconds: float) -> None:

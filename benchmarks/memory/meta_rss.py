@@ -1,6 +1,6 @@
 """Peak host memory per rank while compiling a >= 1B-parameter model that no rank ever holds whole.
 
-    python benchmarks/memory/meta_rss.py [--layers 18] [--ranks 4] [--out DIR]
+    python benchmarks/memory/meta_rss.py [--layers 18] [--ranks 4] [--real-layers 4] [--out DIR]
 
 Each of ``--ranks`` gloo ranks builds a Hugging Face Llama (hidden 2048, intermediate 5632, vocabulary
 32000, 18 layers: 1.06 B parameters, 4.2 GB in fp32) on the meta device and compiles it data parallel at
@@ -10,7 +10,10 @@ those files, each rank reading only its slices. Per phase and rank it prints the
 heap trimmed first: glibc's malloc_trim), the peak (VmHWM of /proc/self/status, reset before each phase
 through /proc/self/clear_refs), the resident memory after it, the bytes of this rank's shards (parameters,
 ZeRO-3 shards and buffers: distinct storages), and the bound ``before + shards + largest tensor + 1 GiB``.
-A full copy of the model would add 4.2 GB to a rank's peak.
+A full copy of the model would add 4.2 GB to a rank's peak. (4) In a third launch, ``real model``: each rank
+builds a ``--real-layers`` Llama on the CPU (seeded: the user's model, in ``rss before``) and compiles it the
+same way; compile may hold at most that model plus the shards: bound ``before + shards + 1 GiB`` (no full
+tensor beyond the user's own).
 """
 import argparse
 import json
@@ -113,6 +116,18 @@ def run_init_and_save(rank: int, layers: int, ranks: int, directory: str) -> lis
     return annotate(rows, model, rank)
 
 
+def run_real(rank: int, layers: int, ranks: int) -> list:
+    """Phase 4: the user's model built whole on the CPU (the same weights on every rank)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model, (cluster, batch) = LossOf(LlamaForCausalLM(config(layers))), setup(ranks)
+    pm, row = phase("real model (CPU, user's weights)", lambda: autopar.compile(model, cluster, batch, **OPTIONS))
+    rows = annotate([{**row, "shards": held_bytes(pm)}], model, rank)
+    rows[0]["largest"] = 0  # the bound: the user's model (in rss_before) + shards + 1 GiB
+    return rows
+
+
 def run_weights(rank: int, layers: int, ranks: int, directory: str) -> list:
     """Phase 3 in fresh processes (nothing retained from the first two)."""
     model, cluster, batch = meta_model(layers), *setup(ranks)
@@ -141,6 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=18)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--real-layers", type=int, default=4, help="layers of the CPU-built model (0: skip)")
     parser.add_argument("--out", default=None, help="directory for the safetensors (default: a temporary one)")
     args = parser.parse_args()
     directory = args.out or tempfile.mkdtemp(prefix="autopar-meta-rss-")
@@ -151,6 +167,9 @@ def main() -> None:
     finally:
         if args.out is None:
             shutil.rmtree(directory, ignore_errors=True)
+    if args.real_layers > 0:
+        results = [a + b for a, b in zip(results, autopar.launch(run_real, args.ranks, args.real_layers, args.ranks,
+                                                                  timeout=1800))]
     rows = [r for per_rank in results for r in per_rank]
     print(f"# {rows[0]['params'] / 1e9:.2f} B parameters ({rows[0]['params'] * 4 / GIB:.2f} GiB fp32), "
           f"{args.ranks} gloo ranks, ZeRO-3; largest tensor {rows[0]['largest'] / GIB:.3f} GiB; "

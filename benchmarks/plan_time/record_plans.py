@@ -1,10 +1,12 @@
 """Record the plans of plan-time points: each plan's JSON, predicted step time and the planner's CPU seconds.
 
-    python benchmarks/plan_time/record_plans.py OUT_DIR [--points MODEL:GPUS:PRESET:BATCH ...] [--profile]
+    python benchmarks/plan_time/record_plans.py OUT_DIR [--points MODEL:GPUS:PRESET:BATCH ...] [--profile] [--phases]
+                                                [--against BASE_DIR]
 
 Two trees give the same plans for the same inputs exactly when their OUT_DIR/*.json files are byte-identical;
 the summary file says how much CPU time each point took (time.process_time plus finished workers), which load
-hardly affects, so planner speed-ups can be judged on a busy machine.
+hardly affects, so planner speed-ups can be judged on a busy machine. ``--against BASE_DIR`` (another tree's
+OUT_DIR) adds to each row whether its plan JSON is byte-identical to BASE_DIR's, and the predicted step there.
 """
 from __future__ import annotations
 
@@ -93,17 +95,31 @@ def record(point: str, out: str, profile: bool, spent: dict | None = None) -> di
             "timings": {k: round(v, 2) for k, v in plan.timings.items()}}
 
 
+def compare(point: str, out: str, base: str) -> dict:
+    """{"identical": whether the two plan JSONs are byte-identical, "base_step_time": the other's prediction}
+    (None for both when BASE has no plan of this point)."""
+    tag = point.replace(":", "_") + ".json"
+    if not os.path.exists(os.path.join(base, tag)):
+        return {"identical": None, "base_step_time": None}
+    with open(os.path.join(out, tag), "rb") as mine, open(os.path.join(base, tag), "rb") as theirs:
+        text, other = mine.read(), theirs.read()
+    return {"identical": text == other, "base_step_time": json.loads(other)["predicted"]["step_time"]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
     parser.add_argument("--points", nargs="+", default=ROWS)
     parser.add_argument("--profile", action="store_true", help="cProfile each point into OUT/<point>.prof")
     parser.add_argument("--phases", action="store_true", help="CPU seconds per planner phase (PHASES)")
+    parser.add_argument("--against", help="OUT_DIR of another tree: say per point whether the plans are identical")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     spent = time_phases() if args.phases else None
     for point in args.points:
         row = record(point, args.out, args.profile, spent)
+        if args.against:
+            row.update(compare(point, args.out, args.against))
         print(json.dumps(row), flush=True)
         with open(os.path.join(args.out, "summary.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\n")

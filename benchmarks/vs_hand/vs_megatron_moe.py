@@ -32,8 +32,9 @@ def mixtral(name: str, batch_size: int, dtype: torch.dtype) -> tuple[torch.nn.Mo
     cfg = MixtralConfig(**MIXTRAL_8X7B, num_hidden_layers=layers, max_position_embeddings=SEQ, use_cache=False)
     with torch.device("meta"):
         model = CausalLMLoss(MixtralForCausalLM(cfg).to(dtype))
-    ids = torch.zeros(batch_size, SEQ, dtype=torch.long, device="meta")
-    return model, (ids, ids)
+    # two tensors: export reads one tensor passed twice through one placeholder for both uses
+    ids, labels = (torch.zeros(batch_size, SEQ, dtype=torch.long, device="meta") for _ in range(2))
+    return model, (ids, labels)
 
 
 def goal_line(ratios: list[float | None]) -> str:
