@@ -104,6 +104,7 @@ def test_a_long_context_point_is_written_and_summarised(tmp_path, monkeypatch):
     row = long_context.run_point("256:2", "llama-small", lambda line: None)
     assert set(row["hand"]) == {"fsdp2", "tp2·fsdp1", "cp2·fsdp1"}
     assert row["best"] in row["hand"] and row["auto_step"] > 0
+    assert row["auto_options"] == {} and "zero=3" not in row["auto_plan"], "default options plan this point"
     assert row["global_batch"] == (2 if row["best"] == "fsdp2" else 1)
     long_context.write("lc", "# header", [row])
     assert json.loads((tmp_path / "lc.json").read_text()) == [row]

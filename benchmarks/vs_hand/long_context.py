@@ -24,9 +24,9 @@ checkpointing (recompute="full") and FSDP (zero=3: every weight sharded over the
 torchtitan combines FSDP × TP × CP on a 3-D mesh; autopar's meshes are 2-D, so the grid holds the one- and
 two-axis combinations (an honest subset). Activations not pinned are placed by the same ILP. The table says
 which layouts fit, which fit without CP, and compares the fastest that fits with ``autopar.plan`` (default
-options: the search includes CP, recompute and offload="none"; global batch = the best hand layout's dp, or
-gpus / 8 where none fits). Every point is written to benchmarks/results/NAME.{md,json} when done. Asserts
-nothing about time.
+options: the search includes CP, recompute and offload="none"; where they find no plan, again with zero=3, and
+the table says so; global batch = the best hand layout's dp, or gpus / 8 where none fits). Every point is
+written to benchmarks/results/NAME.{md,json} when done. Asserts nothing about time.
 """
 from __future__ import annotations
 
@@ -57,6 +57,9 @@ DEFAULT_POINTS = ["32768:8", "131072:8", "32768:64", "131072:64"]
 INPUTS = {"llama": ("input_ids", "labels"), "llama-causal": ("input_ids", "labels"), "gpt": ("idx", "targets")}
 CAUSAL_SDPA = "sdpa_is_causal"  # the HF attention implementation "llama-causal" models run (``register_causal_sdpa``)
 WIDTHS = (2, 4, 8)
+# autopar's side: default options, then, only where they find no plan, FSDP's weight sharding offered by hand
+# (zero="auto" chooses level 0 or 2 per parameter; level 3 is an option the user gives, as the hand grid does).
+AUTOPAR_OPTIONS = ({}, {"zero": 3})
 
 
 def workload(model: str, seq: int, batch: int):
@@ -152,15 +155,20 @@ def run_point(point: str, model_name: str, log) -> dict:
     global_batch = batches[best] if best else max(1, gpus // max(WIDTHS))
     model, batch, _ = workload(model_name, seq, global_batch)
     start = time.perf_counter()
-    try:
-        plan = autopar.plan(model, autopar.Cluster.preset("dgx-h100", gpus=gpus), batch, precision="bf16")
-        auto, auto_plan = float(plan.predicted["step_time"]), describe(plan)
-    except InfeasibleError as e:
-        auto, auto_plan, error = None, "no plan fits", str(e)
-    return {"point": point, "model": model_name, "hand": hand, "best": best, "hand_step": fitting.get(best),
-            "auto_step": auto, "auto_plan": auto_plan, "global_batch": global_batch,
-            **({"auto_error": error} if auto is None else {}),
-            "plan_s": time.perf_counter() - start}
+    row = {"point": point, "model": model_name, "hand": hand, "best": best, "hand_step": fitting.get(best),
+           "global_batch": global_batch, "auto_step": None, "auto_plan": "no plan fits"}
+    for options in AUTOPAR_OPTIONS:
+        try:
+            plan = autopar.plan(model, autopar.Cluster.preset("dgx-h100", gpus=gpus), batch, precision="bf16",
+                                **options)
+        except InfeasibleError as e:
+            row.setdefault("auto_error", str(e))
+            continue
+        extra = "".join(f", {k}={v}" for k, v in options.items())
+        row.update(auto_step=float(plan.predicted["step_time"]), auto_plan=describe(plan) + extra,
+                   auto_options=options)
+        break
+    return {**row, "plan_s": time.perf_counter() - start}
 
 
 def describe(plan) -> str:
@@ -184,7 +192,7 @@ def fits_without_cp(row: dict) -> bool:
 def table(rows: list[dict]) -> str:
     lines = ["| model | sequence | GPUs | hand layouts that fit | fits without CP | best hand (s/step) | autopar plan "
              "| autopar (s/step) | autopar / hand |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r in sorted(rows, key=lambda r: (r["model"], int(r["point"].split(":")[1]), int(r["point"].split(":")[0]))):
         seq, gpus = r["point"].split(":")
         fits = ", ".join(k for k, v in r["hand"].items() if v is not None) or "none"
         ratio = f"{r['hand_step'] / r['auto_step']:.3f}" if r["hand_step"] and r["auto_step"] else "n/a"

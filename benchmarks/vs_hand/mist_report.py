@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -29,13 +30,24 @@ FAMILIES = {"mist": "GPT-3", "mistllama": "Llama-style"}
 GOALS = {"mist": {"geomean": 1.28, "min": 1.00}, "full": {"geomean": 1.10, "min": 1.00}}
 
 
-def load(name: str) -> dict[str, dict]:
-    """{point: row} of ``benchmarks/results/vs_megatron_NAME.json`` (empty when it is not there)."""
-    path = os.path.join(report.RESULTS, f"vs_megatron_{name}.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return {r["point"]: r for r in json.load(f)}
+def load(*names: str) -> dict[str, dict]:
+    """{point: row} of ``benchmarks/results/vs_megatron_NAME.json`` for each name (sweeps run side by side; a
+    later name's row replaces an earlier's); a file that is not there adds nothing."""
+    rows = {}
+    for name in names:
+        path = os.path.join(report.RESULTS, f"vs_megatron_{name}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                rows.update({r["point"]: r for r in json.load(f)})
+    return rows
+
+
+def compact(plan: str) -> str:
+    """'..., optimizer offloaded (stages 0,1,...,15)' as '(every stage)' where those are all the plan's stages
+    (rows written before ``describe_plan`` said so itself)."""
+    stages = sum(int(n) for n in re.findall(r"(?:^|\+ )(\d+) ×", plan))
+    every = ",".join(str(i) for i in range(stages))
+    return plan.replace(f"(stages {every})", "(every stage)") if stages else plan
 
 
 def ratio(row: dict | None) -> float | None:
@@ -86,7 +98,7 @@ def rows(mist: dict, full: dict, s: dict) -> list[list]:
         family, name, gpus, cluster = p.split(":")
         fmt = lambda r: f"{r:.3f}" if r is not None else "n/a"  # noqa: E731
         ceiling = f"{f['ceiling']:.3f}" if f.get("ceiling") is not None else "n/a"
-        out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, (f or m).get("auto_plan", "n/a"),
+        out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, compact((f or m).get("auto_plan", "n/a")),
                     m.get("hand", "not run"),
                     fmt(s["mist"][p]), f.get("hand", "not run"), fmt(s["full"][p]),
                     "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
@@ -121,16 +133,17 @@ def chart(s: dict) -> str:
     return report._save(fig, plt, "mist")
 
 
-def render(mist_name: str = "mist_mist", full_name: str = "mist_full") -> str:
-    mist, full = load(mist_name), load(full_name)
+def render(mist_names: tuple = ("mist_mist",), full_names: tuple = ("mist_full",)) -> str:
+    mist, full = load(*mist_names), load(*full_names)
     s = scores(mist, full)
+    files = ", ".join(f"vs_megatron_{n}.json" for n in mist_names + full_names)
     headers = [r.get("autopar_options") for r in list(mist.values()) + list(full.values())][:1]
     text = "\n\n".join([report.machine_line("autopar on Mist's points (Zhu et al., EuroSys'25), simulated: "
                                             "both hand grids; rendered from the two sweeps' JSON"),
                         report.markdown_table(HEADERS, rows(mist, full, s)), summary(s),
-                        f"autopar options: {headers[0] if headers else 'n/a'}. Rows: "
-                        f"vs_megatron_{mist_name}.json, vs_megatron_{full_name}.json (every scored hand config). "
-                        "Ceiling: best full-grid layout that fits / fastest full-grid layout with memory ignored."])
+                        f"autopar options: {headers[0] if headers else 'n/a'}. Rows: {files} (every scored hand "
+                        "config). Ceiling: best full-grid layout that fits / fastest full-grid layout with memory "
+                        "ignored."])
     path = report.write_results("mist", text)
     if s["points"]:
         chart(s)
@@ -140,10 +153,12 @@ def render(mist_name: str = "mist_mist", full_name: str = "mist_full") -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mist", default="mist_mist", help="NAME of vs_megatron_NAME.json, Mist's baseline sweep")
-    parser.add_argument("--full", default="mist_full", help="NAME of vs_megatron_NAME.json, the full-grid sweep")
+    parser.add_argument("--mist", nargs="+", default=["mist_mist"], help="NAMEs of vs_megatron_NAME.json: Mist's "
+                        "baseline sweeps")
+    parser.add_argument("--full", nargs="+", default=["mist_full"], help="NAMEs of vs_megatron_NAME.json: the "
+                        "full-grid sweeps")
     args = parser.parse_args(argv)
-    render(args.mist, args.full)
+    render(tuple(args.mist), tuple(args.full))
     return 0
 
 

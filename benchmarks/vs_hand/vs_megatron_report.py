@@ -32,7 +32,9 @@ def describe_plan(plan) -> str:
     parts = [f"{n} × {a[0]}x{a[1]} (mesh {m[0]}x{m[1]})" for ((a, m), n) in runs]
     v = getattr(plan, "virtual_stages", 1)
     moved = plan.planner.get("offload", {}) if isinstance(getattr(plan, "planner", None), dict) else {}
-    offload = "".join(f", {kind} offloaded (stages {','.join(map(str, stages))})" for kind, stages in moved.items())
+    every = list(range(len(plan.stages)))
+    where = lambda stages: "every stage" if stages == every else "stages " + ",".join(map(str, stages))  # noqa: E731
+    offload = "".join(f", {kind} offloaded ({where(stages)})" for kind, stages in moved.items())
     return " + ".join(parts) + f", B={plan.microbatches}" + (f", interleaved v={v}" if v > 1 else "") + offload
 
 
