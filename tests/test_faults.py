@@ -172,32 +172,14 @@ def _train_step_that_loses_its_peer():
     raise RuntimeError("Connection reset by peer")
 
 
-def test_a_dead_peer_is_the_cause_even_when_its_last_published_call_was_another(remote_peers, monkeypatch):
-    """A rank that dies within a heartbeat of entering train_step still reads "is in autopar.compile": its
-    death, not a one-rank call, is what its peers must report."""
+def _train_step_error(store, monkeypatch, live_peers: tuple[int, ...]) -> str:
+    """What rank 0's pm.train_step raises when its collective loses a peer, while ``live_peers`` keep beating and
+    peer 1's last published call is still "is in autopar.compile"."""
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    remote_peers.set("at/1", "is in autopar.compile")
-    remote_peers.set("at/2", "is in pm.train_step")
-    remote_peers.set("exit/1", "1")
+    store.set("at/1", "is in autopar.compile")
+    store.set("at/2", "is in pm.train_step")
     stop = threading.Event()
-    beating = threading.Thread(target=keep_beating, args=(remote_peers, 2, stop))
-    beating.start()
-    try:
-        with pytest.raises(CommunicationError) as caught:
-            faults.collective_call("pm.train_step")(_train_step_that_loses_its_peer)()
-    finally:
-        stop.set()
-        beating.join()
-    assert str(caught.value).startswith("rank 1 died (exit code 1)"), str(caught.value)
-
-
-def test_a_live_peer_in_another_call_is_named_as_a_one_rank_call(remote_peers, monkeypatch):
-    """The control: the same stale-looking record from a peer that is alive is a one-rank call."""
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    remote_peers.set("at/1", "is in autopar.compile")
-    remote_peers.set("at/2", "is in pm.train_step")
-    stop = threading.Event()
-    beating = [threading.Thread(target=keep_beating, args=(remote_peers, r, stop)) for r in (1, 2)]
+    beating = [threading.Thread(target=keep_beating, args=(store, r, stop)) for r in live_peers]
     for thread in beating:
         thread.start()
     try:
@@ -207,7 +189,21 @@ def test_a_live_peer_in_another_call_is_named_as_a_one_rank_call(remote_peers, m
         stop.set()
         for thread in beating:
             thread.join()
-    assert "called it alone: rank 1 is in autopar.compile" in str(caught.value), str(caught.value)
+    return str(caught.value)
+
+
+def test_a_dead_peer_is_the_cause_even_when_its_last_published_call_was_another(remote_peers, monkeypatch):
+    """A rank that dies within a heartbeat of entering train_step still reads "is in autopar.compile": its
+    death, not a one-rank call, is what its peers must report."""
+    remote_peers.set("exit/1", "1")
+    message = _train_step_error(remote_peers, monkeypatch, live_peers=(2,))
+    assert message.startswith("rank 1 died (exit code 1)"), message
+
+
+def test_a_live_peer_in_another_call_is_named_as_a_one_rank_call(remote_peers, monkeypatch):
+    """The control: the same stale-looking record from a peer that is alive is a one-rank call."""
+    message = _train_step_error(remote_peers, monkeypatch, live_peers=(1, 2))
+    assert "called it alone: rank 1 is in autopar.compile" in message, message
 
 
 def test_errors_that_are_not_about_communication_pass_unchanged():
