@@ -39,7 +39,7 @@ TFLOPS = 1e12
 # shares the fit row's model and local batch, so it checks the scale-out, not the compute factor.
 # DGX H100 (700 W, HBM3): no published run is predicted, so 1.0 (not calibrated; the 500 W part's factor is
 # not carried over).
-# Refitted 2026-11-26 (issue 31) once the presets priced norms and activations at their measured rate
+# Refitted once the presets priced norms and activations at their measured rate
 # (NORM_ACT_FRACTION), H100 flash attention at its measured share (H100_ATTENTION_EFFICIENCY), and the
 # calibration priced Megatron's and Alpa's fused scale-mask-softmax: V100 0.956 -> 0.938, A100 1.082 -> 1.077,
 # H100 at 500 W 1.602 -> 1.433 (a tenth of that part's unexplained factor was its slow attention and norms).
@@ -78,7 +78,7 @@ def gemm_curves(peak: dict[str, float], fraction: dict[str, float]) -> dict[str,
 STREAM_FRACTION = 0.85
 # Norms, activations and softmaxes (Cluster.norm_act_bandwidth) stream well below a copy: they reduce over
 # rows, evaluate transcendentals and run several kernels per op. Measured on the lent H100 SXM5 (HBM3,
-# 3.35 TB/s), 2026-11-26, with the profiler's own calls (profiler_training item 6: forward + backward on
+# 3.35 TB/s) with the profiler's own calls (profiler_training item 6: forward + backward on
 # 16384 × 2048 bf16, bytes as the cost model counts them): LayerNorm with its weight and bias gradients 1079,
 # GELU 2724, softmax 1598 GB/s; the profiler's figure is their median, 1598 GB/s = 0.477 of the HBM peak
 # (benchmarks/results/small_models_2026-11-26.md). No other GPU has been measured: its preset takes the same
