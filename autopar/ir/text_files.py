@@ -37,16 +37,23 @@ def read_json_text(path, what: str, error: type, fix: str, limit: int = MAX_JSON
                     f"{fix}") from None
 
 
+def _file_target(path, what: str, error: type, example: str) -> tuple[str, str]:
+    """(path, its directory) for a file about to be written; an ``error`` when the path is a directory or its
+    directory does not exist (``example`` names a file to suggest inside a directory)."""
+    name = str(path)
+    parent = os.path.dirname(os.path.abspath(name))
+    if os.path.isdir(name):
+        raise error(f"{what} {name!r} is a directory; pass a file path such as {os.path.join(name, example)!r}")
+    if not os.path.isdir(parent):
+        raise error(f"cannot write {name!r} ({what}): its directory {parent!r} does not exist; create it first")
+    return name, parent
+
+
 def write_json_text(path, text: str, what: str, error: type, is_ours) -> None:
     """Write ``text`` to the file ``path`` through a sibling temporary file and a rename (never half a file in
     place of an earlier one). An existing file is replaced only when ``is_ours(its text)`` says it is an
     earlier one of the same kind; anything else there (a user's file, a directory) is an ``error`` naming it."""
-    name = str(path)
-    parent = os.path.dirname(os.path.abspath(name))
-    if os.path.isdir(name):
-        raise error(f"{what} {name!r} is a directory; pass a file path such as {os.path.join(name, 'plan.json')!r}")
-    if not os.path.isdir(parent):
-        raise error(f"cannot write {what} {name!r}: its directory {parent!r} does not exist; create it first")
+    name, parent = _file_target(path, what, error, "plan.json")
     if os.path.lexists(name):
         try:
             existing = read_json_text(name, what, error, "")
@@ -72,12 +79,7 @@ def write_new_text(path, text: str, what: str, error: type, force: bool = False)
     ``force`` an existing ``path`` is an ``error`` naming ``--force`` (the temporary file is linked into place,
     which fails rather than replaces, so a file created meanwhile is kept too); with ``force`` it is replaced
     whole by one rename (a reader sees the old file or the new one, never half of either)."""
-    name = str(path)
-    parent = os.path.dirname(os.path.abspath(name))
-    if os.path.isdir(name):
-        raise error(f"{what} {name!r} is a directory; pass a file path such as {os.path.join(name, 'plan.html')!r}")
-    if not os.path.isdir(parent):
-        raise error(f"cannot write {name!r} ({what}): its directory {parent!r} does not exist; create it first")
+    name, parent = _file_target(path, what, error, "plan.html")
     if not force and os.path.lexists(name):
         raise _exists(error, what, name)
     partial = os.path.join(parent, f".{os.path.basename(name)}.partial-{os.getpid()}")
