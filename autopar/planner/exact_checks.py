@@ -105,13 +105,15 @@ def or_even_split(plan: Plan, choice: StageChoice, layers, blocks, options,
 
 
 def even_choice(choice: StageChoice, ranges: list[tuple[int, int]] | None, schedule: str) -> StageChoice | None:
-    """The stages ``ranges`` on the choice's one mesh option at its B, un-interleaved; None where there is
-    nothing else to try: no ranges, stages on different mesh options (no one mesh to split over), or the
-    choice's stages are those ranges."""
+    """The stages ``ranges`` on the choice's one mesh option at its B, un-interleaved, each offloading its
+    optimizer where the choice's stage that holds its first layer does; None where there is nothing else to
+    try: no ranges, stages on different mesh options (no one mesh to split over), or the choice's stages are
+    those ranges."""
     options = {s.option for s in choice.stages}
     if not ranges or len(options) != 1 or [(s.first, s.last) for s in choice.stages] == ranges:
         return None
     live = inflight(schedule, len(ranges), choice.microbatches)
     option = options.pop()
-    return dataclasses.replace(choice, virtual=1, notes={},
-                               stages=[ChosenStage(k, i, option, live[j]) for j, (k, i) in enumerate(ranges)])
+    offloads = lambda k: any(s.offload for s in choice.stages if s.first <= k <= s.last)  # noqa: E731
+    return dataclasses.replace(choice, virtual=1, notes={}, stages=[
+        ChosenStage(k, i, option, live[j], offload=offloads(k)) for j, (k, i) in enumerate(ranges)])
