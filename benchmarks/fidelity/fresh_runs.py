@@ -3,7 +3,8 @@
     python benchmarks/fidelity/fresh_runs.py                    # 3 runs on 2 ranks; ~2.5 min per run idle
     python benchmarks/fidelity/fresh_runs.py --runs 1 --quick   # a smoke test of the pipeline (coarse profile)
 
-Run i: ``autopar profile --nprocs N --out <workdir>/profile_i.json`` (a fresh subprocess, as a user runs it),
+Run i: ``autopar profile --nprocs N --out <workdir>/profile_i.json`` (a fresh subprocess, as a user runs it;
+what it measured goes into the results file in the words of the cluster's source line),
 then ``cost_model_fidelity.py --nprocs N --cluster <that file> --repeats 1 --json <workdir>/fidelity_i.json``.
 Every run's table goes into the results file (default ``benchmarks/results/cost_model_fidelity_3runs_<UTC
 date-time>.txt``; an existing file is never overwritten), each with the UTC time and the load average
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,7 +50,10 @@ def one_run(i: int, args, log) -> tuple[str, dict]:
     started = time.perf_counter()
     _run([sys.executable, "-m", "autopar.cli", "profile", "--nprocs", str(args.nprocs), "--out", profile]
          + (["--quick"] if args.quick else []), log)
-    text.append(f"# profile took {time.perf_counter() - started:.0f} s; benchmark start {_stamp()}")
+    with open(profile) as f:
+        measured = json.load(f)["source"].split("ring terms; ")[-1]  # what the profile measured, in words
+    text.append(f"# profile took {time.perf_counter() - started:.0f} s: {measured}")
+    text.append(f"# benchmark start {_stamp()}")
     started = time.perf_counter()
     text.append(_run([sys.executable, "benchmarks/fidelity/cost_model_fidelity.py", "--nprocs", str(args.nprocs),
                       "--cluster", profile, "--repeats", "1", "--json", rows] + args.bench_args, log).rstrip())
@@ -74,8 +79,8 @@ def main(argv=None) -> int:
     parser.add_argument("--nprocs", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(
         ROOT, "benchmarks", "results", f"cost_model_fidelity_3runs_{now.strftime('%Y-%m-%d_%H%M')}.txt"))
-    parser.add_argument("--workdir", default=None, help="where profiles and rows go (default: beside --out, "
-                        "in <out without .txt>_files/)")
+    parser.add_argument("--workdir", default=None, help="where the cluster files, the benchmark's JSON rows and "
+                        "the subprocesses' stderr go (default: a new temporary directory)")
     parser.add_argument("--quick", action="store_true", help="coarse profiles (a smoke test, not a figure)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="after --: extra arguments for cost_model_fidelity.py (e.g. -- --plans dp tp)")
@@ -85,8 +90,9 @@ def main(argv=None) -> int:
         parser.error(f"--runs must be at least 1, got {args.runs}")
     if os.path.exists(args.out):
         parser.error(f"{args.out} exists; name another --out (results files are never overwritten)")
-    args.workdir = args.workdir or os.path.splitext(args.out)[0] + "_files"
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="fidelity_runs_")
     os.makedirs(args.workdir, exist_ok=True)
+    print(f"cluster files, rows and logs in {args.workdir}", flush=True)
     started = time.perf_counter()
     texts, verdicts = [], []
     with open(os.path.join(args.workdir, "stderr.log"), "a") as log:
