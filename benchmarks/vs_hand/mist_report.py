@@ -174,15 +174,29 @@ def chart(s: dict) -> str:
 FULL_SWEEPS = ("mist_full", "mist_full_b", "mist_full_c", "mist_full_d", "mist_full_e", "mist_full_f")
 
 
-def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS) -> str:
+CURRENT = ("mist_full_d", "mist_full_e", "mist_full_f")  # hand grids scored under today's cost model
+
+
+def merged(names: tuple, current: tuple, replanned: dict[str, dict]) -> dict[str, dict]:
+    """The sweeps' rows (a later name's point replacing an earlier's), autopar's side re-planned (``replanned``)
+    only in the ``current`` sweeps: those whose hand grids this tree's cost model scored the same, so the two
+    sides of a row stay priced alike."""
+    rows = {}
+    for name in names:
+        found = load(name)
+        rows.update(with_replanned(found, replanned) if name in current else found)
+    return rows
+
+
+def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, current: tuple = CURRENT) -> str:
     replanned = load(AUTOPAR)
-    mist, full = with_replanned(load(*mist_names), replanned), with_replanned(load(*full_names), replanned)
+    mist, full = merged(mist_names, current, replanned), merged(full_names, current, replanned)
     s = scores(mist, full)
     present = _present(mist_names + full_names)
     files = ", ".join(f"vs_megatron_{n}.json" for n in mist_names + full_names if n in present)
     if replanned:
-        files += (f"; autopar's side of {len(replanned)} points re-planned on one tree: vs_megatron_{AUTOPAR}.json "
-                  f"({next(iter(replanned.values()))['replanned'].lstrip('# ')})")
+        files += (f"; autopar's side of the rows of {', '.join(n for n in current if n in present)} re-planned on "
+                  f"one tree: vs_megatron_{AUTOPAR}.json ({next(iter(replanned.values()))['replanned'].lstrip('# ')})")
     headers = [r.get("autopar_options") for r in list(mist.values()) + list(full.values())][:1]
     text = "\n\n".join([report.machine_line("autopar on Mist's points (Zhu et al., EuroSys'25), simulated: "
                                             "both hand grids; rendered from the two sweeps' JSON"),
@@ -207,13 +221,15 @@ def main(argv=None) -> int:
                         "baseline sweeps")
     parser.add_argument("--full", nargs="+", default=list(FULL_SWEEPS), help="NAMEs of vs_megatron_NAME.json: "
                         "the full-grid sweeps (a later one's point replaces an earlier's)")
+    parser.add_argument("--current", nargs="*", default=list(CURRENT), help="NAMEs of the sweeps whose hand grids "
+                        "were scored under this tree's cost model: only their rows take the re-planned autopar side")
     parser.add_argument("--replan", action="store_true", help="plan autopar's side again on this tree first "
                         f"(vs_megatron_{AUTOPAR}.json)")
     parser.add_argument("--points", nargs="+", help="--replan: only these FAMILY:NAME:GPUS:PRESET points")
     args = parser.parse_args(argv)
     if args.replan:
         replan(args.points)
-    render(tuple(args.mist), tuple(args.full))
+    render(tuple(args.mist), tuple(args.full), tuple(args.current))
     return 0
 
 
