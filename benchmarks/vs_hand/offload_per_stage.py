@@ -3,11 +3,13 @@
     python benchmarks/vs_hand/offload_per_stage.py [--points FAMILY:NAME:GPUS:PRESET ...] [--time-limit S]
 
 For each point (``vs_megatron --suite mist``'s workloads, bf16 mixed precision) autopar plans three ways:
-offload="none", offload={"optimizer": True} (every stage) and offload="auto" (the stage DP offloads the stages
-it chooses, ``passes.stage_offload``). "two-plan" is the faster feasible of the first two: what "auto" was
-before it was chosen per stage (and still is with stages=1 or a manual stage list). Printed per point: each
-plan's predicted step time, its layout in words and its planning seconds; "auto / two-plan" > 1 means the
-per-stage search predicts a faster step. Simulated on autopar's own cost model; it prints, never asserts.
+offload="none", offload={"optimizer": True} (every stage) and offload="auto" (the faster of the stage DP's
+per-stage choice, ``passes.stage_offload``, and every stage: ``planner.offload_choice``). "two-plan" is the
+faster feasible of the first two: what "auto" was before the DP chose offload per stage (and still is with
+stages=1 or a manual stage list). Printed per point: each plan's predicted step time in seconds, the "auto"
+plan in words (its offloaded stages: the DP's choice unless they are all) and its planning seconds;
+two-plan / auto > 1 means the per-stage search found a faster step. Simulated on autopar's own cost model;
+it prints, never asserts.
 """
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def main() -> int:
     parser.add_argument("--time-limit", type=float, default=300.0)
     args = parser.parse_args()
     print(report.machine_line("offload per stage vs every stage or none (autopar's cost model, bf16)"))
-    print("| point | none s | every stage s | two-plan s | auto s | auto / two-plan | auto plan | plan s (auto) |")
+    print("| point | none s | every stage s | two-plan s | auto s | two-plan / auto | auto plan | plan s (auto) |")
     print("|---|---|---|---|---|---|---|---|")
     for point in args.points:
         ways = plan_ways(point, args.time_limit)
@@ -59,7 +61,7 @@ def main() -> int:
         auto = ways["auto"][0]
         gain = f"{two / auto:.3f}" if two and auto else "n/a"
         cells = [f"{ways[w][0]:.3f}" if ways[w][0] else "OOM" for w in ("none", "every stage")]
-        print(f"| {point} | {' | '.join(cells)} | {two or 'OOM'} | {auto or 'OOM'} | {gain} | {ways['auto'][1]} | "
+        print(f"| {point} | {' | '.join(cells)} | {f"{two:.3f}" if two else 'OOM'} | {f"{auto:.3f}" if auto else 'OOM'} | {gain} | {ways['auto'][1]} | "
               f"{ways['auto'][2]:.0f} |", flush=True)
     return 0
 
