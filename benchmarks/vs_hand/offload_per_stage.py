@@ -61,8 +61,8 @@ def main() -> int:
         auto = ways["auto"][0]
         gain = f"{two / auto:.3f}" if two and auto else "n/a"
         cells = [f"{ways[w][0]:.3f}" if ways[w][0] else "OOM" for w in ("none", "every stage")]
-        print(f"| {point} | {' | '.join(cells)} | {f"{two:.3f}" if two else 'OOM'} | {f"{auto:.3f}" if auto else 'OOM'} | {gain} | {ways['auto'][1]} | "
-              f"{ways['auto'][2]:.0f} |", flush=True)
+        cells += [f"{t:.3f}" if t else "OOM" for t in (two, auto)]
+        print(f"| {point} | {' | '.join(cells)} | {gain} | {ways['auto'][1]} | {ways['auto'][2]:.0f} |", flush=True)
     return 0
 
 
