@@ -44,7 +44,13 @@ from autopar.plan import Plan
 from autopar.planner import invariants
 from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
 from autopar.planner.manual_stages import manual_stages
-from autopar.planner.offload_choice import choose_offload, record_offload
+from autopar.planner.offload_choice import (
+    choose_offload,
+    offloaded_stages,
+    record_offload,
+    searches_stages,
+    stage_training,
+)
 from autopar.planner.options import (
     PlanOptions,
     check_against_graph,
@@ -73,7 +79,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                recapture=None) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
-    if options.offload == "auto":
+    if options.offload == "auto" and not searches_stages(options):  # the DP prices offload per stage itself
         return choose_offload(lambda o: plan_graph(graph, cluster, o, model_name, recapture), options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
@@ -88,7 +94,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
-                           recompute_modes=layer_modes(options.recompute, graph, layers))
+                           recompute_modes=layer_modes(options.recompute, graph, layers),
+                           offload=options.offload == "auto")
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
@@ -358,8 +365,8 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     built = []  # (stage index, its choice, CostEnv, BuiltProblem or the InfeasibleError of its build)
     for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
         recompute = stage_modes(costs_modes, chosen.recompute, chosen.first, chosen.last)
-        env = CostEnv(cluster, chosen.option.logical, training_spec(graph, options), microbatches=B,
-                      inflight=chosen.inflight, devices_per_node=chosen.option.physical[1],
+        env = CostEnv(cluster, chosen.option.logical, stage_training(training_spec(graph, options), chosen),
+                      microbatches=B, inflight=chosen.inflight, devices_per_node=chosen.option.physical[1],
                       recomputed=recomputed_ops(layers, recompute, scaled))
         try:
             if chosen.option.logical not in strategies:
@@ -394,7 +401,8 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     return assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
                          layers=layers, transfers=transfers, sharded_graph=scaled, virtual_stages=choice.virtual,
                          planner={"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
-                                  "dp_cost": choice.cost, "stage_solves_reused": reused, **choice.notes})
+                                  "dp_cost": choice.cost, "stage_solves_reused": reused, **choice.notes,
+                                  **offloaded_stages(choice.stages)})
 
 
 def _uniform(recompute: dict[int, str], layers, k: int, i: int) -> bool:
