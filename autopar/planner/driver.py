@@ -42,7 +42,13 @@ from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_
 from autopar.passes.stage_owners import subsets_on
 from autopar.plan import Plan
 from autopar.planner import invariants
-from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
+from autopar.planner.exact_checks import (
+    feasible,
+    fewer_microbatches,
+    or_even_split,
+    or_single_stage,
+    same_stages_at,
+)
 from autopar.planner.manual_stages import manual_stages
 from autopar.planner.offload_choice import (
     choose_offload,
@@ -207,6 +213,8 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                                       lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
             if ahead is not None:
                 ahead.cancel()  # already joined when it was asked for; stopped here when it was not
+        plan = or_even_split(plan, choice, layers, blocks, options, lambda even: _pipeline(
+            graph, layers, blocks, cluster, options, model_name, even, at_microbatch, costs.modes))
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
