@@ -10,6 +10,13 @@ in place of the device step (``compute.optimizer_step_time``); device memory los
 bytes (``TrainingSpec.host_optimizer``). The transfers are not overlapped with backward here (ZeRO-Offload
 overlaps the gradient copies with backward; an upper bound).
 
+Per stage, as a lever of the stage DP (``passes.stage_offload``): offloading N stepped local elements of
+itemsize s frees their state and master bytes on the device and adds the host step less the device step it
+replaces (the device step's memory traffic, ``compute.optimizer_step_time`` without per-tensor host time):
+
+    freed = N · (state + master)                  (state: OPTIMIZER_STATE_BYTES; master: 4 for fp16/bf16)
+    added = max(0, t_step − N · s · OPTIMIZER_TRAFFIC / memory_bandwidth)      seconds per step
+
 Activation offload (``torch.autograd.graph.save_on_cpu``: every tensor saved for backward is copied to host
 memory in forward and back in backward): with A bytes saved per microbatch and c seconds of compute,
 
@@ -19,7 +26,10 @@ and the device keeps none of them between forward and backward.
 """
 from __future__ import annotations
 
+import torch
+
 from autopar.cost_models.compute import OPTIMIZER_TRAFFIC
+from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.hardware.host import host_of
 
 
@@ -27,6 +37,15 @@ def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster)
     """Seconds of one offloaded optimizer step over ``numel`` local elements (module docstring)."""
     host = host_of(cluster)
     return 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
+
+
+def optimizer_offload_effect(numel: float, dtype: torch.dtype, optimizer: str, cluster) -> tuple[float, float]:
+    """(device bytes freed, seconds added per step) by stepping ``numel`` local elements on the host (docstring)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    master = 4 if dtype in (torch.float16, torch.bfloat16) else 0
+    device_step = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
+    added = max(0.0, host_optimizer_seconds(numel, itemsize, optimizer, cluster) - device_step)
+    return numel * (OPTIMIZER_STATE_BYTES[optimizer] + master), added
 
 
 def activation_swap_seconds(saved_bytes: float, compute_seconds: float, cluster) -> float:

@@ -127,6 +127,8 @@ def _cannot_interleave(choice: StageChoice) -> str:
         return "the stages use different submeshes"
     if any(s.recompute for s in choice.stages):
         return "a stage recomputes layers"
+    if any(s.offload for s in choice.stages):
+        return "a stage offloads its optimizer state"
     return ""
 
 

@@ -42,6 +42,7 @@ class LayerCosts:
     reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
+    host_state: tuple | None = None  # (freed bytes, added seconds) per layer of optimizer offload (``stage_offload``)
 
     def __post_init__(self):
         self.ranges = _range_matrices(self)

@@ -42,9 +42,21 @@ from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_
 from autopar.passes.stage_owners import subsets_on
 from autopar.plan import Plan
 from autopar.planner import invariants
-from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
+from autopar.planner.exact_checks import (
+    feasible,
+    fewer_microbatches,
+    or_even_split,
+    or_single_stage,
+    same_stages_at,
+)
 from autopar.planner.manual_stages import manual_stages
-from autopar.planner.offload_choice import choose_offload, record_offload
+from autopar.planner.offload_choice import (
+    choose_offload,
+    offloaded_stages,
+    record_offload,
+    searches_stages,
+    stage_training,
+)
 from autopar.planner.options import (
     PlanOptions,
     check_against_graph,
@@ -73,7 +85,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                recapture=None) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
-    if options.offload == "auto":
+    if options.offload == "auto" and not searches_stages(options):  # the DP prices offload per stage itself
         return choose_offload(lambda o: plan_graph(graph, cluster, o, model_name, recapture), options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
@@ -88,7 +100,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
-                           recompute_modes=layer_modes(options.recompute, graph, layers))
+                           recompute_modes=layer_modes(options.recompute, graph, layers),
+                           offload=options.offload == "auto")
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
@@ -200,6 +213,8 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                                       lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
             if ahead is not None:
                 ahead.cancel()  # already joined when it was asked for; stopped here when it was not
+        plan = or_even_split(plan, choice, layers, blocks, options, lambda even: _pipeline(
+            graph, layers, blocks, cluster, options, model_name, even, at_microbatch, costs.modes))
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
@@ -358,7 +373,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         option, subset = chosen.option, subsets[s]
         k, i = chosen.first, chosen.last
         recompute = stage_modes(costs_modes, chosen.recompute, k, i)
-        env = CostEnv(cluster, option.logical, training_spec(graph, options), microbatches=B,
+        env = CostEnv(cluster, option.logical, stage_training(training_spec(graph, options), chosen), microbatches=B,
                       inflight=chosen.inflight, devices_per_node=option.physical[1],
                       recomputed=recomputed_ops(layers, recompute, scaled))
         try:
@@ -382,7 +397,8 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     return assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
                          layers=layers, transfers=transfers, sharded_graph=scaled, virtual_stages=choice.virtual,
                          planner={"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
-                                  "dp_cost": choice.cost, "stage_solves_reused": memo.hits, **choice.notes})
+                                  "dp_cost": choice.cost, "stage_solves_reused": memo.hits, **choice.notes,
+                                  **offloaded_stages(choice.stages)})
 
 
 def _uniform(recompute: dict[int, str], layers, k: int, i: int) -> bool:

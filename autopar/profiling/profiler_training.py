@@ -30,11 +30,11 @@
    accumulation, unfused epilogues). Every rank runs forward + backward of ``TinyBlock(width)`` on ``tokens``
    tokens (``probe_shape``: 192 wide, 384 tokens, fp32 on CPUs; 2048 wide, 4096 tokens, bf16 on GPUs), all
    ranks at once; the cost model prices the same captured graph on the cluster of items 1-3
-   (``probe_step_ops``: per op, roofline seconds r_i and host seconds o_i). A square ``mm`` of the probe's
-   reference side and dtype is timed right before and after the probe step: the machine's speed then, against
-   the speed the matmul curve recorded (on a shared machine the load drifts between the profile's probes,
-   and a factor taken across them would measure the drift), so with q = reference seconds measured /
-   predicted by the curve, compute_time_scale is the s that solves
+   (``probe_step_ops``: per op, roofline seconds r_i and host seconds o_i). Like every compute probe here it
+   is timed against the reference mm (``probes.SpeedReference``), so it and the matmul curve describe the
+   machine at one speed; the reference mm itself, timed the same way, gives q = its seconds / those the
+   square-mm curve as measured predicts (≈ 1; compared with the curve *before* item 3 scales it: against
+   the scaled curve the factor would read as a slower machine), and compute_time_scale is the s that solves
 
        measured = Σ_i combine(s · q · r_i, o_i)      (combine: + on CPU ranks, max on GPUs; ``with_host_time``)
 
@@ -72,6 +72,7 @@ import torch.nn.functional as F
 from autopar.hardware.cluster import Cluster
 from autopar.profiling.probes import (
     COLLECTIVES,
+    SpeedReference,
     calls_per_window,
     collective_call,
     fit_alpha_beta,
@@ -224,9 +225,11 @@ def attention_efficiency(cluster: Cluster, per_rank: list[dict]) -> float:
     return ideal / statistics.median(measured)
 
 
-def measure_rank(settings, probe) -> dict:
-    """This rank's raw seconds: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "tiny_step": s, "linears": {dtype: [s]},
-    "pipeline": ``profiler_pipeline.measure_pipeline``'s}."""
+def measure_rank(settings, probe, reference: SpeedReference) -> dict:
+    """This rank's raw measurements: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "pipeline": ``profiler_pipeline.
+    measure_pipeline``'s, in seconds; and the compute probes "tiny_step", "probe_step", "probe_reference",
+    "linears": {dtype: [...]}, "norm_act", "attention", "probe_compiled" in ``reference`` units (calls timed
+    between reference mms, ``probes.SpeedReference``), which ``training_seconds`` turns into seconds."""
     out = {"mesh": {}, "tiny_step": None, "linears": {}, "probe_step": None, "probe_reference": None}
     for mesh in meshes_of(dist.get_world_size()):
         groups = _axis_groups(mesh)
@@ -237,32 +240,48 @@ def measure_rank(settings, probe) -> dict:
                 out["mesh"].setdefault((mesh, kind), []).append((m0, m1, _timed(lambda: (call0(), call1()),
                                                                                  settings, probe)))
     device = probe.torch
+
+    def relative(call):
+        return reference.ratio(call, settings, settings.probe_window_s)
+
     block, x = TinyBlock().to(device), torch.randn(4, 8, device=device)
-    out["tiny_step"] = _timed(lambda: block(x).backward(), settings, probe)
+    out["tiny_step"] = relative(lambda: block(x).backward())
     shape = probe_shape(probe.kind)
     dtype = getattr(torch, shape.dtype)
     block = TinyBlock(shape.width).to(device, dtype)
     x = torch.randn(shape.tokens, shape.width, device=device, dtype=dtype)
     a, b = (torch.randn(shape.reference_side, shape.reference_side, device=device, dtype=dtype) for _ in range(2))
-    before = _timed(lambda: torch.mm(a, b), settings, probe)
-    out["probe_step"] = _timed(lambda: block(x).backward(), settings, probe)
-    out["probe_reference"] = (before + _timed(lambda: torch.mm(a, b), settings, probe)) / 2
+    out["probe_step"] = relative(lambda: block(x).backward())
+    out["probe_reference"] = relative(lambda: torch.mm(a, b))
     if settings.compiled_probe:
-        out["probe_compiled"] = _compiled_probe_step(block, x, lambda: torch.mm(a, b), settings, probe)
+        out["probe_compiled"] = _compiled_probe_step(block, x, relative)
     for name in training_dtypes(probe):
         dtype = getattr(torch, name)
-        out["linears"][name] = [_timed(_linear_step(s, dtype, probe.torch), settings, probe)
-                                for s in training_shapes(probe)]
-    out["norm_act"] = [_timed(call, settings, probe) for call in norm_act_calls(probe.kind, device)]
+        out["linears"][name] = [relative(_linear_step(s, dtype, probe.torch)) for s in training_shapes(probe)]
+    out["norm_act"] = [relative(call) for call in norm_act_calls(probe.kind, device)]
     if probe.kind == "cuda":
-        out["attention"] = _timed(attention_call(device), settings, probe)
+        out["attention"] = relative(attention_call(device))
     out["pipeline"] = measure_pipeline(settings, probe)
     return out
 
 
-def _compiled_probe_step(block, x, reference, settings, probe) -> tuple[float, float] | None:
-    """Item 6: (seconds of the compiled probe step, of the reference mm around it); None on every rank when
-    any rank could not compile it (they all skip the timing, so no rank waits at a barrier alone)."""
+def training_seconds(out: dict, level: float) -> dict:
+    """``measure_rank``'s output with its compute probes turned from reference units into seconds (× level,
+    the seconds of one reference call at the profile's median speed)."""
+    out = dict(out, linears={name: [r * level for r in ratios] for name, ratios in out["linears"].items()})
+    for key in ("tiny_step", "probe_step", "probe_reference", "attention"):
+        if out.get(key) is not None:
+            out[key] *= level
+    if out.get("norm_act"):
+        out["norm_act"] = [r * level for r in out["norm_act"]]
+    if out.get("probe_compiled"):
+        out["probe_compiled"] = tuple(r * level for r in out["probe_compiled"])
+    return out
+
+
+def _compiled_probe_step(block, x, relative) -> tuple[float, float] | None:
+    """Item 8: (the compiled probe step, the reference mm) in reference units; None on every rank when any
+    rank could not compile it (they all skip the timing, so no rank waits at a barrier alone)."""
     compiled = torch.compile(block, dynamic=False)
     try:
         compiled(x).backward()  # compiles forward and backward, outside the timing
@@ -272,9 +291,7 @@ def _compiled_probe_step(block, x, reference, settings, probe) -> tuple[float, f
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if not ok.item():
         return None
-    before = _timed(reference, settings, probe)
-    step = _timed(lambda: compiled(x).backward(), settings, probe)
-    return step, (before + _timed(reference, settings, probe)) / 2
+    return relative(lambda: compiled(x).backward()), 1.0
 
 
 # ---- in the caller --------------------------------------------------------------------------------
@@ -341,10 +358,15 @@ class _Whole:
 
 
 def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None = None,
-                      shape: ProbeShape | None = None, compiled: bool = False) -> float:
+                      shape: ProbeShape | None = None, compiled: bool = False, square: Cluster | None = None) -> float:
     """compute_time_scale of item 4: the s with measured = Σ combine(s·q·r_i, o_i), q = the reference mm's
-    measured seconds over the curve's (1 when ``reference`` is None); shape: the probe (default: the
-    cluster's device's ``probe_shape``). ``compiled``: item 6's s_c, every o_i taken as 0."""
+    measured seconds over the seconds ``square``'s curve gives it (1 when ``reference`` is None); shape: the
+    probe (default: the cluster's device's ``probe_shape``). ``compiled``: item 8's s_c, every o_i taken as 0.
+
+    square: the cluster whose curve holds the square-mm rates as measured (default ``cluster``). The profiler
+    passes its isolated cluster: ``cluster``'s curve is scaled by the training-matmul factor (item 3), and a
+    square mm compared with that curve would read the factor as a slowdown of the machine and divide every
+    roofline time by it a second time (profiles predicted 1/factor, 1.2-1.5×, too slow)."""
     from autopar.cost_models.compute import host_overlaps_kernels, with_host_time
 
     shape = shape or probe_shape(cluster.device_type)
@@ -354,7 +376,7 @@ def end_to_end_factor(cluster: Cluster, measured: float, reference: float | None
     q = 1.0
     if reference is not None:
         flops = 2.0 * shape.reference_side**3
-        q = reference / (flops / cluster.matmul_flops(shape.dtype, flops))
+        q = reference / (flops / (square or cluster).matmul_flops(shape.dtype, flops))
     roofline, overhead = sum(r for r, _ in ops) * q, sum(o for _, o in ops)
     if compiled or not host_overlaps_kernels(cluster):
         return max(measured - overhead, 1e-9) / max(roofline, 1e-12)
@@ -414,13 +436,13 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
     probes = [(r["probe_step"], r["probe_reference"]) for r in per_rank if r.get("probe_step") is not None]
     if probes:
         scale = end_to_end_factor(out, statistics.median(p for p, _ in probes),
-                                  statistics.median(q for _, q in probes))
+                                  statistics.median(q for _, q in probes), square=cluster)
         if probe.kind == "cuda":
             notes.append(f"probe step factor {scale:.2f} measured, not applied (GPU_PROBE's docstring)")
         else:
             out = dataclasses.replace(out, compute_time_scale=scale)
             notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
-    out = _apply_compiled_factor(out, per_rank, probe, notes)
+    out = _apply_compiled_factor(out, per_rank, probe, notes, square=cluster)
     host, note = microbatch_overhead(out, per_rank)
     out = dataclasses.replace(out, microbatch_overhead=host)
     notes.append(note)
@@ -428,13 +450,15 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
     return out, note
 
 
-def _apply_compiled_factor(cluster: Cluster, per_rank: list[dict], probe, notes: list[str]) -> Cluster:
-    """Item 6: ``cluster`` with ``compiled_time_scale`` (CPU ranks; GPUs note it only), when it was measured."""
+def _apply_compiled_factor(cluster: Cluster, per_rank: list[dict], probe, notes: list[str],
+                           square: Cluster | None = None) -> Cluster:
+    """Item 8: ``cluster`` with ``compiled_time_scale`` (CPU ranks; GPUs note it only), when it was measured;
+    square: the isolated cluster the reference mm is compared with (``end_to_end_factor``)."""
     timed = [r["probe_compiled"] for r in per_rank if r.get("probe_compiled")]
     if not timed:
         return cluster
     scale = end_to_end_factor(cluster, statistics.median(s for s, _ in timed), statistics.median(q for _, q in timed),
-                              compiled=True)
+                              compiled=True, square=square)
     if probe.kind == "cuda":
         notes.append(f"compiled probe step factor {scale:.2f} measured, not applied")
         return cluster
