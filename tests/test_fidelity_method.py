@@ -7,6 +7,7 @@ become seconds at one level; the benchmark divides each round's common speed out
 counts the signs of its errors.
 """
 import dataclasses
+import statistics
 
 import pytest
 
@@ -69,3 +70,47 @@ def test_round_normalized_needs_the_same_rounds_for_every_plan():
 def test_sign_balance_counts_too_slow_and_too_fast():
     assert sign_balance([0.1, -0.2, 0.05, 0.0]) == (2, 1)
     assert sign_balance([0.1, 0.2]) == (2, 0)  # a single-sign bias
+
+
+class _DriftingMachine:
+    """A probe device whose clock reads each window as calls × cost × speed, the speed slowing by 10 % per
+    window (other jobs' load arriving), so a figure timed alone depends on when it was timed."""
+
+    kind = "cpu"
+    torch = None
+
+    def __init__(self, costs: dict):
+        self.costs, self.windows = costs, 0  # costs: seconds per call of each call
+
+    def window_seconds(self, call, calls: int) -> float:
+        self.windows += 1
+        return calls * self.costs[call] * (1.0 + 0.1 * self.windows)
+
+
+def test_speed_reference_cancels_drift_that_plain_windows_keep(monkeypatch):
+    from autopar.profiling import probes
+
+    monkeypatch.setattr(probes.dist, "barrier", lambda: None)  # one process: nothing to agree with
+    monkeypatch.setattr(probes, "slowest_rank", lambda seconds, probe: seconds)
+    settings = type("Settings", (), {"warmup": 1, "windows": 5, "window_s": 0.01})()
+    machine = _DriftingMachine({})
+    reference = probes.SpeedReference(machine)
+    step = lambda: None  # noqa: E731 - a call costing 3 reference calls
+    machine.costs = {reference.call: 1e-3, step: 3e-3}
+    assert reference.ratio(step, settings) == pytest.approx(3.0, rel=1e-9)  # the references around it cancel it
+    assert reference.level() == pytest.approx(statistics.median(reference.windows))
+    # negative control: the same call timed alone reads the drift (10 % per window) into its figure
+    assert probes.seconds_per_call(step, 1, 5, machine) / 3e-3 > 1.5
+
+
+def test_fresh_runs_refuses_bad_arguments_before_profiling(tmp_path, capsys):
+    from benchmarks.fidelity.fresh_runs import main
+
+    kept = tmp_path / "results.txt"
+    kept.write_text("an earlier result\n")
+    for argv, named in ((["--runs", "0", "--out", str(tmp_path / "new.txt")], "--runs must be at least 1"),
+                        (["--out", str(kept)], "exists; name another --out")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+    assert kept.read_text() == "an earlier result\n"  # a results file is never overwritten

@@ -314,7 +314,18 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
     if "training" not in per_rank[0]:
         return dataclasses.replace(isolated, source=_source_line(n, per_rank[0]["threads"], quick, probe))
     cluster, note = apply_training_measurements(isolated, [r["training"] for r in per_rank], probe)
-    return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note)
+    return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note
+                               + _reference_note(per_rank))
+
+
+def _reference_note(per_rank: list[dict]) -> str:
+    """The speed every compute figure was scaled to (``probes.SpeedReference``), for the source line."""
+    if "reference" not in per_rank[0]:
+        return ""
+    side, dtype, _ = per_rank[0]["reference"]
+    level = statistics.median(r["reference"][2] for r in per_rank)
+    return (f"; compute probes timed against {dtype} mm {side}³, their figures at its median speed "
+            f"({2.0 * side**3 / level / 1e9:.1f} GFLOP/s per rank)")
 
 
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:

@@ -101,7 +101,9 @@ def main(argv=None) -> int:
             texts.append(text)
             verdicts.append(verdict(fig))
             print(f"run {i}: {verdicts[-1][1]}", flush=True)
-    header = (f"# Cost-model fidelity, {args.runs} consecutive runs, each a fresh `autopar profile --nprocs "
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    header = (f"# Cost-model fidelity (tree {commit.strip() or 'unknown'}), {args.runs} consecutive runs, each a "
+              f"fresh `autopar profile --nprocs "
               f"{args.nprocs}`{' --quick' if args.quick else ''} then the benchmark, started "
               f"{now.strftime('%Y-%m-%d %H:%M')} UTC, {os.cpu_count()} cores; {time.perf_counter() - started:.0f} s "
               f"in all.\n# Command: python benchmarks/fidelity/fresh_runs.py {' '.join(argv or sys.argv[1:])}")
