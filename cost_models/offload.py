@@ -5,14 +5,16 @@ host memory and the step runs there. A rank stepping N local parameter elements 
 the gradients out and the updated parameters back over its PCIe link, and steps on the host:
 
     t_step = 2 · N · s / pcie  +  N · 4 · OPTIMIZER_TRAFFIC / host_bw          (host figures: hardware.host)
+             + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead                 (CPU ranks only)
 
-in place of the device step (``compute.optimizer_step_time``); device memory loses the state and master
-bytes (``TrainingSpec.host_optimizer``). The transfers are not overlapped with backward here (ZeRO-Offload
+(the per-tensor host time as ``compute.optimizer_step_time`` charges it: the host copies are stepped by the
+same torch optimizer, one tensor at a time) in place of the device step; device memory loses the state and
+master bytes (``TrainingSpec.host_optimizer``). The transfers are not overlapped with backward here (ZeRO-Offload
 overlaps the gradient copies with backward; an upper bound).
 
 Per stage, as a lever of the stage DP (``passes.stage_offload``): offloading N stepped local elements of
 itemsize s frees their state and master bytes on the device and adds the host step less the device step it
-replaces (the device step's memory traffic, ``compute.optimizer_step_time`` without per-tensor host time):
+replaces (their memory traffic; the per-tensor host time is the same on both sides and cancels):
 
     freed = N · (state + master)                  (state: OPTIMIZER_STATE_BYTES; master: 4 for fp16/bf16)
     added = max(0, t_step − N · s · OPTIMIZER_TRAFFIC / memory_bandwidth)      seconds per step
@@ -28,15 +30,19 @@ from __future__ import annotations
 
 import torch
 
-from autopar.cost_models.compute import OPTIMIZER_TRAFFIC
+from autopar.cost_models.compute import OPTIMIZER_CALLS_PER_TENSOR, OPTIMIZER_TRAFFIC, host_overlaps_kernels
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.hardware.host import host_of
 
 
-def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster) -> float:
-    """Seconds of one offloaded optimizer step over ``numel`` local elements (module docstring)."""
+def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster, n_tensors: int = 0) -> float:
+    """Seconds of one offloaded optimizer step over ``numel`` local elements in ``n_tensors`` tensors (module
+    docstring)."""
     host = host_of(cluster)
-    return 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
+    seconds = 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
+    if host_overlaps_kernels(cluster):
+        return seconds
+    return seconds + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)
 
 
 def optimizer_offload_effect(numel: float, dtype: torch.dtype, optimizer: str, cluster) -> tuple[float, float]:

@@ -69,8 +69,13 @@ def _stepped_numel(param, spec, mesh_shape, level: int) -> float:
 def offloaded_tables(host_state: tuple[np.ndarray, np.ndarray], latency: np.ndarray, memory: np.ndarray,
                      microbatches: int) -> tuple[np.ndarray, np.ndarray]:
     """(latency [k, i], memory [k, i, f]) of every stage k..i with its optimizer offloaded (docstring)."""
-    freed, added = (_span(v) for v in host_state)
+    freed, added = offload_spans(host_state)
     return latency + added / microbatches, memory - freed[:, :, None]
+
+
+def offload_spans(host_state: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """(Σ freed_l, Σ added_l) over layers k..i, as [k, i] matrices."""
+    return tuple(_span(v) for v in host_state)
 
 
 def _span(v: np.ndarray) -> np.ndarray:

@@ -1,6 +1,7 @@
 """CPU offload: training with the optimizer stepped on host copies and with activations kept in host memory
-equals one device (2 gloo ranks, tolerances of test_parity), and the planner takes offload where only it meets
-the memory budget, not where another lever is cheaper.
+equals one device (2 gloo ranks, tolerances of test_parity), so does a 2-stage pipeline whose stage DP offloaded
+one stage only, and the planner takes offload where only it meets the memory budget (per pipeline stage: only
+the stage whose memory binds), not where another lever is cheaper.
 
 On CPU ranks the host copies are separate tensors in the same memory: the offload path runs in full (copies
 out, host step, copies back; ``save_on_cpu``'s pack and unpack). Negative controls: the stepped host copies
@@ -9,6 +10,7 @@ never copied back, and offloaded activations returned as zeros.
 import functools
 
 import pytest
+import torch
 
 import autopar
 from autopar.errors import OptionError
@@ -150,3 +152,16 @@ def test_the_stage_dp_prefers_recompute_where_it_frees_memory_for_less():
     forced = autopar.plan(model, tight, batch, recompute="none", offload="auto", **PIPELINE)
     assert forced.planner["offload"] == {"optimizer": [0]}
     assert forced.predicted["step_time"] > plan.predicted["step_time"], "the host step costs more than a forward"
+
+
+def test_offloading_a_stage_frees_its_state_and_adds_the_host_step_less_the_device_step():
+    from autopar.cost_models.offload import optimizer_offload_effect
+
+    h100 = autopar.Cluster.preset("dgx-h100", gpus=1)
+    host, n = host_of(h100), 1e6
+    freed, added = optimizer_offload_effect(n, torch.bfloat16, "adamw", h100)
+    assert freed == n * (8 + 4)  # exp_avg, exp_avg_sq and the fp32 master weight
+    transfers, host_step = 2 * n * 2 / host.pcie, n * 4 * 7 / host.host_bw  # bf16 out and back; fp32 AdamW
+    device_step = n * 2 * 7 / h100.memory_bandwidth
+    assert added == pytest.approx(transfers + host_step - device_step)
+    assert optimizer_offload_effect(n, torch.float32, "sgd", h100)[0] == 0, "plain SGD keeps no state to free"

@@ -54,7 +54,6 @@ from autopar.planner.offload_choice import (
     choose_offload,
     offloaded_stages,
     record_offload,
-    searches_stages,
     stage_training,
 )
 from autopar.planner.options import (
@@ -82,11 +81,13 @@ def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options
 
 
 def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_name: str = "model",
-               recapture=None) -> Plan:
+               recapture=None, per_stage_offload: bool = False) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
-    shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
-    if options.offload == "auto" and not searches_stages(options):  # the DP prices offload per stage itself
-        return choose_offload(lambda o: plan_graph(graph, cluster, o, model_name, recapture), options)
+    shapes is not exact (see ``batch_dims.rescale_is_exact``). ``per_stage_offload``: offload="auto" is
+    this plan's, stage by stage in the stage DP (``offload_choice``)."""
+    if options.offload == "auto" and not per_stage_offload:
+        return choose_offload(lambda o, per_stage: plan_graph(graph, cluster, o, model_name, recapture, per_stage),
+                              options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
@@ -101,7 +102,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers),
-                           offload=options.offload == "auto")
+                           offload=per_stage_offload)
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it

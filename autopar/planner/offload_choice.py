@@ -1,4 +1,4 @@
-"""``offload="auto"``: CPU offload chosen per stage where the stage DP runs, compared whole where it does not.
+"""``offload="auto"``: CPU offload of the optimizer chosen per stage by the stage DP, and compared whole.
 
 Offload is a memory lever with a price (``cost_models.offload``): it frees a stage's optimizer state and
 master weights at the cost of host transfers and a host step. Where the planner searches stages
@@ -6,10 +6,14 @@ master weights at the cost of host transfers and a host step. Where the planner 
 optimizer on the host (``passes.stage_offload``) beside the other levers (layouts, ZeRO, recompute,
 pipelining), so one search picks offload for the stages whose memory binds and not for the others; each
 offloaded stage is solved exactly with ``TrainingSpec.host_optimizer`` (``stage_training``) and the plan
-records them (``offloaded_stages``). Where no stage is searched (``stages=1``, a manual stage list), the
-plan is made without and with optimizer offload on every stage and the faster feasible one is kept
-(``choose_offload``; ties go to the plan without). Either way ``plan.planner["offload"]`` =
-{"optimizer": [stage indices], ...} names what moves, and ``runtime.offload`` reads it.
+records them (``offloaded_stages``). "auto" then compares that plan with the plan that offloads every stage
+(``AUTO_CANDIDATES``) and keeps the faster feasible one, ties to the per-stage plan: the DP prices the host
+step per microbatch (o/B, as it prices the gradient sync) where the step pays the largest one once, and it
+prices offloaded stages from layouts solved with the state on the device, so on Mist's L4 points
+(``benchmarks/vs_hand/offload_per_stage.py``) offloading every stage was predicted 2.5-5 % faster than
+the DP's own choice. Where no stage is searched (``stages=1``, a manual stage list) the two plans are
+without offload and with it on every stage. Either way ``plan.planner["offload"]`` = {"optimizer": [stage
+indices]} names what moves, and ``runtime.offload`` reads it.
 
 The "auto" choice offloads the optimizer only: activation swapping costs 2 × the saved bytes over PCIe
 per microbatch, which recompute (the planner's own lever) usually undercuts; force it with
@@ -25,7 +29,9 @@ from autopar.errors import InfeasibleError
 from autopar.plan import Plan
 from autopar.planner.options import PlanOptions, offloaded
 
-AUTO_CANDIDATES = ("none", {"optimizer": True})
+EVERY_STAGE = {"optimizer": True}
+AUTO_CANDIDATES = {True: (("auto", True), (EVERY_STAGE, False)),      # stages searched: (offload, per stage)
+                   False: (("none", False), (EVERY_STAGE, False))}
 
 
 def searches_stages(options: PlanOptions) -> bool:
@@ -45,12 +51,13 @@ def offloaded_stages(stages) -> dict:
     return {"offload": {"optimizer": moved}} if moved else {}
 
 
-def choose_offload(plan_with: Callable[[PlanOptions], Plan], options: PlanOptions) -> Plan:
-    """The fastest feasible plan over ``AUTO_CANDIDATES`` (the first one's error when none fits)."""
+def choose_offload(plan_with: Callable[[PlanOptions, bool], Plan], options: PlanOptions) -> Plan:
+    """The fastest feasible plan over ``AUTO_CANDIDATES`` (the first one's error when none fits);
+    ``plan_with(options, per_stage)`` plans one of them."""
     best, first_error = None, None
-    for offload in AUTO_CANDIDATES:
+    for offload, per_stage in AUTO_CANDIDATES[searches_stages(options)]:
         try:
-            plan = plan_with(dataclasses.replace(options, offload=offload))
+            plan = plan_with(dataclasses.replace(options, offload=offload), per_stage)
         except InfeasibleError as e:
             first_error = first_error or e
             continue
