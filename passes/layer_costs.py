@@ -42,6 +42,7 @@ class LayerCosts:
     reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
+    last_resort: bool = False  # offered to the stage DP only where nothing fits without it (``zero3_variant``)
 
     def __post_init__(self):
         self.ranges = _range_matrices(self)
@@ -75,10 +76,10 @@ def _range_matrices(c: "LayerCosts") -> tuple[np.ndarray, ...]:
 
 
 def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape, reference_batch: int,
-                blocks=None, solved: bool = True) -> LayerCosts:
+                blocks=None, solved: bool = True, last_resort: bool = False) -> LayerCosts:
     """Split a whole-model solution's group prices by layer. A group of a truncated instance 1 stands for
     instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``). ``solved``: the
-    solution came from a solve (False for ``zero2_variant``'s)."""
+    solution came from a solve (False for ``zero2_variant``'s); ``last_resort``: see ``LayerCosts``."""
     L = layers.count
     t, sync, param, act, peak, comm = (np.zeros(L) for _ in range(6))
     spread = [_instance_layers(group.leader, layers, blocks, weight)
@@ -100,7 +101,7 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
             edges[lu, lv] += per_instance
     split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
                  if batch_dims.get(n) is not None] or [1])
-    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved)
+    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved, last_resort)
 
 
 def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:
@@ -132,11 +133,23 @@ def zero2_variant(solution: IntraOpSolution, edges: dict) -> IntraOpSolution | N
     """``solution`` with every base column that has a level-2 twin replaced by it (module docstring); None
     when no group has one. ``edges``: the built problem's group resharding matrices (``BuiltProblem.edges``),
     weighted as ``solve_built`` weights them."""
+    return zero_variant(solution, edges, 2)
+
+
+def zero3_variant(solution: IntraOpSolution, edges: dict) -> IntraOpSolution | None:
+    """``zero2_variant`` at level 3: every base column that has a level-3 twin replaced by it (module
+    docstring); None when no group has one."""
+    return zero_variant(solution, edges, 3)
+
+
+def zero_variant(solution: IntraOpSolution, edges: dict, level: int) -> IntraOpSolution | None:
+    """``solution`` with every base column that has a twin at ZeRO ``level`` replaced by it; None when no
+    group has one."""
     choice, moved = list(solution.choice), False
     for g, group in enumerate(solution.groups):
         if group.zero_base is None or group.zero_level[choice[g]] != 0:
             continue
-        twins = np.flatnonzero((group.zero_base == choice[g]) & (group.zero_level == 2))
+        twins = np.flatnonzero((group.zero_base == choice[g]) & (group.zero_level == level))
         if len(twins):
             choice[g], moved = int(twins[0]), True
     if not moved:
