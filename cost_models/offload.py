@@ -5,10 +5,19 @@ host memory and the step runs there. A rank stepping N local parameter elements 
 the gradients out and the updated parameters back over its PCIe link, and steps on the host:
 
     t_step = 2 · N · s / pcie  +  N · 4 · OPTIMIZER_TRAFFIC / host_bw          (host figures: hardware.host)
+             + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead                 (CPU ranks only)
 
-in place of the device step (``compute.optimizer_step_time``); device memory loses the state and master
-bytes (``TrainingSpec.host_optimizer``). The transfers are not overlapped with backward here (ZeRO-Offload
+(the per-tensor host time as ``compute.optimizer_step_time`` charges it: the host copies are stepped by the
+same torch optimizer, one tensor at a time) in place of the device step; device memory loses the state and
+master bytes (``TrainingSpec.host_optimizer``). The transfers are not overlapped with backward here (ZeRO-Offload
 overlaps the gradient copies with backward; an upper bound).
+
+Per stage, as a lever of the stage DP (``passes.stage_offload``): offloading N stepped local elements of
+itemsize s frees their state and master bytes on the device and adds the host step less the device step it
+replaces (their memory traffic; the per-tensor host time is the same on both sides and cancels):
+
+    freed = N · (state + master)                  (state: OPTIMIZER_STATE_BYTES; master: 4 for fp16/bf16)
+    added = max(0, t_step − N · s · OPTIMIZER_TRAFFIC / memory_bandwidth)      seconds per step
 
 Activation offload (``torch.autograd.graph.save_on_cpu``: every tensor saved for backward is copied to host
 memory in forward and back in backward): with A bytes saved per microbatch and c seconds of compute,
@@ -19,14 +28,30 @@ and the device keeps none of them between forward and backward.
 """
 from __future__ import annotations
 
-from autopar.cost_models.compute import OPTIMIZER_TRAFFIC
+import torch
+
+from autopar.cost_models.compute import OPTIMIZER_CALLS_PER_TENSOR, OPTIMIZER_TRAFFIC, host_overlaps_kernels
+from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.hardware.host import host_of
 
 
-def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster) -> float:
-    """Seconds of one offloaded optimizer step over ``numel`` local elements (module docstring)."""
+def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster, n_tensors: int = 0) -> float:
+    """Seconds of one offloaded optimizer step over ``numel`` local elements in ``n_tensors`` tensors (module
+    docstring)."""
     host = host_of(cluster)
-    return 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
+    seconds = 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
+    if host_overlaps_kernels(cluster):
+        return seconds
+    return seconds + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)
+
+
+def optimizer_offload_effect(numel: float, dtype: torch.dtype, optimizer: str, cluster) -> tuple[float, float]:
+    """(device bytes freed, seconds added per step) by stepping ``numel`` local elements on the host (docstring)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    master = 4 if dtype in (torch.float16, torch.bfloat16) else 0
+    device_step = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
+    added = max(0.0, host_optimizer_seconds(numel, itemsize, optimizer, cluster) - device_step)
+    return numel * (OPTIMIZER_STATE_BYTES[optimizer] + master), added
 
 
 def activation_swap_seconds(saved_bytes: float, compute_seconds: float, cluster) -> float:

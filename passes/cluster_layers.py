@@ -140,6 +140,27 @@ def cluster_layers(graph, blocks: RepeatedBlocks, n_layers: int | None = None, i
     return _assign(graph, seq, cuts)
 
 
+def even_block_stages(layers: Layers, blocks: RepeatedBlocks, parts: int) -> list[tuple[int, int]] | None:
+    """The layer ranges of ``parts`` pipeline stages that hold the repeated blocks evenly (stage s from block
+    s·n/parts, what the model's blocks sit in stage s of Megatron's --pipeline-model-parallel-size split:
+    the first also runs what comes before block 0, the last what comes after block n−1), or None where
+    ``parts`` does not divide the n blocks, is below 2, or a boundary falls inside a layer of ``layers``."""
+    order = {name: i for i, name in enumerate(name for names in layers.nodes for name in names)}
+    firsts = sorted(((layers.of_node[inst[0]], inst[0]) for insts in blocks.instances.values() for inst in insts),
+                    key=lambda hit: order[hit[1]])
+    n = len(firsts)
+    if parts < 2 or n < parts or n % parts:
+        return None
+    bounds = [0]
+    for s in range(1, parts):
+        layer, name = firsts[s * n // parts]
+        if layers.nodes[layer][0] != name:  # the block starts inside a layer: no cut before it
+            return None
+        bounds.append(layer)
+    bounds.append(layers.count)
+    return [(a, b - 1) for a, b in zip(bounds, bounds[1:])]
+
+
 def _block_starts(seq: list[fx.Node], blocks: RepeatedBlocks) -> list[int]:
     """Indices in ``seq`` where each repeated-block instance begins, in order (one per block)."""
     index = {n.name: i for i, n in enumerate(seq)}

@@ -13,7 +13,8 @@ within g of P1's optimum, which is no larger than P2's, so the guarantee carries
 the solver proved (status "Optimal") are kept.
 
 So the driver solves identical stages in order of growing memory (fewest microbatches in flight
-first) and each later stage is either answered here or solved afresh and remembered.
+first) and each later stage is either answered here or solved afresh and remembered. Stages of
+different objectives never answer each other, so ``solve_walks`` solves them in parallel workers.
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import hashlib
 
 import numpy as np
 
-from autopar.passes.ilp import IlpProblem, IlpResult, memory_of
+from autopar.errors import InfeasibleError
+from autopar.passes.forked import parallel_map
+from autopar.passes.ilp import IlpProblem, IlpResult, memory_of, solve_ilp
 
 
 def objective_key(problem: IlpProblem) -> str:
@@ -79,3 +82,36 @@ class SolutionMemo:
     def store(self, problem: IlpProblem, result: IlpResult) -> None:
         if result.status == "Optimal":
             self._entries.setdefault(objective_key(problem), []).append((problem, result))
+
+
+def solve_walks(problems: list[IlpProblem], time_limit: float) -> tuple[list[IlpResult | str], int]:
+    """Each problem answered exactly as one ``SolutionMemo`` walk over ``problems`` in order answers it,
+    with the walks of different objectives on every core (``forked.parallel_map``): a memo only ever
+    answers a problem from an earlier one of the same objective, so splitting the walk by objective key
+    changes no answer. Returns (per problem its result, or the InfeasibleError message of its solve; how
+    many were answered from the memo). The largest objectives are handed out first."""
+    walks: dict[str, list[int]] = {}
+    for j, problem in enumerate(problems):
+        walks.setdefault(objective_key(problem), []).append(j)
+    order = sorted(walks.values(), key=lambda walk: -sum(len(c) for c in problems[walk[0]].cost))
+    answers = parallel_map(lambda walk: _walk([problems[j] for j in walk], time_limit), order)
+    results: list[IlpResult | str] = [""] * len(problems)
+    for walk, (answered, _) in zip(order, answers):
+        for j, result in zip(walk, answered):
+            results[j] = result
+    return results, sum(hits for _, hits in answers)
+
+
+def _walk(problems: list[IlpProblem], time_limit: float) -> tuple[list[IlpResult | str], int]:
+    memo, out = SolutionMemo(), []
+    for problem in problems:
+        result = memo.lookup(problem)
+        if result is None:
+            try:
+                result = solve_ilp(problem, time_limit)
+            except InfeasibleError as e:  # a message travels back from a worker; the caller raises it
+                out.append(str(e))
+                continue
+            memo.store(problem, result)
+        out.append(result)
+    return out, memo.hits

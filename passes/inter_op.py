@@ -20,7 +20,8 @@ option whose batch split does not divide b is not offered at that B. Where the u
 is unlikely to fit, the same layouts at ZeRO level 2 (``layer_costs.zero2_variant``) and a lean solution
 (near the least memory any plan needs) are priced too, and the same layouts at ZeRO level 3
 (``layer_costs.zero3_variant``), which the DP is offered only where nothing fits without them (why:
-``intra_op_zero``'s docstring).
+``intra_op_zero``'s docstring). With ``offload`` every entry may also take its stage's
+optimizer state to host memory (``stage_offload``: less memory, the host step's time), chosen per stage.
 The chosen stages are then re-solved exactly, stage by stage, by the driver. Being prices, not plans,
 the whole-model solves here skip the solver's presolve (``ilp_highs.solve``: half the solver time, a
 solution within the same relative gap).
@@ -43,6 +44,7 @@ from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant, zero3_variant
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
+from autopar.passes.stage_offload import offload_layers, offloaded_tables
 from autopar.passes.strategies import generate_strategies, strategy_signature
 
 INF = float("inf")
@@ -91,7 +93,7 @@ class StageCosts:
     """
 
     def __init__(self, graphs, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
-                 strategies_for=generate_strategies, recompute_modes: list[str] | None = None):
+                 strategies_for=generate_strategies, recompute_modes: list[str] | None = None, offload: bool = False):
         self._graphs = graphs
         self.layers, self.blocks, self.cluster = layers, blocks, cluster
         self.strategies_for = strategies_for
@@ -104,6 +106,8 @@ class StageCosts:
         self.modes = recompute_modes or ["none"] * layers.count
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
         self._recompute: dict[int, LayerRecompute] = {}  # id of a LayerCosts in ``variants`` -> its prices
+        self.offload = offload  # price optimizer offload per stage (``stage_offload``)
+        self.offloads: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] whether that entry offloads
 
     @functools.cached_property
     def graphs(self) -> dict:
@@ -174,54 +178,74 @@ class StageCosts:
         env = self._env(option)
         built = build_problem(graph, self.strategies_for(graph, option.logical), self.blocks, env, None, None, True)
         first = solve_built(built, env, self.time_limit, presolve=False)
-        out = [layer_costs(first, self.layers, self.batch_dims, option.logical, b0, self.blocks)]
+        out = [self._layer_costs(first, option, b0)]
         share = option.size / self.cluster.num_devices
         pressed = first.memory * share > 0.5 * self.cluster.memory_per_device
         for variant in (zero2_variant, zero3_variant) if pressed else ():
             sharded = variant(first, built.edges)
             if sharded is not None:
-                out.append(layer_costs(sharded, self.layers, self.batch_dims, option.logical, b0, self.blocks,
-                                       solved=False, last_resort=variant is zero3_variant))
+                out.append(self._layer_costs(sharded, option, b0, solved=False))
+                out[-1].last_resort = variant is zero3_variant
         smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
         if smallest and pressed:
             try:
                 lean = solve_built(built, env, self.time_limit, budget=LEAN_MARGIN * min_memory(built.problem),
                                    presolve=False)
-                out.append(layer_costs(lean, self.layers, self.batch_dims, option.logical, b0, self.blocks))
+                out.append(self._layer_costs(lean, option, b0))
             except InfeasibleError:
                 pass
         return out
+
+    def _layer_costs(self, solution, option: MeshOption, b0: int, solved: bool = True) -> LayerCosts:
+        """``layer_costs`` of one solution, with its optimizer-offload prices when offload is searched."""
+        costs = layer_costs(solution, self.layers, self.batch_dims, option.logical, b0, self.blocks, solved)
+        if self.offload:
+            costs.host_state = offload_layers(solution, self.graphs[b0], self.layers, self.blocks, self.training,
+                                              self.cluster)
+        return costs
 
     def table(self, global_batch: int, B: int, max_f: int) -> np.ndarray:
         """t[k, i, m, f-1] for B microbatches (∞ where memory or the batch split rules the entry out)."""
         L, M = self.layers.count, len(self.options)
         table = np.full((L, L, M, max_f), INF)
         self.picks[B] = np.full((2, L, L, M, max_f), -1, dtype=np.int32)
+        if self.offload:
+            self.offloads[B] = np.zeros((L, L, M, max_f), dtype=bool)
         for m in range(M):
             self._fill(table, m, global_batch // B, B, max_f)
         return table
 
     def _fill(self, table, m, b, B, max_f) -> None:
         transfer = self.hops_at(b)[:, None, None]
-        budget = self.cluster.memory_per_device
         for v, costs in enumerate(self.costs(m)):
             if b % costs.batch_split:
                 continue
             scale = b / costs.reference_batch
-            latency, memory = costs.stage_tables(scale, B, max_f)
-            rec = self.layer_recompute(costs)
-            if rec is None:
-                lat, fits, prefix = np.broadcast_to(latency[:, :, None], memory.shape), memory <= budget, None
-            else:
-                lat, fits, prefix = rec.tables(latency, memory, scale, budget)
-            host = 2 * self.cluster.microbatch_overhead  # the pipeline runtime's, forward + backward
-            cycle = np.maximum(lat + host, transfer)  # a stage cannot cycle faster than its input link
-            entry = np.where(fits, cycle, INF)
-            better = entry < table[:, :, m]
-            table[:, :, m] = np.where(better, entry, table[:, :, m])
-            picks = self.picks[B][:, :, :, m]
-            picks[0][better] = v
-            picks[1][better] = prefix[better] if prefix is not None else 0
+            tables = [costs.stage_tables(scale, B, max_f)]
+            if self.offload and costs.host_state is not None:  # the same stage with its optimizer on the host
+                tables.append(offloaded_tables(costs.host_state, *tables[0], B))
+            for offload, (latency, memory) in enumerate(tables):
+                better = self._enter(table, m, B, v, costs, latency, memory, scale, transfer)
+                if self.offload:
+                    self.offloads[B][:, :, m][better] = bool(offload)
+
+    def _enter(self, table, m, B, v, costs, latency, memory, scale, transfer) -> np.ndarray:
+        """Enter one variant's stage prices where they beat the table's (recompute chosen per entry); the mask."""
+        budget = self.cluster.memory_per_device
+        rec = self.layer_recompute(costs)
+        if rec is None:
+            lat, fits, prefix = np.broadcast_to(latency[:, :, None], memory.shape), memory <= budget, None
+        else:
+            lat, fits, prefix = rec.tables(latency, memory, scale, budget)
+        host = 2 * self.cluster.microbatch_overhead  # the pipeline runtime's, forward + backward
+        cycle = np.maximum(lat + host, transfer)  # a stage cannot cycle faster than its input link
+        entry = np.where(fits, cycle, INF)
+        better = entry < table[:, :, m]
+        table[:, :, m] = np.where(better, entry, table[:, :, m])
+        picks = self.picks[B][:, :, :, m]
+        picks[0][better] = v
+        picks[1][better] = prefix[better] if prefix is not None else 0
+        return better
 
     def layer_recompute(self, costs: LayerCosts) -> LayerRecompute | None:
         """Recompute prices of one solution, or None when the policy recomputes nothing (``recompute``)."""
@@ -231,6 +255,11 @@ class StageCosts:
             keep = self.cut_bytes[costs.reference_batch] * costs.reference_batch / costs.batch_split
             self._recompute[id(costs)] = LayerRecompute(costs, self.share, keep, self.modes)
         return self._recompute[id(costs)]
+
+    def offload_of(self, B: int, k: int, i: int, m: int, f: int) -> bool:
+        """Whether table entry [k, i, m, f-1] of the last ``table(.., B, ..)`` offloads its optimizer."""
+        offloads = self.offloads.get(B)
+        return bool(offloads[k, i, m, f - 1]) if offloads is not None else False
 
     def recompute_of(self, B: int, k: int, i: int, m: int, f: int) -> tuple[int, ...]:
         """The layers recomputed in table entry [k, i, m, f-1] of the last ``table(.., B, ..)``."""
@@ -271,7 +300,8 @@ def _cut_bytes(graph, layers) -> np.ndarray:
 
 class ChosenStage(NamedTuple):
     """One stage of the DP's answer: layers first..last (inclusive) on ``option``, keeping ``inflight``
-    microbatches alive (1F1B: min(stages from here to the end, B); GPipe: B), recomputing ``recompute``."""
+    microbatches alive (1F1B: min(stages from here to the end, B); GPipe: B), recomputing ``recompute``,
+    stepping its optimizer on the host when ``offload``."""
 
     first: int
     last: int
@@ -279,6 +309,7 @@ class ChosenStage(NamedTuple):
     inflight: int
     recompute: tuple[int, ...] = ()  # the layers whose activations backward recomputes (``recompute``)
     budget: float | None = None  # bytes its exact solve may use (None: the device's); interleaved chunks share one
+    offload: bool = False  # its optimizer state and master weights in host memory (``stage_offload``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,7 +357,8 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     for s, (k, i, j) in enumerate(found.stages):  # DPStage(first, last, size_index)
         f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
         m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
-        out.append(ChosenStage(k, i, costs.options[m], f, costs.recompute_of(B, k, i, m, min(f, table.shape[3]))))
+        cell = (B, k, i, m, min(f, table.shape[3]))
+        out.append(ChosenStage(k, i, costs.options[m], f, costs.recompute_of(*cell), offload=costs.offload_of(*cell)))
     return StageChoice(B, out, found.cost)
 
 

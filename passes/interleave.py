@@ -25,8 +25,9 @@ with live_c(t) the microbatches chunk c holds at op t of the device's order (``s
 warm-up keeps more of them alive on the first device than 1F1B does). v = 1 is priced the same way, so
 "auto" keeps the smaller time; "interleaved" takes the best v ≥ 2. The chosen chunks' exact solves
 then split each device's memory by these estimates (``_LayerPrices.shares``). Interleaving is considered when every
-DP stage uses the same mesh option and recomputes nothing (chunks of a mixed pipeline have no one mesh to
-share); otherwise the reason is recorded and the choice is kept.
+DP stage uses the same mesh option, recomputes nothing and offloads its optimizer alike (chunks of a mixed
+pipeline have no one mesh to share); otherwise the reason is recorded and the choice is kept. Where every
+stage offloads, so does every chunk, priced as the DP prices it (``stage_offload``).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import numpy as np
 from autopar.errors import OptionError, PlanError
 from autopar.ir.schedule import FORWARD, INTERLEAVED, device_orders, inflight, simulate_schedule
 from autopar.passes.inter_op import ChosenStage, StageChoice, StageCosts
+from autopar.passes.stage_offload import offload_spans
 
 MAX_VIRTUAL = 8
 
@@ -127,6 +129,8 @@ def _cannot_interleave(choice: StageChoice) -> str:
         return "the stages use different submeshes"
     if any(s.recompute for s in choice.stages):
         return "a stage recomputes layers"
+    if len({s.offload for s in choice.stages}) > 1:
+        return "some stages offload their optimizer state and others do not"
     return ""
 
 
@@ -139,7 +143,8 @@ def _refuse(choice: StageChoice, schedule: str, why: str) -> tuple[StageChoice, 
 def _chunked(choice: StageChoice, cuts: list[tuple[int, int]], option, v: int, prices: "_LayerPrices") -> StageChoice:
     live = inflight(INTERLEAVED, len(cuts), choice.microbatches, v)
     budgets = prices.shares(cuts, len(cuts) // v, live)
-    stages = [ChosenStage(k, i, option, live[j], budget=budgets[j]) for j, (k, i) in enumerate(cuts)]
+    stages = [ChosenStage(k, i, option, live[j], budget=budgets[j], offload=prices.offload)
+              for j, (k, i) in enumerate(cuts)]
     return dataclasses.replace(choice, stages=stages, virtual=v)
 
 
@@ -158,6 +163,10 @@ class _LayerPrices:
         self.latency, memory = self.lc.stage_tables(scale, B, 1)
         t, sync, param, act, peak = self.lc.ranges
         self.fixed, self.act = param + scale * peak, scale * act
+        self.offload = choice.stages[0].offload  # every stage's (``_cannot_interleave``): priced as the DP did
+        if self.offload:
+            freed, added = offload_spans(self.lc.host_state)
+            self.latency, self.fixed = self.latency + added / B, self.fixed - freed
         self.hops, self.B, self.budget = costs.hops_at(b), B, costs.cluster.memory_per_device
         self.host = costs.cluster.microbatch_overhead  # c per (chunk, microbatch) and direction
         self.L = costs.layers.count

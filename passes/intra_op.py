@@ -233,14 +233,16 @@ def solve_intra_op(graph, strategies, blocks, env: CostEnv, budget: float | None
 
 
 def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: float | None = None,
-                memo: SolutionMemo | None = None, presolve: bool = True) -> IntraOpSolution:
+                memo: SolutionMemo | None = None, presolve: bool = True,
+                result: IlpResult | None = None) -> IntraOpSolution:
     """Solve an already built problem (with ``budget`` replacing its memory bound when given); ``memo``
     answers it from an earlier, provably equivalent solve when it can (``ilp_reuse``); ``presolve``: see
-    ``ilp.solve_ilp``."""
+    ``ilp.solve_ilp``; ``result``: the problem's solution, found already (``ilp_reuse.solve_walks``)."""
     b, problem, class_of, edges = built
     if budget is not None:
         problem = dataclasses.replace(problem, budget=budget)
-    result = memo.lookup(problem) if memo is not None else None
+    if result is None and memo is not None:
+        result = memo.lookup(problem)
     if result is None:
         result = solve_ilp(problem, time_limit, presolve=presolve)
         if memo is not None:

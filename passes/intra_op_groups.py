@@ -159,6 +159,7 @@ class GroupBuilder:
         self._node_time: dict[tuple, tuple[float, float]] = {}
         self._edge_time: dict[tuple, tuple[float, float]] = {}
         self._follow: dict[tuple, int] = {}
+        self._op_time_lists: dict[tuple, tuple[list[float], list[int]]] = {}
 
     def _in(self, node: fx.Node) -> bool:
         if node.name in self.alias:
@@ -288,13 +289,33 @@ class GroupBuilder:
         op; if that is no more than the cheapest op time of any strategy (a lower bound on every cost),
         it is the argmin and the other strategies need no pricing."""
         strategies = self.strategies[node.name]
-        floor = min(self.node_time_k(node.name, k)[0] for k in range(len(strategies)))
+        op_times, by_time = self._op_times(node.name)
+        floor = op_times[by_time[0]]
         for k, strat in enumerate(strategies):
             if all(src is None or src == dst for src, dst in zip(srcs, strat.in_specs)):
                 cost = self._local_cost(node, view, k, srcs)
                 if cost <= floor:
                     return k
-        return int(np.argmin([self._local_cost(node, view, k, srcs) for k in range(len(strategies))]))
+        # argmin by op time first: a strategy whose op alone costs more than the best total so far cannot
+        # be the argmin (resharding only adds), so most strategies are never priced; ties keep the lowest k
+        best, best_k = float("inf"), None
+        for k in by_time:
+            if op_times[k] > best:
+                break
+            cost = self._local_cost(node, view, k, srcs)
+            if best_k is None or cost < best or (cost == best and k < best_k):
+                best, best_k = cost, k
+        return best_k
+
+    def _op_times(self, name: str) -> tuple[list[float], list[int]]:
+        """(per strategy k the op's own seconds (``node_time_k``), the ks by those seconds, ties by k),
+        kept per signature and gradient flag."""
+        key = (self.sig[name], name in self.requires_grad)
+        hit = self._op_time_lists.get(key)
+        if hit is None:
+            times = [self.node_time_k(name, k)[0] for k in range(len(self.strategies[name]))]
+            hit = self._op_time_lists[key] = times, sorted(range(len(times)), key=times.__getitem__)
+        return hit
 
     def _local_cost(self, node, view, k, srcs) -> float:
         """Cost of strategy k given its inputs' specs (None: an absorbed placeholder, stored as read)."""
@@ -353,13 +374,15 @@ class GroupBuilder:
     def edge_time(self, arg: fx.Node, node: fx.Node, idx: int, src, strat: Strategy) -> tuple[float, float]:
         """(per-step seconds of per-microbatch traffic, per-step seconds of gradient sync) of one input."""
         dst = strat.in_specs[idx]
-        if src == dst and not (arg.name in self.requires_grad and grad_partial_axes(dst, strat.out_spec)):
+        arg_grad = arg.name in self.requires_grad
+        axes = grad_partial_axes(dst, strat.out_spec) if arg_grad else ()
+        if src == dst and not axes:
             return 0.0, 0.0
         val = self.views[node.name].in_vals[idx]
-        needs_grad = arg.name in self.requires_grad and node.name in self.requires_grad
-        grad_axes = grad_partial_axes(dst, strat.out_spec) if needs_grad else ()
-        fwd, bwd = self.env.reshard(val, src, dst, grad_axes, needs_grad, bucketed_sync=arg.name in self.params)
-        if arg.name in self.params:
+        needs_grad = arg_grad and node.name in self.requires_grad
+        param = arg.name in self.params
+        fwd, bwd = self.env.reshard(val, src, dst, axes if needs_grad else (), needs_grad, bucketed_sync=param)
+        if param:
             return self.env.microbatches * fwd, bwd
         return self.env.microbatches * (fwd + bwd), 0.0
 

@@ -170,22 +170,25 @@ def shared_sync_rebates(b) -> dict[tuple[int, int], np.ndarray]:
 
 
 def _rebate_matrix(b, u, c1, c2, g1, g2) -> np.ndarray | None:
+    """[i, j] = minus one all-reduce where c1's i-th and c2's j-th strategy read u alike (same spec, same
+    Partial-gradient axes, not none). Read keys are numbered once, so the pairs compare as integers."""
     keys = []
     for c, g in ((c1, g1), (c2, g2)):
         idx = b.views[c.name].tensor_args.index(u)
         strat_of = [b.strategies[c.name][p[c.name]] for p in b.groups[g].pick]
         keys.append([(s.in_specs[idx], grad_partial_axes(s.in_specs[idx], s.out_spec)) for s in strat_of])
     val = b.views[c1.name].in_vals[b.views[c1.name].tensor_args.index(u)]
-    m = np.zeros((len(keys[0]), len(keys[1])))
-    for i, (dst1, axes1) in enumerate(keys[0]):
+    number: dict = {}
+    first = np.array([number.setdefault(key, len(number)) for key in keys[0]])
+    second = np.array([number.get(key, -1) for key in keys[1]])
+    refund = np.zeros(len(number))
+    for (dst1, axes1), n in number.items():
         if not axes1:
             continue
         nbytes = local_bytes(val, dst1, b.env.mesh_shape)
         if u.name in b.params:  # a parameter's sync: once per step, bucketed (GroupBuilder.edge_time)
-            refund = sum(b.env.links[a].bandwidth_time("all_reduce", nbytes) for a in axes1)
+            refund[n] = sum(b.env.links[a].bandwidth_time("all_reduce", nbytes) for a in axes1)
         else:
-            refund = b.env.microbatches * sum(b.env.links[a].time("all_reduce", nbytes) for a in axes1)
-        for j, key2 in enumerate(keys[1]):
-            if key2 == (dst1, axes1):
-                m[i, j] = -refund
+            refund[n] = b.env.microbatches * sum(b.env.links[a].time("all_reduce", nbytes) for a in axes1)
+    m = np.where(first[:, None] == second[None, :], -refund[first][:, None], 0.0)
     return m if m.any() else None

@@ -42,6 +42,7 @@ class LayerCosts:
     reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
+    host_state: tuple | None = None  # (freed bytes, added seconds) per layer of optimizer offload (``stage_offload``)
     last_resort: bool = False  # offered to the stage DP only where nothing fits without it (``zero3_variant``)
 
     def __post_init__(self):
@@ -76,10 +77,10 @@ def _range_matrices(c: "LayerCosts") -> tuple[np.ndarray, ...]:
 
 
 def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape, reference_batch: int,
-                blocks=None, solved: bool = True, last_resort: bool = False) -> LayerCosts:
+                blocks=None, solved: bool = True) -> LayerCosts:
     """Split a whole-model solution's group prices by layer. A group of a truncated instance 1 stands for
     instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``). ``solved``: the
-    solution came from a solve (False for ``zero2_variant``'s); ``last_resort``: see ``LayerCosts``."""
+    solution came from a solve (False for ``zero2_variant``'s)."""
     L = layers.count
     t, sync, param, act, peak, comm = (np.zeros(L) for _ in range(6))
     spread = [_instance_layers(group.leader, layers, blocks, weight)
@@ -101,7 +102,7 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
             edges[lu, lv] += per_instance
     split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
                  if batch_dims.get(n) is not None] or [1])
-    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved, last_resort)
+    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved)
 
 
 def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:

@@ -110,6 +110,11 @@ def pipeline_options(layout: str, cluster, model, batch, recompute="none", model
         stages = PIPELINES[shape.removesuffix("a2a")]
         return cluster, {"stages": stages, "schedule": schedule, "microbatches": 2, "layers": len(stages),
                          "zero": 0, "pin": expert_split_pins("a2a", tuple(stages[0]["submesh"]), model_name)}
+    if shape == "pp2auto":  # the stage DP's own 2 stages, under a budget that only stage 0's offload meets
+        options = {"stages": 2, "schedule": schedule, "microbatches": 2, "layers": 2, "zero": 0}
+        free = autopar.plan(model, cluster, batch, **options, recompute=recompute)
+        budget = sum(s.predicted["memory"] for s in free.stages) / 2  # between the two stages' needs
+        return cluster.with_memory(budget), {**options, "offload": "auto"}
     stages = PIPELINES[shape]
     options = {"stages": stages, "schedule": schedule, "microbatches": 4, "layers": len(stages), "zero": 0}
     if shape == "pp2x2":  # ZeRO held out as in layout_options
@@ -213,7 +218,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
         _inductor_in_a_fresh_cache()
     graphs_before = _dynamo_graphs()
     pm = autopar.compile(model, cluster, batch, **options, recompute=recompute, compile=compiled)
-    opt = _optimizer(pm, zero or offload.get("optimizer"))
+    opt = _optimizer(pm, zero or offload.get("optimizer") or "offload" in pm.plan.planner)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     loss_err, moved, cancelled = 0.0, set(), {}
     counted = _count_collectives()

@@ -94,6 +94,40 @@ def test_memo_never_answers_a_looser_or_different_problem():
     assert memo.lookup(other) is None, "another objective is never answered"
 
 
+def test_walks_by_objective_answer_as_the_serial_memo_walk():
+    """Stages of two objectives interleaved, each at growing memory, one too tight to fit: ``solve_walks``
+    (forked workers where it can) gives every problem the serial memo walk's answer, the same reuse count
+    and the infeasible one its message. Negative control: walking each problem alone loses the reuse."""
+    from autopar.passes.ilp_reuse import SolutionMemo, solve_walks
+
+    rng = np.random.default_rng(5)
+    a, b = random_problem(rng, classes=7), random_problem(rng, classes=7)
+    for p in (a, b):
+        p.budget = 0.5 * (min_memory(p) + memory_of(p, [0] * p.n_classes))
+    tight = _with_more_memory(b, 1.0)
+    tight.budget = 0.5 * min_memory(b)
+    problems = [a, b, _with_more_memory(a, 1.0), _with_more_memory(b, 1.01), tight, _with_more_memory(a, 1.02)]
+    memo, serial = SolutionMemo(), []
+    for p in problems:
+        found = memo.lookup(p)
+        if found is None:
+            try:
+                found = solve_ilp(p, 30)
+            except InfeasibleError as e:
+                serial.append(str(e))
+                continue
+            memo.store(p, found)
+        serial.append(found)
+    results, reused = solve_walks(problems, 30)
+    assert reused == memo.hits >= 2
+    assert results[4] == serial[4] and "smallest plan needs" in results[4]
+    for got, want in zip(results, serial):
+        if not isinstance(want, str):
+            assert (got.choice, got.objective, got.status) == (want.choice, want.objective, want.status)
+    alone = [solve_walks([p], 30)[1] for p in problems if p is not tight]
+    assert sum(alone) == 0 < reused, "negative control: no walk of one problem reuses anything"
+
+
 def _point(model, problem, choice):
     """The column vector of a choice: x one-hot, y on the matching (row group, column group), T the transient."""
     from autopar.passes.ilp_model import MS

@@ -112,7 +112,7 @@ def test_auto_falls_back_to_the_dp_stages_when_an_interleaved_chunk_does_not_fit
     cell it never priced (which gave the same chunks again until the retries ran out)."""
     from autopar.planner import driver
 
-    real, rejected = driver.solve_intra_op, []
+    real, rejected = driver.build_problem, []
 
     def solve(graph, strategies, blocks, env, budget, *args, subset=None, **kwargs):
         cell = frozenset(subset or ())
@@ -121,7 +121,7 @@ def test_auto_falls_back_to_the_dp_stages_when_an_interleaved_chunk_does_not_fit
             budget = 1.0
         return real(graph, strategies, blocks, env, budget, *args, subset=subset, **kwargs)
 
-    monkeypatch.setattr(driver, "solve_intra_op", solve)
+    monkeypatch.setattr(driver, "build_problem", solve)
     plan = four_node_plan(64, schedule="auto")
     assert len(rejected) == 1, "the chunk was solved once; the DP stages that replaced it fit"
     assert plan.virtual_stages == 1 and plan.schedule == "1f1b" and len(plan.stages) == 2

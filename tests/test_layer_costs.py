@@ -83,7 +83,7 @@ def test_zero3_variant_shards_the_parameters_too_and_charges_its_gathered_units(
     graph, blocks, layers, training, base, twin, (first, sharded, built) = _priced(options=SMALL_UNITS)
     third = zero3_variant(first, built.edges)
     assert third.strategies == first.strategies
-    z3 = layer_costs(third, layers, batch_dims(graph), (1, 4), 16, blocks, solved=False, last_resort=True)
+    z3 = layer_costs(third, layers, batch_dims(graph), (1, 4), 16, blocks, solved=False)
     assert np.allclose(z3.edges, base.edges) and np.allclose(z3.act, base.act)
     holds = base.param > 0
     assert np.all(z3.param[holds] < twin.param[holds]), "level 3 shards the weights as well"

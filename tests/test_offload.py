@@ -1,12 +1,16 @@
 """CPU offload: training with the optimizer stepped on host copies and with activations kept in host memory
-equals one device (2 gloo ranks, tolerances of test_parity), and the planner takes offload where only it meets
-the memory budget, not where another lever is cheaper.
+equals one device (2 gloo ranks, tolerances of test_parity), so does a 2-stage pipeline whose stage DP offloaded
+one stage only, and the planner takes offload where only it meets the memory budget (per pipeline stage: only
+the stage whose memory binds), not where another lever is cheaper.
 
 On CPU ranks the host copies are separate tensors in the same memory: the offload path runs in full (copies
 out, host step, copies back; ``save_on_cpu``'s pack and unpack). Negative controls: the stepped host copies
 never copied back, and offloaded activations returned as zeros.
 """
+import functools
+
 import pytest
+import torch
 
 import autopar
 from autopar.errors import OptionError
@@ -18,7 +22,9 @@ from examples.gpt import GPTConfig, make_gpt
 CASES = [("gpt", (1, 2), "dp:offopt", None), ("gpt", (1, 2), "dp:offact", None),
          ("gpt", (1, 2), "auto:offopt:offact", None)]
 NEGATIVE = [("gpt", (1, 2), "dp:offopt", "host_step"), ("gpt", (1, 2), "dp:offact", "host_acts")]
-PARITY_CASES = {2: CASES + NEGATIVE}
+STAGE_CASE = ("gpt", (1, 2), "pp2auto-1f1b", None)  # the DP offloads stage 0 only (``parity.pipeline_options``)
+STAGE_NEGATIVE = ("gpt", (1, 2), "pp2auto-1f1b", "host_step")
+PARITY_CASES = {2: CASES + NEGATIVE + [STAGE_CASE, STAGE_NEGATIVE]}
 
 
 def _id(case):
@@ -27,7 +33,7 @@ def _id(case):
 
 @pytest.fixture(scope="module")
 def results(parity_runs):
-    return {case: parity_runs[case][0] for case in CASES + NEGATIVE}
+    return {case: parity_runs[case][0] for case in CASES + NEGATIVE + [STAGE_CASE, STAGE_NEGATIVE]}
 
 
 @pytest.mark.distributed
@@ -42,7 +48,16 @@ def test_offloaded_training_matches_one_device(results, case):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", NEGATIVE, ids=_id)
+def test_a_pipeline_offloading_one_stage_matches_one_device(results):
+    r = results[STAGE_CASE]
+    assert r["offload"] == {"optimizer": [0]}, r["offload"]
+    assert [n for _, _, n in r["stages"]] == [1, 1] and r["schedule"] == "1f1b"
+    assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-4, r
+    assert r["ranks_agree"] and r["compared_params"] > 10
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", NEGATIVE + [STAGE_NEGATIVE], ids=_id)
 def test_negative_control_breaks_offload_parity(results, case):
     r = results[case]
     assert not (r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-4), f"a broken offload went unnoticed: {r}"  # NaN too
@@ -95,3 +110,58 @@ def test_offload_none_leaves_the_plan_unchanged():
     cluster = autopar.Cluster.local(2)
     assert autopar.plan(model, cluster, batch, stages=1).to_json() == \
         autopar.plan(model, cluster, batch, stages=1, offload="none").to_json()
+
+
+def _deep_gpt():
+    """Four blocks of width 1024 on two pipeline stages of one H100 each: parameters dominate, and under 1F1B
+    the first stage keeps one microbatch more in flight than the second."""
+    return make_gpt(GPTConfig(n_layer=4, n_embd=1024, n_head=8, seq_len=64, vocab_size=1024), batch_size=4)
+
+
+PIPELINE = dict(stages=2, microbatches=2, schedule="1f1b", zero=0)
+
+
+@functools.cache
+def _free_pipeline():
+    """The deep GPT, two H100s, and its 2-stage plan without offload or recompute (memory unbounded)."""
+    model, batch = _deep_gpt()
+    pair = autopar.Cluster.preset("dgx-h100", gpus=2)
+    return model, batch, pair, autopar.plan(model, pair, batch, recompute="none", **PIPELINE)
+
+
+def test_the_stage_dp_offloads_only_the_stage_whose_memory_binds():
+    model, batch, pair, free = _free_pipeline()
+    first, second = (s.predicted["memory"] for s in free.stages)
+    assert first > 1.02 * second, "stage 0 holds an extra microbatch's activations"
+    tight = pair.with_memory((first + second) / 2)
+    with pytest.raises(autopar.errors.InfeasibleError):  # negative control: no cut fits without offload
+        autopar.plan(model, tight, batch, recompute="none", **PIPELINE)
+    plan = autopar.plan(model, tight, batch, recompute="none", offload="auto", **PIPELINE)
+    assert plan.planner["offload"] == {"optimizer": [0]}
+    host, device = (s.predicted["optimizer"] for s in plan.stages)
+    assert host > 10 * device, "the offloaded stage steps on the host, over PCIe"
+    assert all(s.predicted["memory"] <= tight.memory_per_device for s in plan.stages)
+    assert plan.stages[0].predicted["memory"] < 0.7 * first, "optimizer state and master weights left the device"
+
+
+def test_the_stage_dp_prefers_recompute_where_it_frees_memory_for_less():
+    model, batch, pair, free = _free_pipeline()
+    tight = pair.with_memory(sum(s.predicted["memory"] for s in free.stages) / 2)
+    plan = autopar.plan(model, tight, batch, recompute="auto", offload="auto", **PIPELINE)
+    assert "offload" not in plan.planner and plan.stages[0].recompute
+    forced = autopar.plan(model, tight, batch, recompute="none", offload="auto", **PIPELINE)
+    assert forced.planner["offload"] == {"optimizer": [0]}
+    assert forced.predicted["step_time"] > plan.predicted["step_time"], "the host step costs more than a forward"
+
+
+def test_offloading_a_stage_frees_its_state_and_adds_the_host_step_less_the_device_step():
+    from autopar.cost_models.offload import optimizer_offload_effect
+
+    h100 = autopar.Cluster.preset("dgx-h100", gpus=1)
+    host, n = host_of(h100), 1e6
+    freed, added = optimizer_offload_effect(n, torch.bfloat16, "adamw", h100)
+    assert freed == n * (8 + 4)  # exp_avg, exp_avg_sq and the fp32 master weight
+    transfers, host_step = 2 * n * 2 / host.pcie, n * 4 * 7 / host.host_bw  # bf16 out and back; fp32 AdamW
+    device_step = n * 2 * 7 / h100.memory_bandwidth
+    assert added == pytest.approx(transfers + host_step - device_step)
+    assert optimizer_offload_effect(n, torch.float32, "sgd", h100)[0] == 0, "plain SGD keeps no state to free"

@@ -271,3 +271,5 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert 0.0 <= cluster.microbatch_overhead < 0.1 and "microbatch_overhead" in cluster.source
     # norms, activations and softmax forward + backward: slower than a streaming add, never zero
     assert 0 < cluster.norm_act_bandwidth < 2 * cluster.memory_bandwidth and "norm/activation" in cluster.source
+    # every compute figure was timed against the reference mm and scaled to its median speed
+    assert "compute probes timed against float32 mm 256³" in cluster.source

@@ -97,6 +97,9 @@ def test_microbatch_counts_that_tie_keep_the_smallest():
         def recompute_of(self, B, k, i, m, f):
             return ()
 
+        def offload_of(self, B, k, i, m, f):
+            return False
+
     choice = inter_op.choose_stages(Costs(), 64, [1, 2, 4, 8], "1f1b", None)
     assert choice.microbatches == 1 and choice.cost == pytest.approx(6.4)
 

@@ -245,12 +245,12 @@ def test_no_torch_error_lines_while_planning_a_mask_rescaling_model(capfd, caplo
 
 
 def _reject_first_stage_choice(monkeypatch, always: bool = False) -> list:
-    """Wrap the real intra-op solver: the first stage cell the planner solves (or every one, ``always``) is
+    """Wrap the real ILP builder: the first stage cell the planner solves (or every one, ``always``) is
     solved under a 1-byte budget, so the real ILP finds it infeasible, as when the DP's scaled estimate of a
     stage fits but its exact solve at the chosen microbatch does not. Returns the rejected cells."""
     from autopar.planner import driver
 
-    real, rejected = driver.solve_intra_op, []
+    real, rejected = driver.build_problem, []
 
     def solve(graph, strategies, blocks, env, budget, *args, subset=None, **kwargs):
         cell = (frozenset(subset or ()), tuple(env.mesh_shape), env.microbatches)
@@ -259,7 +259,7 @@ def _reject_first_stage_choice(monkeypatch, always: bool = False) -> list:
             budget = 1.0
         return real(graph, strategies, blocks, env, budget, *args, subset=subset, **kwargs)
 
-    monkeypatch.setattr(driver, "solve_intra_op", solve)
+    monkeypatch.setattr(driver, "build_problem", solve)
     return rejected
 
 

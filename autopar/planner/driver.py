@@ -32,19 +32,30 @@ from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend
-from autopar.passes.ilp_reuse import SolutionMemo
+from autopar.passes.ilp_reuse import solve_walks
 from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
-from autopar.passes.intra_op import CostEnv, solve_intra_op
+from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.pins import pinned_strategies
 from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
 from autopar.plan import Plan
 from autopar.planner import invariants
-from autopar.planner.exact_checks import feasible, fewer_microbatches, or_single_stage, same_stages_at
+from autopar.planner.exact_checks import (
+    feasible,
+    fewer_microbatches,
+    or_even_split,
+    or_single_stage,
+    same_stages_at,
+)
 from autopar.planner.manual_stages import manual_stages
-from autopar.planner.offload_choice import choose_offload, record_offload
+from autopar.planner.offload_choice import (
+    choose_offload,
+    offloaded_stages,
+    record_offload,
+    stage_training,
+)
 from autopar.planner.options import (
     PlanOptions,
     check_against_graph,
@@ -70,11 +81,13 @@ def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options
 
 
 def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_name: str = "model",
-               recapture=None) -> Plan:
+               recapture=None, per_stage_offload: bool = False) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
-    shapes is not exact (see ``batch_dims.rescale_is_exact``)."""
-    if options.offload == "auto":
-        return choose_offload(lambda o: plan_graph(graph, cluster, o, model_name, recapture), options)
+    shapes is not exact (see ``batch_dims.rescale_is_exact``). ``per_stage_offload``: offload="auto" is
+    this plan's, stage by stage in the stage DP (``offload_choice``)."""
+    if options.offload == "auto" and not per_stage_offload:
+        return choose_offload(lambda o, per_stage: plan_graph(graph, cluster, o, model_name, recapture, per_stage),
+                              options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
@@ -88,7 +101,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
         costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
-                           recompute_modes=layer_modes(options.recompute, graph, layers))
+                           recompute_modes=layer_modes(options.recompute, graph, layers),
+                           offload=per_stage_offload)
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
@@ -200,6 +214,8 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                                       lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
             if ahead is not None:
                 ahead.cancel()  # already joined when it was asked for; stopped here when it was not
+        plan = or_even_split(plan, choice, layers, blocks, options, lambda even: _pipeline(
+            graph, layers, blocks, cluster, options, model_name, even, at_microbatch, costs.modes))
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
@@ -283,7 +299,8 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
         env = CostEnv(cluster, mesh, training_spec(graph, options), microbatches=microbatches,
                       recomputed=recomputed_ops(layers, recompute, scaled) if recompute else {})
         try:
-            solution = solve_intra_op(scaled, strategies, blocks, env, cluster.memory_per_device, options.time_limit)
+            built = build_problem(scaled, strategies, blocks, env, cluster.memory_per_device)
+            solution = solve_built(built, env, options.time_limit)
         except InfeasibleError as e:
             error = e
             continue
@@ -350,29 +367,40 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     B = choice.microbatches
     scaled = at_microbatch(B)
     ranks = place_chunks(cluster, [stage.option.physical for stage in choice.stages], choice.virtual)
-    memo, solved, strategies = SolutionMemo(), {}, {}  # strategies per logical mesh: stages on one share them
+    strategies = {}  # per logical mesh: stages on one share them
     subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
     subsets[-1].add("output")
     subsets = subsets_on(graph.gm, scaled.gm, subsets)
+    built = []  # (stage index, its choice, CostEnv, BuiltProblem or the InfeasibleError of its build)
     for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
-        option, subset = chosen.option, subsets[s]
-        k, i = chosen.first, chosen.last
-        recompute = stage_modes(costs_modes, chosen.recompute, k, i)
-        env = CostEnv(cluster, option.logical, training_spec(graph, options), microbatches=B,
-                      inflight=chosen.inflight, devices_per_node=option.physical[1],
+        recompute = stage_modes(costs_modes, chosen.recompute, chosen.first, chosen.last)
+        env = CostEnv(cluster, chosen.option.logical, stage_training(training_spec(graph, options), chosen),
+                      microbatches=B, inflight=chosen.inflight, devices_per_node=chosen.option.physical[1],
                       recomputed=recomputed_ops(layers, recompute, scaled))
         try:
-            if option.logical not in strategies:
-                strategies[option.logical] = _strategies(scaled, option.logical, options)
+            if chosen.option.logical not in strategies:
+                strategies[chosen.option.logical] = _strategies(scaled, chosen.option.logical, options)
             budget = cluster.memory_per_device if chosen.budget is None else chosen.budget
-            solution = solve_intra_op(scaled, strategies[option.logical], blocks, env, budget, options.time_limit,
-                                      subset=subset,
-                                      truncate=_uniform(recompute, layers, k, i), memo=memo)
-        except InfeasibleError as e:
+            built.append((s, chosen, env, recompute, build_problem(
+                scaled, strategies[chosen.option.logical], blocks, env, budget, subset=subsets[s],
+                truncate=_uniform(recompute, layers, chosen.first, chosen.last))))
+        except InfeasibleError as e:  # raised in turn, after the stages before it are solved
+            built.append((s, chosen, env, recompute, e))
+            break
+    problems = [b[4] for b in built if not isinstance(b[4], InfeasibleError)]
+    results, reused = solve_walks([b.problem for b in problems], options.time_limit)
+    results = iter(results)
+    solved = {}
+    for s, chosen, env, recompute, problem in built:
+        result = problem if isinstance(problem, InfeasibleError) else next(results)
+        if isinstance(result, (str, InfeasibleError)):
+            option = chosen.option
             where = (f"stage {s} (layers {chosen.first}..{chosen.last} on {option.physical[0]}×{option.physical[1]}, "
-                     f"B={B}): {e}")
+                     f"B={B}): {result}")
             raise _StageInfeasible(where, (B, chosen.first, chosen.last, option, chosen.inflight)) from None
-        stage = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=option.physical, layers=(k, i))
+        solution = solve_built(problem, env, options.time_limit, result=result)
+        stage = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=chosen.option.physical,
+                           layers=(chosen.first, chosen.last))
         _record_recompute(stage, solution, scaled, layers, blocks, recompute, B)
         solved[s] = stage, solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]
@@ -382,7 +410,8 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     return assemble_plan(graph, cluster, stages, options, model_name, blocks, microbatches=B, schedule=schedule,
                          layers=layers, transfers=transfers, sharded_graph=scaled, virtual_stages=choice.virtual,
                          planner={"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
-                                  "dp_cost": choice.cost, "stage_solves_reused": memo.hits, **choice.notes})
+                                  "dp_cost": choice.cost, "stage_solves_reused": reused, **choice.notes,
+                                  **offloaded_stages(choice.stages)})
 
 
 def _uniform(recompute: dict[int, str], layers, k: int, i: int) -> bool:

@@ -4,12 +4,16 @@ The stage DP (``passes.inter_op``) prices every microbatch count B by scaling wh
 at two small reference microbatches b₀ linearly to b = N/B. Costs that do not grow with the microbatch
 (op launches, collective start-ups, per-microbatch host time) are then charged once per sample when
 scaled up and under-charged when scaled down, and a small reference cannot represent a layout that splits
-a large microbatch widely. Two answers are checked by solving them exactly instead, each kept only when
+a large microbatch widely. Three answers are checked by solving them exactly instead, each kept only when
 its exact prediction is faster than the exact prediction of the DP's plan (both are exact re-solves, so
 they compare):
 
   ``or_single_stage``     one stage on the whole cluster mesh at B = 1 (solved in a forked worker beside
                           the DP: it does not depend on it);
+  ``or_even_split``       the repeated blocks split evenly over the DP's pp device groups, 1F1B at the plan's B
+                          (the hand layout of Megatron-LM): the DP ranks layer ranges by scaled prices, and
+                          an uneven split it prefers by less than their error can run slower exactly (Llama
+                          1.3B on 2 L4s: 13/11 blocks, or 4 interleaved chunks, over the even 12/12);
   ``fewer_microbatches``  the DP's stages at B/2, B/4, ...: B trades activation memory and, in a
                           pipeline, the bubble against the per-microbatch costs, so the DP's prices lean
                           to more microbatches than pay (SC'21 GPT-3.6B on 64 A100s: one stage at B = 8,
@@ -23,7 +27,9 @@ from typing import Callable
 
 from autopar.errors import InfeasibleError
 from autopar.ir.schedule import inflight
-from autopar.passes.inter_op import StageChoice
+from autopar.passes.cluster_layers import even_block_stages
+from autopar.passes.inter_op import ChosenStage, StageChoice
+from autopar.passes.interleave import dp_schedule
 from autopar.plan import Plan
 
 
@@ -77,3 +83,37 @@ def fewer_microbatches(plan: Plan, candidates: list[int], solve_at: Callable[[in
         candidate.planner["dp_choice_step_time"] = float(plan.predicted["step_time"])
         best, B = candidate, B // 2
     return best
+
+
+def or_even_split(plan: Plan, choice: StageChoice, layers, blocks, options,
+                  solve: Callable[[StageChoice], Plan]) -> Plan:
+    """``plan``, or the repeated blocks split evenly over its pp device groups (``even_block_stages``), 1F1B
+    at its B, solved exactly by ``solve`` where that is predicted faster by more than a relative ``TIE`` (a
+    tie keeps the DP's answer, so a plan the check does not beat stays byte-identical). Not tried where the
+    user fixed the stages or asked for interleaving, or where ``even_choice`` finds nothing else to try."""
+    if isinstance(options.stages, (list, tuple)) or options.schedule == "interleaved":
+        return plan
+    pp = len(choice.stages) // choice.virtual
+    even = even_choice(dataclasses.replace(choice, microbatches=plan.microbatches),
+                       even_block_stages(layers, blocks, pp), dp_schedule(options.schedule))
+    candidate = feasible(lambda: solve(even)) if even is not None else None
+    if candidate is None or candidate.predicted["step_time"] * (1 + TIE) >= plan.predicted["step_time"]:
+        return plan
+    candidate.planner["dp_choice_step_time"] = float(plan.predicted["step_time"])
+    candidate.planner["even_split"] = True
+    return candidate
+
+
+def even_choice(choice: StageChoice, ranges: list[tuple[int, int]] | None, schedule: str) -> StageChoice | None:
+    """The stages ``ranges`` on the choice's one mesh option at its B, un-interleaved, each offloading its
+    optimizer where the choice's stage that holds its first layer does; None where there is nothing else to
+    try: no ranges, stages on different mesh options (no one mesh to split over), or the choice's stages are
+    those ranges."""
+    options = {s.option for s in choice.stages}
+    if not ranges or len(options) != 1 or [(s.first, s.last) for s in choice.stages] == ranges:
+        return None
+    live = inflight(schedule, len(ranges), choice.microbatches)
+    option = options.pop()
+    offloads = lambda k: any(s.offload for s in choice.stages if s.first <= k <= s.last)  # noqa: E731
+    return dataclasses.replace(choice, virtual=1, notes={}, stages=[
+        ChosenStage(k, i, option, live[j], offload=offloads(k)) for j, (k, i) in enumerate(ranges)])

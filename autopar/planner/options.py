@@ -56,11 +56,12 @@ class PlanOptions:
       chooses level 0 or 2 per parameter, see ``passes.intra_op_zero``), 0, 1, 2, 3 for every parameter, or
       {parameter-fqn glob: level} (forced where a glob matches, chosen elsewhere; see ``cost_models.memory``).
     bucket_bytes: gradient sync bucket size (DDP's bucket_cap_mb), bytes.
-    offload: CPU offload, a memory lever (``cost_models.offload``): "none" (default), "auto" (the planner
-      plans with and without it and keeps the faster plan that fits), or {"optimizer": bool, "activations":
-      bool} to force it: optimizer state and fp32 master weights in host memory with the step on the host
-      (ZeRO-Offload), and/or activations saved for backward kept in host memory
-      (``torch.autograd.graph.save_on_cpu``). The plan records what it uses in ``plan.planner["offload"]``.
+    offload: CPU offload, a memory lever (``cost_models.offload``): "none" (default), "auto" (optimizer
+      offload chosen per pipeline stage by the stage DP; with stages=1 or a manual stage list, the faster
+      feasible plan of with and without it on every stage: ``planner.offload_choice``), or
+      {"optimizer": bool, "activations": bool} to force it: optimizer state and fp32 master weights in host
+      memory with the step on the host (ZeRO-Offload), and/or activations saved for backward kept in host
+      memory (``torch.autograd.graph.save_on_cpu``). The plan records what it uses in ``plan.planner["offload"]``.
     expert_routing: None (uniform routing) or a measured routing histogram of the MoE layers, one number per
       expert (shares or token counts; normalized), used by the pricing of expert parallelism
       (``cost_models.experts``: tokens that cross devices, the busiest expert shard's work). The plan records

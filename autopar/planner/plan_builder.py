@@ -105,7 +105,7 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dic
             numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
             tensors, itemsize = tensors + 1, p.dtype.itemsize
     if env.training.host_optimizer:  # ZeRO-Offload: the step runs on the host (cost_models.offload)
-        return host_optimizer_seconds(numel, itemsize, env.training.optimizer, env.cluster)
+        return host_optimizer_seconds(numel, itemsize, env.training.optimizer, env.cluster, tensors)
     return optimizer_step_time(numel, tensors, itemsize, env.training.optimizer, env.cluster)
 
 

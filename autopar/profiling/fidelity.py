@@ -6,6 +6,14 @@ calibration benchmarks (and the tests that check the cost model) share.
 * ``log_ratio_summary(ratios)``: median and worst |ln r| of predicted/published ratios; |ln r| <= ln 1.1
   means within 0.91-1.10, symmetric in over- and under-prediction.
 * ``peak_allocated_bytes(fn)``: the peak of the running sum of CPU allocations minus frees while ``fn`` runs.
+* ``round_normalized(times)``: each plan's step time with the machine's speed per round taken out. Plans are
+  timed in rounds (one step of every plan per round), t[p][r]; with m_p = median_r t[p][r],
+
+      g_r = median_p (t[p][r] / m_p) / median_r' median_p (t[p][r'] / m_p),   time_p = median_r (t[p][r] / g_r)
+
+  g_r is how slow round r ran for every plan alike (1 = the launch's median speed): other jobs' load over
+  seconds moves every plan of a round together, so dividing it out leaves each plan's own noise only.
+* ``sign_balance(errors)``: (over-predicted, under-predicted) counts; one of them 0 is a single-sign bias.
 """
 from __future__ import annotations
 
@@ -66,3 +74,22 @@ def peak_allocated_bytes(fn) -> int:
         running += e.nbytes()
         peak = max(peak, running)
     return peak
+
+
+def round_normalized(times: dict[str, list[float]]) -> dict[str, float]:
+    """Per plan, the median over rounds of its step time over the round's speed g_r (module docstring).
+    ``times``: plan -> seconds per round, every plan the same number of rounds (>= 1)."""
+    rounds = {len(t) for t in times.values()}
+    if len(rounds) != 1 or 0 in rounds:
+        raise ValueError(f"round_normalized needs every plan timed in the same rounds, got {sorted(rounds)} rounds")
+    typical = {p: statistics.median(t) for p, t in times.items()}
+    speed = [statistics.median(t[r] / typical[p] for p, t in times.items()) for r in range(rounds.pop())]
+    middle = statistics.median(speed)
+    speed = [g / middle for g in speed]
+    return {p: statistics.median(x / g for x, g in zip(t, speed)) for p, t in times.items()}
+
+
+def sign_balance(errors) -> tuple[int, int]:
+    """(count of errors > 0, count < 0): predictions too slow, too fast."""
+    errors = list(errors)
+    return sum(e > 0 for e in errors), sum(e < 0 for e in errors)

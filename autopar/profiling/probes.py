@@ -3,7 +3,18 @@ ones (``profiler_training``), and the α-β fit both make of collective timings.
 
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls, the calls per window
 agreed by all ranks from the slowest rank's warm-up (about ``window_s`` each, at most MAX_CALLS_PER_WINDOW),
-and keeps the median of window / calls. Fit, per "<collective>/<g>":
+and keeps the median of window / calls.
+
+Compute probes are timed against the machine's speed (``SpeedReference``): each window of the probe sits
+between two windows of a reference mm (fp32 256³ on CPUs, bf16 4096³ on GPUs), and the probe's figure is
+
+    seconds = median over windows of (probe seconds per call / mean of the two references around it) · level
+
+with level = the median of every reference window this rank timed over the whole profile. On a shared
+machine the speed drifts over the minute a profile takes; ratios to a reference timed a moment apart
+cancel it, so every compute figure of one profile describes the machine at the same speed (the level).
+
+Fit, per "<collective>/<g>":
 
     t(m) = α + m·β,   minimizing Σ_i ((α + m_i·β − t_i) / t_i)²,   α ≥ 0,  β ≥ MIN_BETA
 """
@@ -49,8 +60,59 @@ def seconds_per_call(call, calls_per_window: int, windows: int, probe: ProbeDevi
     return statistics.median(per_call)
 
 
-def calls_per_window(slowest_call_s: float, settings) -> int:
-    return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(settings.window_s / max(slowest_call_s, 1e-9))))
+def calls_per_window(slowest_call_s: float, settings, window_s: float | None = None) -> int:
+    window_s = settings.window_s if window_s is None else window_s
+    return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(window_s / max(slowest_call_s, 1e-9))))
+
+
+class SpeedReference:
+    """The reference mm of the module docstring, and the windows of it this rank timed.
+
+    ``ratio(call, ...)`` times ``call`` between reference windows (all ranks together) and returns its
+    seconds per call in reference units; once the profile is done, ratio · ``level()`` (the median reference
+    call over everything this rank timed) is the call's seconds at the profile's speed.
+    """
+
+    def __init__(self, probe: ProbeDevice):
+        side, dtype = (4096, torch.bfloat16) if probe.kind == "cuda" else (256, torch.float32)
+        a, b, self._out = (torch.randn(side, side, device=probe.torch, dtype=dtype) for _ in range(3))
+        self.side, self.dtype, self.probe, self.windows = side, dtype, probe, []
+        self.call = lambda: torch.mm(a, b, out=self._out)
+
+    def ratio(self, call, settings, window_s: float | None = None, slowest_s: float | None = None) -> float:
+        """Median over ``settings.windows`` windows of call seconds / the mean of the references around it.
+        slowest_s: the slowest rank's seconds per call when the caller has warmed ``call`` up already."""
+        if slowest_s is None:
+            dist.barrier()
+            slowest_s = slowest_rank(warm_up(call, settings.warmup, self.probe), self.probe)
+        calls = calls_per_window(slowest_s, settings, window_s)
+        # the reference's windows as long as the call's: a window shorter than the scheduler's slices runs
+        # at the on-core speed, a longer one at the share of the core this rank gets (under other jobs' load
+        # the two differ many times over)
+        reference_calls = calls_per_window(self._slowest_reference(settings), settings, calls * slowest_s)
+        before = self._window(reference_calls)
+        ratios = []
+        for _ in range(max(1, settings.windows)):
+            seconds = self.probe.window_seconds(call, calls) / calls
+            after = self._window(reference_calls)
+            ratios.append(seconds / ((before + after) / 2))
+            before = after
+        return statistics.median(ratios)
+
+    def _slowest_reference(self, settings) -> float:
+        if not self.windows:
+            dist.barrier()
+            return slowest_rank(warm_up(self.call, settings.warmup, self.probe), self.probe)
+        return slowest_rank(statistics.median(self.windows), self.probe)
+
+    def _window(self, calls: int) -> float:
+        seconds = self.probe.window_seconds(self.call, calls) / calls
+        self.windows.append(seconds)
+        return seconds
+
+    def level(self) -> float:
+        """Seconds of one reference call at this rank's median speed over the profile."""
+        return statistics.median(self.windows)
 
 
 def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:

@@ -6,7 +6,8 @@
 ``profile_cluster(n)`` spawns n local gloo ranks with ``autopar.launch`` and measures with every rank busy
 at once, as in training (4 ranks on 2 cores each get about half a core, and the figures say so):
 
-* matmul: square ``torch.mm`` of side s (2·s³ FLOPs per call) per dtype; ``matmul_curve[dtype]`` is
+* matmul: square ``torch.mm`` of side s (2·s³ FLOPs per call) per dtype, timed against the reference mm
+  (``probes.SpeedReference``: every compute figure of a profile at the same machine speed); ``matmul_curve[dtype]`` is
   ``[[2·s³, 2·s³ / t], ...]`` and ``peak_flops[dtype]`` its maximum, with ``matmul_efficiency`` = 1 (the
   figures are achieved rates, not datasheet peaks). A dtype's ladder stops before a call slower than
   ``max_matmul_call_s`` on some rank (float16 mm runs ~50× slower than float32 on CPUs without native
@@ -57,6 +58,7 @@ from autopar.hardware.cluster import Cluster, Link
 from autopar.launch import launch
 from autopar.profiling.probes import (
     COLLECTIVES,
+    SpeedReference,
     calls_per_window,
     collective_call,
     fit_alpha_beta,
@@ -66,7 +68,7 @@ from autopar.profiling.probes import (
 )
 from autopar.profiling.profiler_device import KINDS as DEVICE_KINDS
 from autopar.profiling.profiler_device import ProbeDevice
-from autopar.profiling.profiler_training import apply_training_measurements, measure_rank
+from autopar.profiling.profiler_training import apply_training_measurements, measure_rank, training_seconds
 
 KiB, MiB = 2**10, 2**20
 MATMUL_DTYPES = ("float32", "bfloat16", "float16")
@@ -79,6 +81,8 @@ class ProfileSettings:
     message_bytes: per-device message sizes m of the collectives.  matmul_sizes: sides s of square mm.
     warmup: untimed calls before each point.  windows × window_s: each point is timed as ``windows``
       windows of back-to-back calls lasting about ``window_s`` each (at least one call).
+    probe_window_s: the window of the training-condition compute probes (a step of a block, a linear's
+      three GEMMs): long enough for many scheduler slices, so two ranks sharing cores see the same mix.
     max_matmul_call_s: a dtype's size ladder stops before a call would take longer (predicted as s³).
     stream_bytes: bytes of each operand of the bandwidth probe (well above the last-level cache).
     timeout_s: per-collective timeout of the profiling process group.
@@ -93,15 +97,16 @@ class ProfileSettings:
     warmup: int
     windows: int
     window_s: float
+    probe_window_s: float = 0.1
     timeout_s: float = 120.0
     compiled_probe: bool = True
 
 
 FULL = ProfileSettings(message_bytes=tuple(4 * KiB * 4**k for k in range(7)), matmul_sizes=(64, 128, 256, 512, 1024),
-                       max_matmul_call_s=0.25, stream_bytes=64 * MiB, warmup=2, windows=4, window_s=0.015)
+                       max_matmul_call_s=0.25, stream_bytes=64 * MiB, warmup=2, windows=5, window_s=0.03)
 QUICK = ProfileSettings(message_bytes=(4 * KiB, 64 * KiB, 1 * MiB), matmul_sizes=(64, 128, 256),
                         max_matmul_call_s=0.05, stream_bytes=8 * MiB, warmup=1, windows=3, window_s=0.005,
-                        compiled_probe=False)
+                        probe_window_s=0.01, compiled_probe=False)
 # GPUs: larger matmuls (peak needs s ≥ 4096), messages up to 256 MiB, streams past a 50 MB L2 cache.
 GPU_FULL = dataclasses.replace(FULL, message_bytes=tuple(4 * KiB * 4**k for k in range(9)),
                                matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), stream_bytes=512 * MiB)
@@ -166,11 +171,18 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
     steps += (len(COLLECTIVES) * len(group_sizes(world)) + (world >= 2)) * len(settings.message_bytes)
     bar = tqdm(total=steps, desc=f"profiling {world} ranks", unit="step", file=sys.stderr,
                disable=not (progress and rank == 0))
-    mine = {"matmul": _measure_matmuls(settings, bar, probe), "stream": _measure_stream(settings, bar, probe),
+    reference = SpeedReference(probe)
+    mine = {"matmul": _measure_matmuls(settings, bar, probe, reference),
+            "stream": _measure_stream(settings, bar, probe),
             "collectives": _measure_collectives(world, settings, bar, probe), "threads": torch.get_num_threads()}
     bar.set_postfix_str("in-mesh collectives, op overhead, training matmuls, pipeline host time")
-    mine["training"] = measure_rank(settings, probe)
+    mine["training"] = measure_rank(settings, probe, reference)
     bar.close()
+    level = reference.level()  # compute figures so far in reference units: now seconds at the profile's speed
+    mine["matmul"] = {name: [(flops, ratio * level) for flops, ratio in points]
+                      for name, points in mine["matmul"].items()}
+    mine["training"] = training_seconds(mine["training"], level)
+    mine["reference"] = (reference.side, str(reference.dtype).replace("torch.", ""), level)
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -184,16 +196,19 @@ def _measure_point(call, settings: ProfileSettings, probe: ProbeDevice) -> float
     return seconds_per_call(call, calls_per_window(slowest, settings), settings.windows, probe)
 
 
-def _measure_matmuls(settings: ProfileSettings, bar, probe: ProbeDevice) -> dict[str, list[tuple[float, float]]]:
-    """{dtype: [(2·s³ FLOPs, seconds per call on this rank), ...]}, dtypes with no usable size left out."""
+def _measure_matmuls(settings: ProfileSettings, bar, probe: ProbeDevice,
+                     reference: SpeedReference) -> dict[str, list[tuple[float, float]]]:
+    """{dtype: [(2·s³ FLOPs, seconds per call in reference units on this rank), ...]}, dtypes with no
+    usable size left out."""
     if probe.kind == "cuda":  # an idle GPU clocks down: bring it to its working clock before the ladder
         a = torch.randn(4096, 4096, device=probe.torch, dtype=torch.bfloat16)
         probe.window_seconds(lambda: torch.mm(a, a), 200)
-    curve = {name: _matmul_ladder(getattr(torch, name), settings, bar, probe) for name in MATMUL_DTYPES}
+    curve = {name: _matmul_ladder(getattr(torch, name), settings, bar, probe, reference) for name in MATMUL_DTYPES}
     return {name: points for name, points in curve.items() if points}
 
 
-def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar, probe: ProbeDevice) -> list:
+def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar, probe: ProbeDevice,
+                   reference: SpeedReference) -> list:
     """Square mm up ``matmul_sizes``, stopping on every rank at once before a call slower than
     ``max_matmul_call_s``: predicted from the previous size as t·(s'/s)³, else measured by the warm-up."""
     points, previous = [], None  # previous: (side, slowest rank's warm-up seconds)
@@ -212,9 +227,7 @@ def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar, probe: Pr
         if slowest > settings.max_matmul_call_s:
             bar.update(len(settings.matmul_sizes) - i)
             break
-        seconds = seconds_per_call(lambda: torch.mm(a, b, out=c), calls_per_window(slowest, settings),
-                                    settings.windows, probe)
-        points.append((2.0 * size**3, seconds))
+        points.append((2.0 * size**3, reference.ratio(lambda: torch.mm(a, b, out=c), settings, slowest_s=slowest)))
         previous = (size, slowest)
         bar.update()
     return points
@@ -301,7 +314,18 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
     if "training" not in per_rank[0]:
         return dataclasses.replace(isolated, source=_source_line(n, per_rank[0]["threads"], quick, probe))
     cluster, note = apply_training_measurements(isolated, [r["training"] for r in per_rank], probe)
-    return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note)
+    return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note
+                               + _reference_note(per_rank))
+
+
+def _reference_note(per_rank: list[dict]) -> str:
+    """The speed every compute figure was scaled to (``probes.SpeedReference``), for the source line."""
+    if "reference" not in per_rank[0]:
+        return ""
+    side, dtype, _ = per_rank[0]["reference"]
+    level = statistics.median(r["reference"][2] for r in per_rank)
+    return (f"; compute probes timed against {dtype} mm {side}³, their figures at its median speed "
+            f"({2.0 * side**3 / level / 1e9:.1f} GFLOP/s per rank)")
 
 
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:

@@ -14,9 +14,12 @@ rank; with more ranks than cores the processes time-share, so an idle rank's cor
 Measured, in one launch with all plans interleaved round by round (so load drift
 from other jobs hits every plan alike):
 
-  * step time: median over ``--steps`` timed rounds, after ``--warmup`` untimed ones, of
-    [barrier; train_step + optimizer.step + zero_grad; barrier] on rank 0 (the barriers make it the
-    slowest rank's time);
+  * step time: [barrier; train_step + optimizer.step + zero_grad; barrier] on rank 0 (the barriers make it
+    the slowest rank's time), once per plan in each of ``--steps`` timed rounds after ``--warmup`` untimed
+    ones, the plans' order rotated every round; the figure is ``autopar.profiling.fidelity.round_normalized``:
+    the median over rounds after dividing out each round's common speed (a burst of other jobs' load slows
+    every plan of its round alike), so close plans are not reordered by when their steps happened to run
+    (the raw median is kept in the JSON as meas_raw);
   * peak memory per rank: parameters, optimizer state and gradient-sync buffers allocated before the step
     (exact storage sizes; the flat gradient buffers persist across steps, so a step's allocations miss them),
     plus the peak of the running sum of every CPU allocation and free that ``torch.profiler``
@@ -32,13 +35,14 @@ Printed: one row per plan, the median absolute time error, the Spearman rank cor
 and measured time, the memory error per plan, and whether each auto plan measured no slower than the
 best forced plan. Goals: median time error <= 10 %, Spearman >= 0.9, worst memory error <= 10 %.
 
-Predictions: the table and the first verdict line are the cost model's predictions from the cluster file,
-as profiled. The profile and the measurement are minutes apart, and on a shared machine other jobs' load
-drifts in between: every timed round also runs the profiler's own reference probe (fp32 mm of 256, all
-ranks busy), so each launch knows how fast the machine computed while it timed the plans, and a second line
-re-prices every plan at that speed (``drift_corrected``: its compute scaled by q = profiled rate / rate
-during the launch; communication is left as profiled). On a quiet machine q is the probe's own noise
-(a few per cent); under other jobs' load it is what keeps the comparison meaningful.
+Predictions: the table and the first verdict lines are the cost model's predictions from the cluster file,
+as profiled. Every timed round also runs the profiler's own probe step (``profiler_training`` item 4, all
+ranks busy), so each launch knows how fast the machine computed while it timed the plans, in the units the
+profile's compute_time_scale was measured in: q = the scale that probe gives now / the cluster's. A second
+set of lines re-prices every plan at that speed (``drift_corrected``: its compute scaled by q; communication
+is left as profiled). On a quiet machine q is the probe's own noise (a few per cent); under other jobs' load
+it is what keeps the comparison meaningful. The goal also asks for no single-sign bias: the sign line counts
+plans predicted too slow and too fast.
 
 ``--repeats N`` measures N launches one after another (the plans are compiled afresh in each): the table
 shows each plan's median over launches, and each of the three figures is computed per launch and reported
@@ -62,7 +66,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
-from autopar.profiling.fidelity import peak_allocated_bytes, relative_error, spearman  # noqa: E402
+from autopar.profiling.fidelity import (  # noqa: E402
+    peak_allocated_bytes,
+    relative_error,
+    round_normalized,
+    sign_balance,
+    spearman,
+)
+from autopar.profiling.probe_step import TinyBlock, end_to_end_factor, probe_shape  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS_BY_WORLD, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
@@ -99,20 +110,26 @@ def _timed(built, batch, fake_comm: bool) -> float:
     return time.perf_counter() - start
 
 
-REFERENCE_SIDE = 256
+def _probe_step(window_s: float = 0.15):
+    """A zero-argument call timing the profiler's own probe step (``profiler_training`` item 4: forward +
+    backward of ``TinyBlock`` at ``probe_shape("cpu")``) for about ``window_s`` with every rank running it at
+    once; it returns seconds per step. Timed every round, it shows how fast the machine computes then, in the
+    very units the profile's compute_time_scale was measured in."""
+    shape = probe_shape("cpu")
+    block, x = TinyBlock(shape.width), torch.randn(shape.tokens, shape.width)
 
-
-def _reference_rate(side: int = REFERENCE_SIDE, window_s: float = 0.05) -> float:
-    """FLOP/s of a square fp32 ``mm`` of ``side`` on this rank with every rank running it at once: the
-    profiler's own probe, repeated during the measurement to show how busy the machine is then."""
-    a, b, c = (torch.randn(side, side) for _ in range(3))
-    torch.mm(a, b, out=c)
-    dist.barrier()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < window_s:
-        torch.mm(a, b, out=c)
-        calls += 1
-    return 2.0 * side**3 * calls / (time.perf_counter() - start)
+    def timed() -> float:
+        block(x).backward()
+        start = time.perf_counter()
+        block(x).backward()
+        calls = torch.tensor([max(1.0, window_s / (time.perf_counter() - start))])
+        dist.all_reduce(calls, op=dist.ReduceOp.MIN)  # every rank the same number of steps
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(int(calls)):
+            block(x).backward()
+        return (time.perf_counter() - start) / int(calls)
+    return timed
 
 
 def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: int, split: bool) -> dict:
@@ -124,14 +141,14 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
         pm = autopar.compile(model, autopar.Cluster.from_dict(plan.cluster), batch, plan=plan, compile=False)
         built.append((name, pm, pm.optimizer(torch.optim.AdamW, lr=1e-4)))  # ZeRO plans step their shards
     out = {name: {"times": [], "compute": []} for name, _, _ in built}
-    out["reference_rate"] = []
+    out["probe_step"], probe_step = [], _probe_step()
     for name, pm, opt in built:
         _step(pm, opt, batch)  # the first step allocates the optimizer state
         dist.barrier()
         out[name]["peak"] = _state_bytes(pm, opt) + peak_allocated_bytes(lambda: _step(pm, opt, batch))
     single = [b for b in built if len(b[1].plan.stages) == 1]  # compute-only needs no sends between stages
     for r in range(warmup + steps):
-        out["reference_rate"].append(_reference_rate())
+        out["probe_step"].append(probe_step())
         rotated = built[r % len(built):] + built[:r % len(built)]  # no plan always runs first
         for b in rotated:
             t = _timed(b, batch, False)
@@ -204,11 +221,11 @@ def load_or_profile(path: str | None, out: str, world: int) -> tuple[autopar.Clu
 
 
 def drift(cluster, measured: list[dict]) -> float:
-    """q = the profile's rate for the reference mm / the rate the same mm ran at during this launch (every
-    rank's median): how much slower the machine computed while the plans were timed than when it was
-    profiled (other jobs' load drifts over minutes; the profile cannot see the measurement's)."""
-    during = statistics.median(x for r in measured for x in r["reference_rate"])
-    return cluster.matmul_flops("float32", 2 * REFERENCE_SIDE**3) / during
+    """q = the compute_time_scale the profiler's probe step gives during this launch (every rank's median
+    over rounds, priced on ``cluster`` as the profiler prices it) / the cluster's own: how much slower the
+    machine computed while the plans were timed than when it was profiled (1 on a steady machine)."""
+    during = statistics.median(x for r in measured for x in r["probe_step"])
+    return end_to_end_factor(cluster, during) / cluster.compute_time_scale
 
 
 def drift_corrected(plan, q: float) -> float:
@@ -224,11 +241,12 @@ def summarize(plans: dict, measured: list[dict], q: float = 1.0) -> list[dict]:
     """One row per plan: predicted (``drift_corrected`` by ``q``; as profiled: pred_profile) and measured
     time (s) and peak (bytes), and their errors."""
     rows = []
+    steady = round_normalized({name: measured[0][name]["times"] for name in plans})
     for name, plan in plans.items():
         times = measured[0][name]["times"]
         row = {"plan": name, "mesh": "x".join(map(str, plan.stages[0].mesh_shape)), "stages": len(plan.stages),
                "pred_t": drift_corrected(plan, q), "pred_profile": float(plan.predicted["step_time"]),
-               "meas_t": statistics.median(times), "drift": q,
+               "meas_t": steady[name], "meas_raw": statistics.median(times), "drift": q,
                "iqr": float(np.subtract(*np.percentile(times, [75, 25]))) / statistics.median(times),
                "pred_mem": float(plan.predicted["peak_memory"]), "meas_mem": max(r[name]["peak"] for r in measured),
                "pred_compute": float(plan.predicted.get("compute", float("nan"))),
@@ -262,9 +280,11 @@ def print_table(rows: list[dict], split: bool) -> None:
 
 def figures(rows: list[dict]) -> dict:
     """The three fidelity figures of one launch: median |time error|, Spearman rho, worst |memory error|."""
+    over, under = sign_balance(r["t_err"] for r in rows)
     return {"time_err": statistics.median(abs(r["t_err"]) for r in rows),
             "spearman": spearman([r["pred_t"] for r in rows], [r["meas_t"] for r in rows]),
-            "worst_mem_err": max(abs(r["mem_err"]) for r in rows)}
+            "worst_mem_err": max(abs(r["mem_err"]) for r in rows),
+            "signed_err": statistics.median(r["t_err"] for r in rows), "over": over, "under": under}
 
 
 def median_rows(per_launch: list[list[dict]]) -> list[dict]:
@@ -289,6 +309,10 @@ def print_figures(label: str, per_launch: list[list[dict]]) -> dict:
           f"{ok(fig['spearman'] >= GOALS['spearman'])});  worst |memory error| {fig['worst_mem_err'] * 100:.1f} %"
           f"{spread['worst_mem_err']} (goal <= {GOALS['mem_err'] * 100:.0f} %: "
           f"{ok(fig['worst_mem_err'] <= GOALS['mem_err'])})")
+    signs = ", ".join(f"{f['over']}/{f['under']}" for f in launches)
+    balanced = all(f["over"] and f["under"] for f in launches)
+    print(f"{label}: median signed time error {fig['signed_err'] * 100:+.1f} %; plans predicted too slow / too fast "
+          f"per launch: {signs} (goal: both signs in every launch, no single-sign bias: {ok(balanced)})")
     return fig
 
 
@@ -321,7 +345,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cluster", help="profiled cluster JSON of --nprocs ranks (default: profile them first)")
     parser.add_argument("--profile-out", default="cluster.json", help="where a fresh profile is written")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
-    parser.add_argument("--steps", type=int, default=7, help="timed rounds (the median is reported)")
+    parser.add_argument("--steps", type=int, default=9, help="timed rounds (the median is reported)")
     parser.add_argument("--split", action="store_true", help="also time every step with local stand-ins for "
                         "collectives (compute alone; diagnostic)")
     parser.add_argument("--plans", nargs="+", default=None,
@@ -344,11 +368,12 @@ def main(argv=None) -> int:
     print(f"# load average before {tuple(round(x, 2) for x in load_before)}, after "
           f"{tuple(round(x, 2) for x in os.getloadavg())}; {os.cpu_count()} cores; measured in "
           f"{time.perf_counter() - start:.0f} s; {args.repeats} launch(es) of {args.steps} timed rounds")
-    during = statistics.median(x for measured in launches for r in measured for x in r["reference_rate"])
-    print(f"# machine speed: fp32 mm 256^3 with all ranks busy ran at {during / 1e9:.1f} GFLOP/s per rank during "
-          f"the measurement; the cluster file says {cluster.matmul_flops('float32', 2 * 256**3) / 1e9:.1f}")
-    profiled = [summarize(plans, measured) for measured in launches]
     qs = [drift(cluster, measured) for measured in launches]
+    during = statistics.median(x for measured in launches for r in measured for x in r["probe_step"])
+    print(f"# machine speed: the profiler's probe step with all ranks busy took {during * 1e3:.2f} ms during the "
+          f"measurement, compute x {', '.join(f'{q:.3f}' for q in qs)} (per launch) of the speed the cluster file "
+          f"was profiled at (compute_time_scale {cluster.compute_time_scale:.3f})")
+    profiled = [summarize(plans, measured) for measured in launches]
     corrected = [summarize(plans, measured, q) for measured, q in zip(launches, qs)]
     rows = median_rows(profiled)
     print_table(rows, args.split)

@@ -1,0 +1,117 @@
+"""The fidelity method: what the profiler's speed reference compares, and how the benchmark reads its rounds.
+
+No process group. The profiler's compute_time_scale compares the reference mm with the square-mm curve as
+measured, not with the curve after the training-matmul factor scaled it (that read the factor as a slower
+machine and priced every roofline 1/factor too slow); its compute probes come back in reference units and
+become seconds at one level; the benchmark divides each round's common speed out of its step times and
+counts the signs of its errors.
+"""
+import dataclasses
+import statistics
+
+import pytest
+
+from autopar.hardware.cluster import Cluster
+from autopar.profiling.fidelity import round_normalized, sign_balance
+from autopar.profiling.probe_step import end_to_end_factor, probe_step_prediction
+from autopar.profiling.profiler_training import training_seconds
+
+
+def _square_and_trained(factor: float) -> tuple[Cluster, Cluster]:
+    """(a CPU device whose square mm runs at 1 GFLOP/s, the same with its curve scaled by ``factor``)."""
+    square = dataclasses.replace(Cluster.local(1), peak_flops={"float32": 1e9}, matmul_efficiency=1.0,
+                                 memory_bandwidth=1e30, op_overhead=1e-5,
+                                 matmul_curve={"float32": [[1e6, 1e9], [1e9, 1e9]]})
+    curve = [[x, rate * factor] for x, rate in square.matmul_curve["float32"]]
+    return square, dataclasses.replace(square, matmul_curve={"float32": curve}, peak_flops={"float32": 1e9 * factor})
+
+
+def test_the_reference_mm_is_compared_with_the_square_curve():
+    square, trained = _square_and_trained(0.8)
+    roofline, overhead = probe_step_prediction(trained)
+    measured = overhead + 1.3 * roofline  # the probe ran 1.3× the trained pricing
+    reference = 2.0 * 256**3 / 1e9  # the reference mm at exactly the square curve's speed: no drift
+    assert end_to_end_factor(trained, measured, reference, square=square) == pytest.approx(1.3)
+    # negative control: against the factor-scaled curve the same machine reads as 0.8× as fast, and s is
+    # divided by the factor a second time
+    assert end_to_end_factor(trained, measured, reference) == pytest.approx(1.3 / 0.8)
+    # a real slowdown during the probe (reference twice as slow as the square curve) still halves s
+    assert end_to_end_factor(trained, measured, 2 * reference, square=square) == pytest.approx(0.65)
+
+
+def test_training_probes_become_seconds_at_the_reference_level():
+    raw = {"tiny_step": 2.0, "probe_step": 30.0, "probe_reference": 1.0, "linears": {"float32": [4.0, 5.0]},
+           "norm_act": [6.0], "probe_compiled": (20.0, 1.0), "attention": None, "mesh": {"k": [(1, 2, 0.5)]}}
+    out = training_seconds(raw, 1e-3)
+    assert out["tiny_step"] == pytest.approx(2e-3) and out["probe_step"] == pytest.approx(30e-3)
+    assert out["probe_reference"] == pytest.approx(1e-3) and out["linears"]["float32"] == pytest.approx([4e-3, 5e-3])
+    assert out["norm_act"] == pytest.approx([6e-3]) and out["probe_compiled"] == pytest.approx((20e-3, 1e-3))
+    assert out["attention"] is None and out["mesh"] == raw["mesh"]  # collectives are timed in seconds already
+    assert raw["probe_step"] == 30.0  # the rank's raw record is left as it was
+
+
+def test_round_normalized_takes_out_what_slowed_a_whole_round():
+    # two plans, 5 rounds; round 3 ran 1.5× slower for both, and plan b's own noise is in round 1
+    a = [1.0, 1.0, 1.0, 1.5, 1.0]
+    b = [2.0, 2.4, 2.0, 3.0, 2.0]
+    steady = round_normalized({"a": a, "b": b})
+    assert steady == pytest.approx({"a": 1.0, "b": 2.0})
+    # a slow stretch of 3 rounds of 5 (more than the median can ignore) raises every plan alike
+    slow = round_normalized({"a": [1.0, 1.5, 1.5, 1.5, 1.0], "b": [2.0, 3.0, 3.0, 3.0, 2.0]})
+    assert slow["b"] / slow["a"] == pytest.approx(2.0)
+
+
+def test_round_normalized_needs_the_same_rounds_for_every_plan():
+    with pytest.raises(ValueError, match="same rounds"):
+        round_normalized({"a": [1.0, 2.0], "b": [1.0]})
+    with pytest.raises(ValueError, match="same rounds"):
+        round_normalized({"a": []})
+
+
+def test_sign_balance_counts_too_slow_and_too_fast():
+    assert sign_balance([0.1, -0.2, 0.05, 0.0]) == (2, 1)
+    assert sign_balance([0.1, 0.2]) == (2, 0)  # a single-sign bias
+
+
+class _DriftingMachine:
+    """A probe device whose clock reads each window as calls × cost × speed, the speed slowing by 10 % per
+    window (other jobs' load arriving), so a figure timed alone depends on when it was timed."""
+
+    kind = "cpu"
+    torch = None
+
+    def __init__(self, costs: dict):
+        self.costs, self.windows = costs, 0  # costs: seconds per call of each call
+
+    def window_seconds(self, call, calls: int) -> float:
+        self.windows += 1
+        return calls * self.costs[call] * (1.0 + 0.1 * self.windows)
+
+
+def test_speed_reference_cancels_drift_that_plain_windows_keep(monkeypatch):
+    from autopar.profiling import probes
+
+    monkeypatch.setattr(probes.dist, "barrier", lambda: None)  # one process: nothing to agree with
+    monkeypatch.setattr(probes, "slowest_rank", lambda seconds, probe: seconds)
+    settings = type("Settings", (), {"warmup": 1, "windows": 5, "window_s": 0.01})()
+    machine = _DriftingMachine({})
+    reference = probes.SpeedReference(machine)
+    step = lambda: None  # noqa: E731 - a call costing 3 reference calls
+    machine.costs = {reference.call: 1e-3, step: 3e-3}
+    assert reference.ratio(step, settings) == pytest.approx(3.0, rel=1e-9)  # the references around it cancel it
+    assert reference.level() == pytest.approx(statistics.median(reference.windows))
+    # negative control: the same call timed alone reads the drift (10 % per window) into its figure
+    assert probes.seconds_per_call(step, 1, 5, machine) / 3e-3 > 1.5
+
+
+def test_fresh_runs_refuses_bad_arguments_before_profiling(tmp_path, capsys):
+    from benchmarks.fidelity.fresh_runs import main
+
+    kept = tmp_path / "results.txt"
+    kept.write_text("an earlier result\n")
+    for argv, named in ((["--runs", "0", "--out", str(tmp_path / "new.txt")], "--runs must be at least 1"),
+                        (["--out", str(kept)], "exists; name another --out")):
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        assert stop.value.code == 2 and named in capsys.readouterr().err
+    assert kept.read_text() == "an earlier result\n"  # a results file is never overwritten
