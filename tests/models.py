@@ -74,15 +74,26 @@ def make_long_llama(seed: int = 0):
     return model, (ids, ids.clone())
 
 
-def make_olmoe(seed: int = 0):
+def make_olmoe(seed: int = 0, **extra):
     """A tiny HF OLMoE (4 experts top-2, q/k norms), the zoo's sizes."""
     from transformers import OlmoeConfig
 
     from tests.zoo_models import _DECODER, _lm
 
-    cfg = OlmoeConfig(**{**_DECODER, "intermediate_size": 64}, num_key_value_heads=4, num_experts=4,
-                      num_experts_per_tok=2, router_aux_loss_coef=0.0)
+    cfg = OlmoeConfig(**{**_DECODER, "intermediate_size": 64}, **{**dict(num_key_value_heads=4, num_experts=4,
+                      num_experts_per_tok=2, router_aux_loss_coef=0.0), **extra})
     return _lm("OlmoeForCausalLM", cfg, seed)
+
+
+ROUTER_AUX = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # loss + 0.1 × load-balancing loss
+
+
+def router_aux_variants() -> dict:
+    """The HF MoE models trained on their loss plus the router's auxiliary load-balancing loss ("_aux")."""
+    from tests.zoo_models import mixtral, qwen2_moe
+
+    return {f"{name}_aux": (lambda seed=0, make=make: make(seed, **ROUTER_AUX))
+            for name, make in (("zoo_mixtral", mixtral), ("zoo_qwen2_moe", qwen2_moe), ("olmoe", make_olmoe))}
 
 
 def make_small_moe(seed: int = 0, capacity_factor: float | None = 1.0):
@@ -95,4 +106,5 @@ def make_small_moe(seed: int = 0, capacity_factor: float | None = 1.0):
 FACTORIES = {"mlp": make_mlp, "gpt": make_small_gpt, "gpt4": lambda: make_small_gpt(n_layer=4), "hf_gpt2": make_hf_gpt2,
              "gpt_long": make_long_gpt, "gpt_long_bidir": lambda: make_long_gpt(causal=False),
              "llama_long": make_long_llama,
-             "olmoe": make_olmoe, "moe_example": make_small_moe, **{f"zoo_{k}": v for k, v in ZOO.items()}}
+             "olmoe": make_olmoe, "moe_example": make_small_moe, **{f"zoo_{k}": v for k, v in ZOO.items()},
+             **router_aux_variants()}

@@ -111,16 +111,16 @@ def vit(seed=0):
     return model, (torch.randn(BATCH, 3, 16, 16, generator=g), torch.randint(0, 8, (BATCH,), generator=g))
 
 
-def mixtral(seed=0):
+def mixtral(seed=0, **extra):
     from transformers import MixtralConfig
-    return _lm("MixtralForCausalLM", MixtralConfig(**_DECODER, num_key_value_heads=2, **_MOE), seed)
+    return _lm("MixtralForCausalLM", MixtralConfig(**_DECODER, num_key_value_heads=2, **{**_MOE, **extra}), seed)
 
 
-def qwen2_moe(seed=0):
+def qwen2_moe(seed=0, **extra):
     from transformers import Qwen2MoeConfig
-    cfg = Qwen2MoeConfig(**_DECODER, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+    cfg = Qwen2MoeConfig(**_DECODER, **{**dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=64, shared_expert_intermediate_size=64, router_aux_loss_coef=0.0,
-                         decoder_sparse_step=1)
+                         decoder_sparse_step=1), **extra})
     return _lm("Qwen2MoeForCausalLM", cfg, seed)
 
 

@@ -17,6 +17,9 @@ Each token row crosses the axis once per routed expert held elsewhere, and once 
 per direction ≈ T_local·k·(W - 1) / W with a balanced router (against T·k·(W - 1)/W rows for the gathered
 split, which also needs the whole x on every device). Dropless by default: the splits carry whatever the
 router sends, including zero rows to an expert or a device. Every collective goes through ``faults.guard``.
+Under ``compile=True`` the kernel runs eagerly between compiled graphs (``torch.compiler.disable``): its
+splits are read from the routing each step (``tolist``), and dynamo would specialize on every new value and
+recompile; the compiled code on either side is compiled once.
 
 ``local_experts_op`` (the gather-based split, kept as an alternative): x, index, weights whole on every
 device; each computes only the assignments to its own experts, so its output is a summand of the full one
@@ -38,6 +41,7 @@ def local_experts_op(x, index, weights, w_in, w_out, *, n_experts: int, first: i
                         group_size, n_experts=n_experts, first=first)
 
 
+@torch.compiler.disable  # splits are data (counts per step): traced, every new count would recompile
 def expert_all_to_all(x, index, weights, w_in, w_out, *, group: str, n_experts: int, activation: str,
                       gated: bool, transposed: bool, capacity_factor: float | None,
                       group_size: int) -> torch.Tensor:

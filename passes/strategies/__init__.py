@@ -8,8 +8,9 @@ replicated strategy, which is always valid. Invariants of every strategy:
   * Partial appears only where the rule proves the op linear in that operand.
 
 Rules live one file per op family (``matmul``, ``pointwise``, ``views``, ``reductions``, ``norms``,
-``attention``, ``embedding``, ``loss``, ``creation``) and register 1-D ``AxisRule``s per ATen op. An op
-without a rule runs replicated, with one warning naming it: slower, never wrong.
+``attention``, ``embedding``, ``loss``, ``creation``) and register 1-D ``AxisRule``s per ATen op; an in-place
+op without its own rule takes its out-of-place form's (``registry``). An op without a rule runs replicated,
+with one warning naming it: slower, never wrong.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.fx as fx
 
 from autopar.ir.ops import OpView, shape_of
 from autopar.passes.strategies.base import AxisRule, Strategy, all_replicated_rule
-from autopar.passes.strategies.registry import RuleFn, has_rule, register, rule_for
+from autopar.passes.strategies.registry import RuleFn, has_rule, in_place_key, register, rule_for
 from autopar.placement import R, Spec, divides
 
 _WARNED: set[str] = set()  # ops already reported as rule-less in this process (planning asks many times)
@@ -49,10 +50,11 @@ from autopar.passes.strategies import (  # noqa: E402,F401
 
 def strategy_signature(node: fx.Node) -> str:
     """Nodes with equal strategy signatures have the same strategy list (index for index): the op's
-    signature, and whether its inputs can carry an expert-parallel layout (``expert_rows.context_key``)."""
+    signature, whether its inputs can carry an expert-parallel layout (``expert_rows.context_key``), and for an
+    in-place op whether its write may land in a moved copy (``registry.in_place_key``)."""
     from autopar.ir.ops import node_signature
 
-    return f"{node_signature(node)}|{expert_rows.context_key(node)}"
+    return f"{node_signature(node)}|{expert_rows.context_key(node)}{in_place_key(node)}"
 
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
