@@ -42,6 +42,7 @@ from autopar.placement import R
 
 aten = torch.ops.aten
 _ARANGES = {aten.arange.default, aten.arange.start, aten.arange.start_step}
+_MAX_CONSTANTS = 3  # batch-sized sizes read as constants before the walk gives up (see _probe_resolving_sources)
 
 
 def batch_dims(graph) -> dict[str, int | None]:
@@ -61,9 +62,32 @@ def _analysis(graph) -> tuple[dict[str, int | None], dict[str, list], bool]:
         return cached
     batch = graph.input_signature[0][0][0] if graph.input_signature and graph.input_signature[0][0] else 1
     probe = next((p for p in range(2, batch + 1) if batch % p == 0), None)
-    result = _probe(graph, batch, probe) if probe else None
+    result = _probe_resolving_sources(graph, batch, probe) if probe else None
     graph._batch_analysis = result or (_rule_dims(graph), {}, probe is None)
     return graph._batch_analysis
+
+
+def _probe_resolving_sources(graph, batch: int, probe: int):
+    """The walk, retried with a batch source read as a constant when the walk fails downstream of it (an
+    ``arange(seq_len)`` where the sequence is as long as the batch): at most ``_MAX_CONSTANTS`` such reads,
+    and each one kept only when the walk with it read as a source fails (the other reads fixed), so an
+    answer is the one reading of those sizes whose shapes are consistent; otherwise None (not exact)."""
+    constants: list[tuple] = []
+    failed_with: set[frozenset] = set()
+    while True:
+        result = _probe(graph, batch, probe, frozenset(constants))
+        if result[0] is not None:
+            break
+        failed_with.add(frozenset(constants))
+        suspects = [key for key in result[1] if key not in constants]
+        if not suspects or len(constants) == _MAX_CONSTANTS:
+            return None
+        constants.append(suspects[-1])
+    for key in constants:  # each constant read must be forced: as a source, the walk fails
+        others = frozenset(k for k in constants if k != key)
+        if others not in failed_with and _probe(graph, batch, probe, others)[0] is not None:
+            return None
+    return result[0]
 
 
 def _rule_dims(graph) -> dict[str, int | None]:
@@ -82,13 +106,16 @@ def _input_dim(graph, node: fx.Node) -> int | None:
     return 0 if info.kind == "input" and len(info.shape) > 0 else None
 
 
-def _probe(graph, batch: int, probe: int):
-    """The walk of the module docstring; None when it is not exact. Identical ops (the same op on inputs of
-    the same shapes, dtypes and batch dims: every repeated layer after the first) are run once."""
+def _probe(graph, batch: int, probe: int, constants: frozenset = frozenset()):
+    """The walk of the module docstring: ((dims, sites, True), []) when exact, else (None, the op keys of
+    the batch sources upstream of the op that failed, in graph order). Identical ops (the same op on inputs
+    of the same shapes, dtypes and batch dims: every repeated layer after the first) are run once; an op
+    whose key is in ``constants`` is no batch source (its batch-sized sizes are constants)."""
     dims: dict[str, int | None] = {}
     sites: dict[str, list] = {}
     env: dict[fx.Node, object] = {}
     seen: dict[tuple, tuple] = {}
+    source_keys: dict[fx.Node, tuple] = {}  # the batch sources met, by node: their op keys
     sizes = {batch}  # the sizes of every batch dim so far (the sizes a batch source may build)
     with _quiet_fake_tensors(), FakeTensorMode(allow_non_fake_inputs=True):
         for node in graph.gm.graph.nodes:
@@ -100,15 +127,31 @@ def _probe(graph, batch: int, probe: int):
             elif node.op == "call_function":
                 key = _op_key(node, dims, sizes)
                 if key not in seen:
-                    seen[key] = _run(node, dims, env, sizes, probe)
+                    seen[key] = _run(node, dims, env, sizes, probe, key in constants)
                 if seen[key] is None:
-                    return None
+                    return None, _sources_upstream(node, source_keys)
                 found, dims[node.name], env[node] = seen[key]
                 if found:
                     sites[node.name] = found
+                    if not any(dims.get(a.name) is not None for a in node.all_input_nodes):
+                        source_keys[node] = key
                 if dims[node.name] is not None:
                     sizes.update(t.shape[dims[node.name]] for t in _tensors(node.meta.get("val")))
-    return dims, sites, True
+    return (dims, sites, True), []
+
+
+def _sources_upstream(failed: fx.Node, source_keys: dict[fx.Node, tuple]) -> list[tuple]:
+    """The op keys of the batch sources ``failed`` reads from, directly or not, in graph order."""
+    if not source_keys:
+        return []
+    seen, stack = {failed}, [failed]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    keys = [key for node, key in source_keys.items() if node in seen]
+    return list(dict.fromkeys(keys))
 
 
 def _tensors(val) -> list[torch.Tensor]:
@@ -141,9 +184,12 @@ def _shapes(val):
     return val if isinstance(val, (int, float, bool, type(None))) else str(val)
 
 
-def _run(node: fx.Node, dims: dict[str, int | None], env: dict, sizes: set[int], probe: int):
-    """(size sites, batch dim, probe value) of one op run at the probe batch, or None when not exact."""
-    found = _size_sites(node, dims, sizes)
+def _run(node: fx.Node, dims: dict[str, int | None], env: dict, sizes: set[int], probe: int,
+         constant: bool = False):
+    """(size sites, batch dim, probe value) of one op run at the probe batch, or None when not exact;
+    ``constant``: the op is no batch source (see ``_probe``)."""
+    fed = any(dims.get(a.name) is not None for a in node.all_input_nodes)
+    found = [] if constant and not fed else _size_sites(node, dims, sizes)
     args, kwargs = fx.map_arg((node.args, node.kwargs), lambda a: env[a])
     args = _rewritten(args, found, lambda v: v // probe)
     try:

@@ -18,7 +18,9 @@ per (stage, microbatch) and direction (``Cluster.microbatch_overhead``, once in 
 backward, as ``plan_builder.charge_microbatch_overhead`` charges the plan), f the microbatches in flight. A mesh
 option whose batch split does not divide b is not offered at that B. Where the unconstrained solution
 is unlikely to fit, the same layouts at ZeRO level 2 (``layer_costs.zero2_variant``) and a lean solution
-(near the least memory any plan needs) are priced too. With ``offload`` every entry may also take its stage's
+(near the least memory any plan needs) are priced too, and the same layouts at ZeRO level 3
+(``layer_costs.zero3_variant``), which the DP is offered only where nothing fits without them (why:
+``intra_op_zero``'s docstring). With ``offload`` every entry may also take its stage's
 optimizer state to host memory (``stage_offload``: less memory, the host step's time), chosen per stage.
 The chosen stages are then re-solved exactly, stage by stage, by the driver. Being prices, not plans,
 the whole-model solves here skip the solver's presolve (``ilp_highs.solve``: half the solver time, a
@@ -39,7 +41,7 @@ from autopar.ir.units import fmt_bytes
 from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
-from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant
+from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant, zero3_variant
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 from autopar.passes.stage_offload import offload_layers, offloaded_tables
@@ -98,6 +100,8 @@ class StageCosts:
         self.training, self.batch_dims, self.time_limit = training, batch_dims, time_limit
         self.options = mesh_options(cluster)
         self.variants: dict[int, list[LayerCosts]] = {}
+        self.held: dict[int, list[LayerCosts]] = {}  # ZeRO-3 variants, offered only where nothing fits without
+        self.zero3_offered = False
         self.solves = 0
         self.modes = recompute_modes or ["none"] * layers.count
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
@@ -133,7 +137,7 @@ class StageCosts:
                 if node.op != "output":
                     strategy_signature(node)
         for m, variants in zip(todo, parallel_map(self._solve_all, todo, "autopar: pricing submeshes")):
-            self.variants[m] = variants
+            self._store(m, variants)
         self.solves += sum(c.solved for m in todo for c in self.variants[m])
 
     def _solve_all(self, m: int) -> list[LayerCosts]:
@@ -147,9 +151,27 @@ class StageCosts:
         no solve) and, at the smallest reference microbatch, a lean solution (memory budget 1.25 × the least
         any plan needs)."""
         if m not in self.variants:
-            self.variants[m] = self._solve_all(m)
+            self._store(m, self._solve_all(m))
             self.solves += sum(c.solved for c in self.variants[m])
         return self.variants[m]
+
+    def _store(self, m: int, variants: list[LayerCosts]) -> None:
+        """Keep option m's solutions: the ZeRO-3 variant apart until ``offer_zero3`` (appended last, so the
+        indices ``picks`` records stay valid)."""
+        self.variants[m] = [c for c in variants if not c.last_resort]
+        self.held[m] = [c for c in variants if c.last_resort]
+        if self.zero3_offered:
+            self.variants[m] += self.held[m]
+
+    def offer_zero3(self) -> bool:
+        """Offer the ZeRO-3 variants to the tables from now on; False when there are none or they already are
+        (``choose_stages`` calls it where nothing fits without them; see ``intra_op_zero``'s docstring)."""
+        if self.zero3_offered or not any(self.held.values()):
+            return False
+        self.zero3_offered = True
+        for m, held in self.held.items():
+            self.variants[m] += held
+        return True
 
     def _solve(self, m: int, b0: int) -> list[LayerCosts]:
         option, graph = self.options[m], self.graphs[b0]
@@ -159,9 +181,11 @@ class StageCosts:
         out = [self._layer_costs(first, option, b0)]
         share = option.size / self.cluster.num_devices
         pressed = first.memory * share > 0.5 * self.cluster.memory_per_device
-        sharded = zero2_variant(first, built.edges) if pressed else None
-        if sharded is not None:
-            out.append(self._layer_costs(sharded, option, b0, solved=False))
+        for variant in (zero2_variant, zero3_variant) if pressed else ():
+            sharded = variant(first, built.edges)
+            if sharded is not None:
+                out.append(self._layer_costs(sharded, option, b0, solved=False))
+                out[-1].last_resort = variant is zero3_variant
         smallest = b0 == min(self.graphs)  # memory pressure lives with the small microbatches of pipelines
         if smallest and pressed:
             try:
@@ -311,15 +335,38 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     short the search at every other B. The answer is the one the unbounded search in any order returns.
 
     excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
-    did not fit); the DP treats them as not fitting."""
-    best: tuple[DPResult, int, np.ndarray] | None = None
+    did not fit); the DP treats them as not fitting. Where nothing fits, the DP runs once more with the
+    ZeRO-3 variants offered (``StageCosts.offer_zero3``)."""
     L, D = costs.layers.count, costs.cluster.num_devices
     if stages is not None and stages > min(L, D):  # no budget would make these fit: say what would
         raise PlanError(f"stages={stages} needs at least {stages} layers and {stages} devices, and the plan "
                               f"has {L} layers over {D} devices; plan at most {min(L, D)} stages"
                               + (f", or pass layers={stages}" if L < stages else ""))
     costs.prepare()
+    best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
+    if best is None and costs.offer_zero3():
+        best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
+    if best is None:
+        budget = costs.cluster.memory_per_device
+        raise InfeasibleError(f"no pipeline of the {L} layers over {costs.cluster.num_devices} devices fits "
+                              f"{fmt_bytes(budget)} per device with microbatches {candidates}; use more devices "
+                              f"or memory, or more microbatches")
     sizes = [o.size for o in costs.options]
+    found, B, table = best
+    out = []
+    for s, (k, i, j) in enumerate(found.stages):  # DPStage(first, last, size_index)
+        f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
+        m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
+        cell = (B, k, i, m, min(f, table.shape[3]))
+        out.append(ChosenStage(k, i, costs.options[m], f, costs.recompute_of(*cell), offload=costs.offload_of(*cell)))
+    return StageChoice(B, out, found.cost)
+
+
+def _cheapest(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str, stages: int | None,
+              excluded: set[tuple]) -> tuple[DPResult, int, np.ndarray] | None:
+    """(DP result, B, its table) of the cheapest B (``choose_stages``), or None when nothing fits."""
+    best: tuple[DPResult, int, np.ndarray] | None = None
+    L, sizes = costs.layers.count, [o.size for o in costs.options]
     for B in sorted(candidates, reverse=True):
         max_f = min(L, B) if schedule != "gpipe" else B
         table = costs.table(global_batch, B, max_f)
@@ -331,16 +378,4 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
                          hops=costs.hops_at(global_batch // B), bound=bound)
         if found is not None and (best is None or found.cost <= bound):
             best = (found, B, table)
-    if best is None:
-        budget = costs.cluster.memory_per_device
-        raise InfeasibleError(f"no pipeline of the {L} layers over {costs.cluster.num_devices} devices fits "
-                              f"{fmt_bytes(budget)} per device with microbatches {candidates}; use more devices "
-                              f"or memory, or more microbatches")
-    found, B, table = best
-    out = []
-    for s, (k, i, j) in enumerate(found.stages):  # DPStage(first, last, size_index)
-        f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
-        m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
-        cell = (B, k, i, m, min(f, table.shape[3]))
-        out.append(ChosenStage(k, i, costs.options[m], f, costs.recompute_of(*cell), offload=costs.offload_of(*cell)))
-    return StageChoice(B, out, found.cost)
+    return best

@@ -44,6 +44,16 @@ Invariants and formulas:
     fits and is priced no higher, so a plan shards weight updates only as far as memory asks, and between
     levels 2 and 3 takes the one the cost model prices faster: level 3 where compute hides its prefetched
     gathers better than level 2 hides nothing of its after-step all-gather.
+  * The stage DP (``inter_op``) sees the twins only through its per-option memory points: the unconstrained
+    solution, its ZeRO-2 variant, a lean solve, and the ZeRO-3 variant (``layer_costs.zero3_variant``: every
+    base column moved to its level-3 twin, no solve), which ``choose_stages`` offers only where nothing fits
+    without it. Why not always: the DP prices a level-3 layer's gathers at its small reference microbatch and
+    scales them with the microbatch, and plans it prefers through them need not be faster once solved exactly
+    (GPT-39B on 64 V100s: 53.8 s per step became 58.9 s, planning +35 % CPU). Where it is offered, the lean
+    solve cannot stand in for it: its budget (1.25 × the least memory) counts activations that recompute later
+    drops, so at long sequences it spends the margin on faster layouts with weights replicated (Llama-3-8B at
+    128K tokens on 8 H100s had no plan at zero="auto"; the ZeRO-3 variant with full recompute fits). Each
+    chosen stage's exact solve then picks levels 0, 2 or 3 per group as above.
 """
 from __future__ import annotations
 

@@ -43,6 +43,7 @@ class LayerCosts:
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
     host_state: tuple | None = None  # (freed bytes, added seconds) per layer of optimizer offload (``stage_offload``)
+    last_resort: bool = False  # offered to the stage DP only where nothing fits without it (``zero3_variant``)
 
     def __post_init__(self):
         self.ranges = _range_matrices(self)
@@ -133,11 +134,23 @@ def zero2_variant(solution: IntraOpSolution, edges: dict) -> IntraOpSolution | N
     """``solution`` with every base column that has a level-2 twin replaced by it (module docstring); None
     when no group has one. ``edges``: the built problem's group resharding matrices (``BuiltProblem.edges``),
     weighted as ``solve_built`` weights them."""
+    return zero_variant(solution, edges, 2)
+
+
+def zero3_variant(solution: IntraOpSolution, edges: dict) -> IntraOpSolution | None:
+    """``zero2_variant`` at level 3: every base column that has a level-3 twin replaced by it (module
+    docstring); None when no group has one."""
+    return zero_variant(solution, edges, 3)
+
+
+def zero_variant(solution: IntraOpSolution, edges: dict, level: int) -> IntraOpSolution | None:
+    """``solution`` with every base column that has a twin at ZeRO ``level`` replaced by it; None when no
+    group has one."""
     choice, moved = list(solution.choice), False
     for g, group in enumerate(solution.groups):
         if group.zero_base is None or group.zero_level[choice[g]] != 0:
             continue
-        twins = np.flatnonzero((group.zero_base == choice[g]) & (group.zero_level == 2))
+        twins = np.flatnonzero((group.zero_base == choice[g]) & (group.zero_level == level))
         if len(twins):
             choice[g], moved = int(twins[0]), True
     if not moved:

@@ -1,5 +1,8 @@
 """Cases for tests/test_precision.py: every one runs in each rank of one 4-rank ``autopar.launch``.
 
+zero "auto" cases plan with the memory halfway between ZeRO 2's and ZeRO 3's needs (``zero3_budget``), so the
+planner's own choice puts parameters at level 3.
+
 A case is (model, layout, precision, zero, sabotage). Layouts: "dp" (one 2×2 stage, parameters pinned
 replicated, the batch split over both axes: every parameter's gradient goes through the bucketed sync; "dp-rc"
 the same with every layer recomputed in backward), "tp" (one 2×2 stage: Megatron's tensor parallelism on axis
@@ -94,6 +97,8 @@ def run_case(case) -> dict:
     model, batch = FACTORIES[model_name]()
     refs = {"same": _Reference(model, precision), "fp32": _Reference(model, "fp32")}
     cluster = autopar.Cluster.local(4, mesh_shape=(2, 2))
+    if zero == "auto":
+        cluster = zero3_budget(model, batch, cluster, precision, options(model_name, layout))
     pm = autopar.compile(model, cluster, batch, precision=precision, zero=zero, bucket_bytes=BUCKET_BYTES,
                          **options(model_name, layout))
     opt = pm.optimizer(torch.optim.AdamW, lr=LR, eps=EPS)
@@ -123,6 +128,15 @@ def run_case(case) -> dict:
             "leaf_dtypes": sorted({str(t.dtype) for u in units for t in u.leaves}),
             "gathered_peak": peaks, "predicted_transient": mine.predicted.get("zero3_transient", 0.0),
             "regions": _count_children(pm, "recompute_")}
+
+
+def zero3_budget(model, batch, cluster, precision: str, plan_options: dict):
+    """``cluster`` with the memory halfway between what the plan needs with every parameter at ZeRO 2 and at
+    ZeRO 3: zero="auto" must then choose level 3 for some parameters (the "auto" cases)."""
+    at = [autopar.plan(model, cluster, batch, precision=precision, zero=z, bucket_bytes=BUCKET_BYTES,
+                       **plan_options).predicted["peak_memory"] for z in (2, 3)]
+    assert at[1] < at[0], at
+    return cluster.with_memory(sum(at) / 2)
 
 
 def _count_children(pm, prefix: str) -> int:

@@ -71,3 +71,23 @@ def test_a_size_the_walk_cannot_follow_plans_by_re_capturing_quietly(capfd, capl
     assert plan.microbatches == 2 and len(plan.stages) == 2
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
     assert not re.search(r"^E\d{4}|Traceback|ERROR", out + err, re.M), (out + err)[:2000]
+
+
+def test_a_sequence_as_long_as_the_batch_is_read_as_a_constant_and_rescales_exactly():
+    """Alpa's GPT suite: global batch 1024 = sequence length, so the position ids' ``arange(seq_len)`` looks
+    like a batch source; read as one, the walk fails at the embedding sum, so it is a constant, and the
+    rescaled graph is still the capture at the microbatch (no re-capture)."""
+    from examples.gpt import GPT, GPTConfig, make_batch
+
+    cfg = GPTConfig(vocab_size=128, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    batch = make_batch(cfg, cfg.seq_len, device="meta")
+    graph = capture(model, batch)
+    assert rescale_is_exact(graph)
+    arange = next(n for n in graph.gm.graph.nodes if n.target is torch.ops.aten.arange.default)
+    assert batch_dims(graph)[arange.name] is None, "the position ids do not carry the batch"
+    expected = _listing(capture(model, first_microbatch(batch, 4)))
+    got = _listing(rescale(graph, 4))
+    assert got == expected
+    assert got != _listing(graph), "the control: the global graph differs from the microbatch's"

@@ -11,7 +11,7 @@ import torch
 from autopar.hardware.cluster import Cluster
 from autopar.plan import Plan, Stage
 from autopar.planner.plan_builder import exposed_sync
-from autopar.profiling.profiler_training import ProbeShape, end_to_end_factor, probe_step_ops, probe_step_prediction
+from autopar.profiling.probe_step import ProbeShape, end_to_end_factor, probe_step_ops, probe_step_prediction
 from benchmarks.calibration.published_schedule import op_sac_share, published_prediction
 from benchmarks.fidelity.cost_model_fidelity import drift_corrected, figures, median_rows
 

@@ -9,7 +9,7 @@ import torch
 import autopar
 from autopar.errors import ClusterError, UsageError
 from autopar.passes.capture import capture
-from autopar.profiling.profiler_training import end_to_end_factor, probe_shape, probe_step_ops
+from autopar.profiling.probe_step import end_to_end_factor, probe_shape, probe_step_ops
 from autopar.runtime.throughput import StepClock, model_flops, step_stats, work_per_step
 from tests.models import make_mlp
 

@@ -13,7 +13,8 @@ import pytest
 
 from autopar.hardware.cluster import Cluster
 from autopar.profiling.fidelity import round_normalized, sign_balance
-from autopar.profiling.profiler_training import end_to_end_factor, probe_step_prediction, training_seconds
+from autopar.profiling.probe_step import end_to_end_factor, probe_step_prediction
+from autopar.profiling.profiler_training import training_seconds
 
 
 def _square_and_trained(factor: float) -> tuple[Cluster, Cluster]:

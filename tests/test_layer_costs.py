@@ -1,5 +1,6 @@
-"""Per-layer prices of a mesh option's solution and its ZeRO-2 variant (``passes/layer_costs.py``), and the
-third memory point that variant gives the stage DP (``inter_op.StageCosts``). No process group."""
+"""Per-layer prices of a mesh option's solution and its ZeRO-2 and ZeRO-3 variants (``passes/layer_costs.py``), the
+third memory point the ZeRO-2 variant gives the stage DP, and the ZeRO-3 variant it is offered only where nothing
+fits without it (``inter_op.StageCosts``). No process group."""
 import numpy as np
 import torch
 
@@ -7,10 +8,10 @@ import autopar
 from autopar.passes.batch_dims import batch_dims, rescale
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
-from autopar.passes.inter_op import StageCosts
+from autopar.passes.inter_op import StageCosts, choose_stages
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
-from autopar.passes.layer_costs import layer_costs, zero2_variant
+from autopar.passes.layer_costs import layer_costs, zero2_variant, zero3_variant
 from autopar.passes.strategies import generate_strategies
 from autopar.planner.options import PlanOptions, training_spec
 from examples.gpt import GPT, GPTConfig, make_batch
@@ -18,17 +19,17 @@ from examples.gpt import GPT, GPTConfig, make_batch
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, n_embd=64)
 
 
-def _setup():
+def _setup(options: PlanOptions = PlanOptions()):
     with torch.device("meta"):
         model = GPT(CFG)
     graph = capture(model, make_batch(CFG, 16, device="meta"))
     blocks = find_repeated_blocks(graph)
-    return graph, blocks, cluster_layers(graph, blocks, None, is_light), training_spec(graph, PlanOptions())
+    return graph, blocks, cluster_layers(graph, blocks, None, is_light), training_spec(graph, options)
 
 
-def _priced(mesh=(1, 4)):
+def _priced(mesh=(1, 4), options: PlanOptions = PlanOptions()):
     """(graph, blocks, layers, training, whole-model solution's LayerCosts, its ZeRO-2 variant's, both solutions)."""
-    graph, blocks, layers, training = _setup()
+    graph, blocks, layers, training = _setup(options)
     env = CostEnv(autopar.Cluster.local(4), mesh, training)
     built = build_problem(graph, generate_strategies(graph, mesh), blocks, env, None, None, True)
     first = solve_built(built, env, 60.0)
@@ -64,3 +65,63 @@ def test_the_stage_dp_prices_the_zero2_variant_where_memory_is_tight():
     assert np.isfinite(table[0, layers.count - 1, m, 0]), "the whole model fits on (1, 4) at ZeRO 2"
     picked = costs.costs(m)[costs.picks[1][0, 0, layers.count - 1, m, 0]]
     assert not picked.solved and picked.reference_batch == 16, "through the variant"
+
+
+SMALL_UNITS = PlanOptions(bucket_bytes=2 ** 12)  # ZeRO-3 units of one weight each: the model is tiny
+
+
+def _whole(c) -> float:
+    """Memory of the whole model as one stage of one microbatch in flight (``LayerCosts.stage_tables``)."""
+    return float(c.ranges[2][0, -1] + c.ranges[3][0, -1] + c.ranges[4][0, -1])
+
+
+def test_zero3_variant_shards_the_parameters_too_and_charges_its_gathered_units():
+    """Same strategies and edges as the solution; per layer holding parameters, fewer parameter bytes than the
+    ZeRO-2 variant (the weights themselves are sharded), the gathered units on the peak, and no after-step
+    all-gather (ZeRO-3 gathers in forward and backward instead: the per-microbatch time may grow, never the sync
+    by more than ZeRO-2's)."""
+    graph, blocks, layers, training, base, twin, (first, sharded, built) = _priced(options=SMALL_UNITS)
+    third = zero3_variant(first, built.edges)
+    assert third.strategies == first.strategies
+    z3 = layer_costs(third, layers, batch_dims(graph), (1, 4), 16, blocks, solved=False)
+    assert np.allclose(z3.edges, base.edges) and np.allclose(z3.act, base.act)
+    holds = base.param > 0
+    assert np.all(z3.param[holds] < twin.param[holds]), "level 3 shards the weights as well"
+    assert np.all(z3.peak >= base.peak) and np.any(z3.peak > base.peak), "the gathered units are charged"
+    assert np.all(z3.t >= base.t - 1e-12) and np.all(z3.sync <= twin.sync + 1e-12)
+    assert _whole(z3) < _whole(twin) < _whole(base)
+    assert zero3_variant(third, built.edges) is None, "nothing left to move"
+
+
+def test_the_stage_dp_offers_the_zero3_variant_only_where_nothing_fits_without_it():
+    """On one option, (1, 4): with a budget between the ZeRO-3 variant's whole-model memory and the least of
+    every other solution's, the whole model does not fit until ``offer_zero3``, then fits through that variant;
+    ``choose_stages`` does this itself when the DP finds nothing. Negative control: with room for the ZeRO-2
+    variant, the ZeRO-3 variant is never offered, so the tables (and plans) are those made without it."""
+    graph, blocks, layers, training = _setup(SMALL_UNITS)
+    mesh_only = [o for o in StageCosts({16: graph}, layers, blocks, autopar.Cluster.local(4), training, {}, 60.0)
+                 .options if o.logical == (1, 4) and o.physical == (1, 4)]
+
+    def costs_at(memory):
+        c = StageCosts({16: graph}, layers, blocks, autopar.Cluster.local(4, memory_per_device=memory), training,
+                       batch_dims(graph), 60.0)
+        c.options = mesh_only
+        return c
+
+    probe = costs_at(1.0)  # every option pressed: all variants priced
+    offered, held = probe.costs(0), probe.held[0]
+    assert len(held) == 1 and held[0].last_resort and not any(c.last_resort for c in offered)
+    budget = (_whole(held[0]) + min(_whole(c) for c in offered)) / 2
+    assert _whole(held[0]) < budget
+
+    tight = costs_at(budget)
+    assert not np.isfinite(tight.table(16, 1, 1)[0, layers.count - 1, 0, 0]), "nothing fits without ZeRO-3"
+    assert tight.offer_zero3() and not tight.offer_zero3(), "offered once"
+    assert np.isfinite(tight.table(16, 1, 1)[0, layers.count - 1, 0, 0])
+    assert tight.costs(0)[tight.picks[1][0, 0, layers.count - 1, 0, 0]].last_resort, "through the ZeRO-3 variant"
+    chosen = choose_stages(costs_at(budget), 16, [1], "1f1b", None)
+    assert [(s.first, s.last) for s in chosen.stages] == [(0, layers.count - 1)]
+
+    roomy = costs_at(max(_whole(c) for c in offered) * 1.01)
+    choose_stages(roomy, 16, [1], "1f1b", None)
+    assert not roomy.zero3_offered and all(not c.last_resort for c in roomy.costs(0))

@@ -74,6 +74,22 @@ def test_the_mist_report_scores_both_grids_against_the_goals(tiny_mist_rows, tmp
     assert (tmp_path / "vs_megatron_mist.png").exists()
 
 
+def test_a_replanned_autopar_side_replaces_only_the_current_sweeps(tiny_mist_rows, tmp_path, monkeypatch):
+    """``mist_report``: autopar's re-planned side goes into the rows of the sweeps scored under the same cost
+    model (``current``) and no other, so both sides of every row stay priced alike."""
+    monkeypatch.setattr(vs_megatron_report, "RESULTS", str(tmp_path))
+    row = dict(tiny_mist_rows["full"], point="mist:tiny:2:l4")
+    (tmp_path / "vs_megatron_old.json").write_text(json.dumps([row]))
+    (tmp_path / "vs_megatron_new.json").write_text(json.dumps([row]))
+    replanned = {"mist:tiny:2:l4": {"point": "mist:tiny:2:l4", "auto_step": row["auto_step"] / 2,
+                                    "auto_plan": "re-planned", "replanned": "# re-planned"}}
+    current = mist_report.merged(("new",), ("new",), replanned)["mist:tiny:2:l4"]
+    assert current["auto_step"] == row["auto_step"] / 2 and current["auto_plan"] == "re-planned"
+    assert current["hand_step"] == row["hand_step"], "the hand side is the sweep's own"
+    stale = mist_report.merged(("old",), ("new",), replanned)["mist:tiny:2:l4"]
+    assert stale["auto_step"] == row["auto_step"], "negative control: a sweep of another cost model keeps its own"
+
+
 # ---- long context ----------------------------------------------------------------------------------------
 
 def _plan(kind: str, dp: int, m: int, family_model: str = "llama-small"):

@@ -37,8 +37,9 @@ CASES = [
     ("gpt", "dp", "fp32", 3, "gather"),
     ("zoo_llama", "dp", "fp32", 3, "gather"), ("zoo_llama", "pp", "fp32", 3, "gather"),
     ("gpt", "dp", "fp32", 3, "prefetch"), ("zoo_llama", "pp", "fp32", 3, "prefetch"),
+    ("gpt", "dp", "fp32", "auto", None),  # level 3 chosen by the planner
 ]
-PARITY = [c for c in CASES if c[2] == "fp32" and not c[4]]
+PARITY = [c for c in CASES if c[2] == "fp32" and not c[4] and c[3] != "auto"]
 MIXED = [c for c in CASES if c[2] != "fp32"]
 NEGATIVE = [c for c in CASES if c[4]]
 
@@ -61,6 +62,19 @@ def test_fp32_zero_levels_match_single_device(results, case):
         assert r["param_err"]["fp32"] <= 1e-4, r
         assert r["zero"] == ([case[3]] if case[3] else []), "the plan must record the forced level"
     assert len({round(p[case]["loss"], 12) for p in results}) == 1
+
+
+@pytest.mark.distributed
+def test_zero3_chosen_by_the_planner_matches_single_device(results):
+    """zero="auto" under a budget only ZeRO-3 meets (``precision_cases.zero3_budget``): the plan puts
+    parameters at level 3 by its own choice and trains like one device. The runtime path is the one of
+    ("gpt", "dp", "fp32", 3), whose negative control ("gpt", "dp", "fp32", 3, "gather": every unit all-gather
+    fills only this rank's shard) breaks parity in ``test_broken_bucket_sync_breaks_parity`` (run with this
+    case's own plan too, it broke it: parameter error 2.2 against 1e-6; left out to spare the suite's time)."""
+    for per_rank in results:
+        r = per_rank[("gpt", "dp", "fp32", "auto", None)]
+        assert 3 in r["zero"], f"the planner did not choose ZeRO-3: {r['zero']}"
+        assert r["loss_err"]["fp32"] <= 1e-5 and r["param_err"]["fp32"] <= 1e-4, r
 
 
 @pytest.mark.distributed

@@ -72,9 +72,8 @@ def capture_once(model, batch, precision: str = "fp32") -> tuple:
     """(graph at the global batch, recapture(B) at one of B microbatches, each B captured once), with
     ``precision``'s dtypes propagated as ``autopar.plan`` does (so both sides are priced alike).
 
-    The driver re-captures at a plan's B whenever ``batch_dims.rescale_is_exact`` is False (Alpa's GPT
-    suite: its global batch, 1024, equals its sequence length, and the walk takes the position ids'
-    ``arange(1024)`` for a batch source); uncached, captures were 80 % of a grid's time."""
+    The driver re-captures at a plan's B whenever ``batch_dims.rescale_is_exact`` is False (a size the
+    walk cannot follow); uncached, such captures were 80 % of a grid's time."""
     from autopar.ir.precision import apply_to_graph, resolve
     from autopar.passes.capture import capture
 

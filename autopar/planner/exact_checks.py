@@ -93,6 +93,8 @@ def or_even_split(plan: Plan, choice: StageChoice, layers, blocks, options,
     user fixed the stages or asked for interleaving, or where ``even_choice`` finds nothing else to try."""
     if isinstance(options.stages, (list, tuple)) or options.schedule == "interleaved":
         return plan
+    if choice.virtual > 1 and even_block_stages(layers, blocks, len(choice.stages)) == _ranges(choice):
+        return plan  # interleaved chunks that split the blocks evenly: Megatron's interleaved layout already
     pp = len(choice.stages) // choice.virtual
     even = even_choice(dataclasses.replace(choice, microbatches=plan.microbatches),
                        even_block_stages(layers, blocks, pp), dp_schedule(options.schedule))
@@ -110,10 +112,14 @@ def even_choice(choice: StageChoice, ranges: list[tuple[int, int]] | None, sched
     try: no ranges, stages on different mesh options (no one mesh to split over), or the choice's stages are
     those ranges."""
     options = {s.option for s in choice.stages}
-    if not ranges or len(options) != 1 or [(s.first, s.last) for s in choice.stages] == ranges:
+    if not ranges or len(options) != 1 or _ranges(choice) == ranges:
         return None
     live = inflight(schedule, len(ranges), choice.microbatches)
     option = options.pop()
     offloads = lambda k: any(s.offload for s in choice.stages if s.first <= k <= s.last)  # noqa: E731
     return dataclasses.replace(choice, virtual=1, notes={}, stages=[
         ChosenStage(k, i, option, live[j], offload=offloads(k)) for j, (k, i) in enumerate(ranges)])
+
+
+def _ranges(choice: StageChoice) -> list[tuple[int, int]]:
+    return [(s.first, s.last) for s in choice.stages]

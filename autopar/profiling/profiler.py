@@ -221,6 +221,9 @@ def _matmul_ladder(dtype: torch.dtype, settings: ProfileSettings, bar, probe: Pr
         if predicted <= settings.max_matmul_call_s:
             try:
                 warm = warm_up(lambda: torch.mm(a, b, out=c), settings.warmup, probe)
+                # the fastest of three single calls: one call the scheduler held back on a busy machine
+                # would stop the ladder at a size whose calls are in fact quick
+                warm = min(warm, *(probe.window_seconds(lambda: torch.mm(a, b, out=c), 1) for _ in range(2)))
             except RuntimeError:  # this build has no kernel for the dtype: leave it out
                 pass
         slowest = slowest_rank(warm, probe)

@@ -73,7 +73,7 @@ from autopar.profiling.fidelity import (  # noqa: E402
     sign_balance,
     spearman,
 )
-from autopar.profiling.profiler_training import TinyBlock, end_to_end_factor, probe_shape  # noqa: E402
+from autopar.profiling.probe_step import TinyBlock, end_to_end_factor, probe_shape  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS_BY_WORLD, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 

@@ -9,7 +9,7 @@ same reference mm (``autopar.profiling.probes.SpeedReference``), so the comparis
 jobs do to the machine's speed. From those figures (the cluster file gives the rest: memory bandwidth) the
 cost model prices both graphs and each gets its end-to-end factor
 
-    s_x = (measured_x − Σ host time) / Σ roofline time          (``profiler_training.end_to_end_factor``)
+    s_x = (measured_x − Σ host time) / Σ roofline time          (``probe_step.end_to_end_factor``)
 
 The profiler applies s_probe to every model; s_probe / s_gpt − 1 is then the error it leaves in the GPT's
 predicted compute. Printed per cycle (each cycle re-measures everything).
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import autopar  # noqa: E402
+from autopar.profiling import probe_step  # noqa: E402
 from autopar.profiling import profiler_training as pt  # noqa: E402
 from autopar.profiling.probes import SpeedReference  # noqa: E402
 from autopar.profiling.profiler_device import ProbeDevice  # noqa: E402
@@ -45,9 +46,9 @@ def _rank(rank: int, world: int, cycles: int) -> list[dict]:
         return reference.ratio(call, SETTINGS, window_s)
 
     mats = {s: [torch.randn(s, s) for _ in range(3)] for s in SIDES}
-    tiny, tiny_x = pt.TinyBlock(), torch.randn(4, 8)
-    shape = pt.probe_shape("cpu")
-    block, x = pt.TinyBlock(shape.width), torch.randn(shape.tokens, shape.width)
+    tiny, tiny_x = probe_step.TinyBlock(), torch.randn(4, 8)
+    shape = probe_step.probe_shape("cpu")
+    block, x = probe_step.TinyBlock(shape.width), torch.randn(shape.tokens, shape.width)
     model, (idx, targets) = make_gpt(CONFIG, batch_size=BATCH // world)
     out = []
     for _ in range(cycles):
@@ -78,7 +79,7 @@ def _graph_sums(cluster, model, inputs) -> tuple[float, float]:
     for node in graph.gm.graph.nodes:
         if node.op == "call_function":
             view, grad = OpView(node), node.name in needs
-            whole = pt._Whole(tuple((R,) * len(getattr(v, "shape", ())) for v in view.in_vals), (R,) * 2)
+            whole = probe_step._Whole(tuple((R,) * len(getattr(v, "shape", ())) for v in view.in_vals), (R,) * 2)
             roofline += compute_time(node, whole, view.in_vals, view.out_vals, (1, 1), bare, grad)
             host += op_overhead_time(cluster, grad)
     return roofline, host
@@ -89,7 +90,7 @@ def cycle_cluster(base, rows: list[dict]) -> tuple[autopar.Cluster, dict]:
     level = statistics.median(r["level"] for r in rows)
     med = lambda key, i=None: level * statistics.median(r[key] if i is None else r[key][i] for r in rows)  # noqa: E731
     curve = [[2.0 * s**3, 2.0 * s**3 / med("ladder", i)] for i, s in enumerate(SIDES)]
-    overhead = med("tiny_step") / (2 * pt.tiny_block_nodes())
+    overhead = med("tiny_step") / (2 * probe_step.tiny_block_nodes())
     square = dataclasses.replace(base, matmul_curve={"float32": curve}, op_overhead=overhead,
                                  peak_flops={"float32": max(r for _, r in curve)}, matmul_efficiency=1.0)
     shapes = pt.training_shapes(types.SimpleNamespace(kind="cpu"))
@@ -117,7 +118,7 @@ def main(argv=None) -> int:
           f"{tuple(round(v, 2) for v in load)} -> {tuple(round(v, 2) for v in os.getloadavg())}")
     for c in range(args.cycles):
         cluster, fig = cycle_cluster(base, [r[c] for r in per_rank])
-        s_probe = pt.end_to_end_factor(cluster, fig["probe"])
+        s_probe = probe_step.end_to_end_factor(cluster, fig["probe"])
         roofline, host = _graph_sums(cluster, model, inputs)
         s_gpt = (fig["gpt"] - host) / roofline
         print(f"cycle {c + 1}: fp32 mm 256³ {fig['rate256'] / 1e9:.1f} GFLOP/s, training-matmul factor "

@@ -24,9 +24,9 @@ checkpointing (recompute="full") and FSDP (zero=3: every weight sharded over the
 torchtitan combines FSDP × TP × CP on a 3-D mesh; autopar's meshes are 2-D, so the grid holds the one- and
 two-axis combinations (an honest subset). Activations not pinned are placed by the same ILP. The table says
 which layouts fit, which fit without CP, and compares the fastest that fits with ``autopar.plan`` (default
-options: the search includes CP, recompute and offload="none"; where they find no plan, again with zero=3, and
-the table says so; global batch = the best hand layout's dp, or gpus / 8 where none fits). Every point is
-written to benchmarks/results/NAME.{md,json} when done. Asserts nothing about time.
+options: the search includes CP, recompute, ZeRO levels 0-3 and offload="none"; where they find no plan, again
+with zero=3, and the table says so; global batch = the best hand layout's dp, or gpus / 8 where none fits). Every
+point is written to benchmarks/results/NAME.{md,json} when done. Asserts nothing about time.
 """
 from __future__ import annotations
 
@@ -57,8 +57,8 @@ DEFAULT_POINTS = ["32768:8", "131072:8", "32768:64", "131072:64"]
 INPUTS = {"llama": ("input_ids", "labels"), "llama-causal": ("input_ids", "labels"), "gpt": ("idx", "targets")}
 CAUSAL_SDPA = "sdpa_is_causal"  # the HF attention implementation "llama-causal" models run (``register_causal_sdpa``)
 WIDTHS = (2, 4, 8)
-# autopar's side: default options, then, only where they find no plan, FSDP's weight sharding offered by hand
-# (zero="auto" chooses level 0 or 2 per parameter; level 3 is an option the user gives, as the hand grid does).
+# autopar's side: default options (zero="auto" chooses ZeRO level 0, 2 or 3 per parameter group), then, only where
+# they find no plan, every weight at ZeRO-3 as the hand grid has it (the table says when that was needed).
 AUTOPAR_OPTIONS = ({}, {"zero": 3})
 
 

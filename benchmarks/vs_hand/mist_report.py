@@ -3,6 +3,7 @@
     python benchmarks/vs_hand/vs_megatron.py --simulate --suite mist --grid mist   # -> vs_megatron_mist_mist.json
     python benchmarks/vs_hand/vs_megatron.py --simulate --suite mist --grid full   # -> vs_megatron_mist_full.json
     python benchmarks/vs_hand/mist_report.py       # -> benchmarks/results/vs_megatron_mist.{md,png}
+    python benchmarks/vs_hand/mist_report.py --replan [--points P ...]   # autopar's side again, this tree
 
 Reads the two sweeps' saved rows (the same points, the same autopar plan on both: ``autopar.plan`` with default
 options and ``offload="auto"``) and scores each point as a throughput ratio autopar / best hand layout that fits
@@ -12,6 +13,11 @@ options and ``offload="auto"``) and scores each point as a throughput ratio auto
   * against the full grid (``megatron_grid``; sequence parallelism through the ILP's placement of activations):
     min >= 1.00 and geometric mean >= 1.10 over the points where memory binds (``HandSearch.memory_binds``).
 A point missing from either sweep, or where one side has no plan, is listed and left out of the means.
+
+The hand grids are scored with manual stages, fixed microbatches and pins, which a change to the planner's
+own search does not reach; ``--replan`` plans autopar's side of every point once on this tree (each point's
+plan is the same against both grids) into ``vs_megatron_mist_autopar.json``, kept per point (``--points``
+replans some) and, where present, used for both grids instead of the sweeps' own autopar columns.
 """
 from __future__ import annotations
 
@@ -40,6 +46,38 @@ def load(*names: str) -> dict[str, dict]:
             with open(path) as f:
                 rows.update({r["point"]: r for r in json.load(f)})
     return rows
+
+
+AUTOPAR = "mist_autopar"
+
+
+def replan(points: list[str] | None, time_limit: float = 300.0) -> None:
+    """Plan autopar's side of ``points`` (default: every point of the saved sweeps) on this tree, as the sweeps
+    did (bf16, ``offload="auto"``, ILP time limit ``time_limit``), each written to ``AUTOPAR`` when done."""
+    import autopar
+    from benchmarks.vs_hand import vs_megatron
+
+    saved = load(AUTOPAR)
+    todo = points or sorted(set(load("mist_mist", *FULL_SWEEPS)) | set(saved), key=point_order)
+    options = {"time_limit": time_limit, "offload": "auto"}
+    for point in todo:
+        family, name, gpus, preset = point.split(":")
+        work = vs_megatron.build_workload(family, name, "bf16", preset, int(gpus))
+        step, plan, seconds = vs_megatron.plan_autopar(work, autopar.Cluster.preset(preset, gpus=int(gpus)), "bf16",
+                                                       options)
+        saved[point] = {"point": point, "auto_step": step, "auto_plan": plan, "plan_s": seconds,
+                        "autopar_options": options, "replanned": report.machine_line("re-planned")}
+        print(f"{point}: {step} s, {plan} ({seconds:.0f} s)", flush=True)
+        report.write_results(AUTOPAR, "\n".join(f"{p}: {r['auto_step']} s, {r['auto_plan']}" for p, r in
+                                                 saved.items()), sorted(saved.values(), key=lambda r: point_order(
+                                                     r["point"])))
+
+
+def with_replanned(rows: dict[str, dict], replanned: dict[str, dict]) -> dict[str, dict]:
+    """The sweep's rows with autopar's side (step, plan, options) taken from ``replanned`` where it has the point."""
+    keys = ("auto_step", "auto_plan", "autopar_options", "replanned")
+    return {p: {**r, **{k: replanned[p][k] for k in keys if k in replanned[p]}} if p in replanned else r
+            for p, r in rows.items()}
 
 
 def compact(plan: str) -> str:
@@ -133,10 +171,32 @@ def chart(s: dict) -> str:
     return report._save(fig, plt, "mist")
 
 
-def render(mist_names: tuple = ("mist_mist",), full_names: tuple = ("mist_full",)) -> str:
-    mist, full = load(*mist_names), load(*full_names)
+FULL_SWEEPS = ("mist_full", "mist_full_b", "mist_full_c", "mist_full_d", "mist_full_e", "mist_full_f")
+
+
+CURRENT = ("mist_full_d", "mist_full_e", "mist_full_f")  # hand grids scored under today's cost model
+
+
+def merged(names: tuple, current: tuple, replanned: dict[str, dict]) -> dict[str, dict]:
+    """The sweeps' rows (a later name's point replacing an earlier's), autopar's side re-planned (``replanned``)
+    only in the ``current`` sweeps: those whose hand grids this tree's cost model scored the same, so the two
+    sides of a row stay priced alike."""
+    rows = {}
+    for name in names:
+        found = load(name)
+        rows.update(with_replanned(found, replanned) if name in current else found)
+    return rows
+
+
+def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, current: tuple = CURRENT) -> str:
+    replanned = load(AUTOPAR)
+    mist, full = merged(mist_names, current, replanned), merged(full_names, current, replanned)
     s = scores(mist, full)
-    files = ", ".join(f"vs_megatron_{n}.json" for n in mist_names + full_names)
+    present = _present(mist_names + full_names)
+    files = ", ".join(f"vs_megatron_{n}.json" for n in mist_names + full_names if n in present)
+    if replanned:
+        files += (f"; autopar's side of the rows of {', '.join(n for n in current if n in present)} re-planned on "
+                  f"one tree: vs_megatron_{AUTOPAR}.json ({next(iter(replanned.values()))['replanned'].lstrip('# ')})")
     headers = [r.get("autopar_options") for r in list(mist.values()) + list(full.values())][:1]
     text = "\n\n".join([report.machine_line("autopar on Mist's points (Zhu et al., EuroSys'25), simulated: "
                                             "both hand grids; rendered from the two sweeps' JSON"),
@@ -151,14 +211,25 @@ def render(mist_names: tuple = ("mist_mist",), full_names: tuple = ("mist_full",
     return path
 
 
+def _present(names: tuple) -> set[str]:
+    return {n for n in names if os.path.exists(os.path.join(report.RESULTS, f"vs_megatron_{n}.json"))}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mist", nargs="+", default=["mist_mist"], help="NAMEs of vs_megatron_NAME.json: Mist's "
                         "baseline sweeps")
-    parser.add_argument("--full", nargs="+", default=["mist_full"], help="NAMEs of vs_megatron_NAME.json: the "
-                        "full-grid sweeps")
+    parser.add_argument("--full", nargs="+", default=list(FULL_SWEEPS), help="NAMEs of vs_megatron_NAME.json: "
+                        "the full-grid sweeps (a later one's point replaces an earlier's)")
+    parser.add_argument("--current", nargs="*", default=list(CURRENT), help="NAMEs of the sweeps whose hand grids "
+                        "were scored under this tree's cost model: only their rows take the re-planned autopar side")
+    parser.add_argument("--replan", action="store_true", help="plan autopar's side again on this tree first "
+                        f"(vs_megatron_{AUTOPAR}.json)")
+    parser.add_argument("--points", nargs="+", help="--replan: only these FAMILY:NAME:GPUS:PRESET points")
     args = parser.parse_args(argv)
-    render(tuple(args.mist), tuple(args.full))
+    if args.replan:
+        replan(args.points)
+    render(tuple(args.mist), tuple(args.full), tuple(args.current))
     return 0
 
 
