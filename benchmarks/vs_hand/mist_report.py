@@ -137,10 +137,15 @@ def rows(mist: dict, full: dict, s: dict) -> list[list]:
         fmt = lambda r: f"{r:.3f}" if r is not None else "n/a"  # noqa: E731
         ceiling = f"{f['ceiling']:.3f}" if f.get("ceiling") is not None else "n/a"
         out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, compact((f or m).get("auto_plan", "n/a")),
-                    m.get("hand", "not run"),
-                    fmt(s["mist"][p]), f.get("hand", "not run"), fmt(s["full"][p]),
+                    m.get("hand", "not run") + _older(m),
+                    fmt(s["mist"][p]), f.get("hand", "not run") + _older(f), fmt(s["full"][p]),
                     "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
     return out
+
+
+def _older(row: dict) -> str:
+    """' *' on a row of a sweep outside ``current`` (scored by an older tree, both sides alike)."""
+    return " *" if row and not row.get("current", True) else ""
 
 
 def summary(s: dict) -> str:
@@ -184,7 +189,8 @@ def merged(names: tuple, current: tuple, replanned: dict[str, dict]) -> dict[str
     rows = {}
     for name in names:
         found = load(name)
-        rows.update(with_replanned(found, replanned) if name in current else found)
+        tagged = {p: {**r, "current": name in current} for p, r in found.items()}
+        rows.update(with_replanned(tagged, replanned) if name in current else tagged)
     return rows
 
 
@@ -203,7 +209,8 @@ def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, 
                         report.markdown_table(HEADERS, rows(mist, full, s)), summary(s),
                         f"autopar options: {headers[0] if headers else 'n/a'}. Rows: {files} (every scored hand "
                         "config). Ceiling: best full-grid layout that fits / fastest full-grid layout with memory "
-                        "ignored."])
+                        "ignored. * a row of a sweep outside --current: scored by an older tree (its two sides "
+                        "priced alike by that tree's cost model, not by this one's)."])
     path = report.write_results("mist", text)
     if s["points"]:
         chart(s)
