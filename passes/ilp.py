@@ -17,7 +17,9 @@ import numpy as np
 from autopar.errors import InfeasibleError, budget_unit_hint
 from autopar.ir.units import fmt_bytes
 from autopar.passes import ilp_highs, ilp_pulp
-from autopar.passes.ilp_model import min_memory_model, sharding_model
+from autopar.passes.ilp_model import memory_unit, min_memory_model, sharding_model
+
+PROVEN_MARGIN = 1e-6  # above HiGHS's feasibility tolerance on the budget row (scaled to 1): a sure overrun
 
 
 @dataclasses.dataclass
@@ -125,6 +127,18 @@ def min_memory(problem: IlpProblem, time_limit: float = 30.0, which: str = "auto
         return sum(float(m.min()) for m in problem.mem)
     model = min_memory_model(problem)
     return memory_of(problem, model.choice(_solve(model, time_limit, which)[1]))
+
+
+def raise_if_proven_over_budget(problem: IlpProblem, time_limit: float = 30.0) -> None:
+    """The InfeasibleError ``solve_ilp`` would raise (naming ``min_memory``'s floor), without its full
+    solve, when the least-memory ILP proves that no choice fits the budget: its dual bound, a lower bound
+    of every choice's memory, is above it. Returns when not proven (no budget, or no HiGHS)."""
+    if problem.budget is None or problem.peak is None or backend() != "highs":
+        return
+    model = min_memory_model(problem)
+    _, values, bound = ilp_highs.solve_bounded(model, time_limit)
+    if values is not None and bound * memory_unit(problem, None) > problem.budget * (1 + PROVEN_MARGIN):
+        raise InfeasibleError(_infeasible_message(problem.budget, memory_of(problem, model.choice(values))))
 
 
 def _infeasible_message(budget: float, floor: float) -> str:

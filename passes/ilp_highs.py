@@ -40,8 +40,15 @@ def solve(model: SparseModel, time_limit: float, presolve: bool = True) -> tuple
     is integral or nearly), where presolve is most of the time: without it a solve takes about half as long
     and returns a solution within the same ``MIP_GAP``, though not always the same one among near-equal
     layouts. The stage DP's pricing solves use it (``inter_op``); exact solves keep presolve."""
+    status, values, _ = solve_bounded(model, time_limit, presolve)
+    return status, values
+
+
+def solve_bounded(model: SparseModel, time_limit: float,
+                  presolve: bool = True) -> tuple[str, np.ndarray | None, float]:
+    """``solve``, and a proven lower bound of the objective (HiGHS's MIP dual bound; -inf when none)."""
     if not model.n_cols:  # every class has one strategy: nothing to decide
-        return "Optimal", np.zeros(0)
+        return "Optimal", np.zeros(0), model.offset
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
@@ -51,8 +58,10 @@ def solve(model: SparseModel, time_limit: float, presolve: bool = True) -> tuple
     h.passModel(_highs_lp(model))
     h.run()
     status = h.getModelStatus()
-    values = np.asarray(h.getSolution().col_value) if h.getInfo().primal_solution_status else None
-    return h.modelStatusToString(status), values
+    info = h.getInfo()
+    values = np.asarray(h.getSolution().col_value) if info.primal_solution_status else None
+    bound = info.mip_dual_bound if status == highspy.HighsModelStatus.kOptimal else -np.inf
+    return h.modelStatusToString(status), values, float(bound)
 
 
 def _highs_lp(model: SparseModel):

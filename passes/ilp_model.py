@@ -203,7 +203,7 @@ def memory_rows(builder: ModelBuilder, problem, x: list, budget: float | None, o
     """The T column, the transient rows (T ≥ p_c·x_c), the U column and its rows where the problem has units,
     and, given a budget, the memory row. T, U and the state Σ m_c·x_c enter the objective with
     ``objective_weight`` (the least-memory model)."""
-    unit = budget or max(float(max(m.max() for m in problem.mem)), 1.0)
+    unit = memory_unit(problem, budget)
     peak = builder.columns([objective_weight], 0.0, np.inf, False)[0]
     fixed = 0.0
     cols, vals = [peak], [1.0]
@@ -233,6 +233,11 @@ def memory_rows(builder: ModelBuilder, problem, x: list, budget: float | None, o
     if objective_weight:
         builder.add_cost(cols[1:], [objective_weight * v for v in vals[1:]])
         builder.offset += objective_weight * fixed
+
+
+def memory_unit(problem, budget: float | None) -> float:
+    """Bytes per unit of the memory columns and rows (the budget, else the largest state entry)."""
+    return budget or max(float(max(m.max() for m in problem.mem)), 1.0)
 
 
 def replay_rows(builder: ModelBuilder, problem, x: list, unit: float, objective_weight: float) -> list:

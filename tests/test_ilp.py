@@ -3,7 +3,15 @@ import numpy as np
 import pytest
 
 from autopar.errors import InfeasibleError
-from autopar.passes.ilp import IlpProblem, backend, evaluate, memory_of, min_memory, solve_ilp
+from autopar.passes.ilp import (
+    IlpProblem,
+    backend,
+    evaluate,
+    memory_of,
+    min_memory,
+    raise_if_proven_over_budget,
+    solve_ilp,
+)
 
 
 def random_problem(rng, classes=6, budget=None):
@@ -52,6 +60,29 @@ def test_infeasible_budget_names_the_floor():
     problem.budget = 0.9 * floor
     with pytest.raises(InfeasibleError, match="smallest plan needs"):
         solve_ilp(problem, 30)
+
+
+@pytest.mark.skipif(backend() != "highs", reason="the proof is HiGHS's dual bound")
+@pytest.mark.parametrize("seed", range(4))
+def test_a_budget_proven_too_small_raises_what_the_full_solve_raises(seed):
+    """The skip before a full solve (the least-memory ILP's dual bound above the budget) raises the very
+    error solve_ilp raises, and never where a choice fits: at the floor itself it returns and the solve
+    finds a plan (the negative control); with recompute's replay rows too."""
+    rng = np.random.default_rng(200 + seed)
+    problem = random_problem(rng)
+    if seed % 2:
+        problem.replay = [[rng.uniform(-1, 3, len(c)) * 2**30 if rng.random() < 0.6 else None
+                           for c in problem.cost] for _ in range(2)]
+    floor = min_memory(problem)
+    problem.budget = 0.99 * floor
+    with pytest.raises(InfeasibleError) as full:
+        solve_ilp(problem, 30)
+    with pytest.raises(InfeasibleError) as early:
+        raise_if_proven_over_budget(problem)
+    assert str(early.value) == str(full.value)
+    problem.budget = floor
+    raise_if_proven_over_budget(problem)
+    assert memory_of(problem, solve_ilp(problem, 30).choice) <= floor * (1 + 1e-9)
 
 
 def _with_more_memory(problem, factor):

@@ -31,7 +31,7 @@ from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
-from autopar.passes.ilp import backend
+from autopar.passes.ilp import backend, raise_if_proven_over_budget
 from autopar.passes.ilp_reuse import solve_walks
 from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
@@ -295,11 +295,13 @@ def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_n
     if "auto" in modes:  # the "auto" layers all recompute, tried where memory binds without
         attempts.append({**attempts[0], **{n: "full" for n, m in enumerate(modes) if m == "auto"}})
     tried, error = [], None
-    for recompute in attempts:
+    for attempt, recompute in enumerate(attempts):
         env = CostEnv(cluster, mesh, training_spec(graph, options), microbatches=microbatches,
                       recomputed=recomputed_ops(layers, recompute, scaled) if recompute else {})
         try:
             built = build_problem(scaled, strategies, blocks, env, cluster.memory_per_device)
+            if attempt + 1 < len(attempts):  # a recompute attempt follows: skip a solve proven infeasible
+                raise_if_proven_over_budget(built.problem)
             solution = solve_built(built, env, options.time_limit)
         except InfeasibleError as e:
             error = e
