@@ -1,19 +1,20 @@
 """``offload="auto"``: CPU offload of the optimizer chosen per stage by the stage DP, and compared whole.
 
-Offload is a memory lever with a price (``cost_models.offload``): it frees a stage's optimizer state and
-master weights at the cost of host transfers and a host step. Where the planner searches stages
-(``stages`` None or a count above 1), the stage DP prices every candidate stage with and without its
-optimizer on the host (``passes.stage_offload``) beside the other levers (layouts, ZeRO, recompute,
-pipelining), so one search picks offload for the stages whose memory binds and not for the others; each
-offloaded stage is solved exactly with ``TrainingSpec.host_optimizer`` (``stage_training``) and the plan
-records them (``offloaded_stages``). "auto" then compares that plan with the plan that offloads every stage
-(``AUTO_CANDIDATES``) and keeps the faster feasible one, ties to the per-stage plan: the DP prices the host
-step per microbatch (o/B, as it prices the gradient sync) where the step pays the largest one once, and it
-prices offloaded stages from layouts solved with the state on the device, so on Mist's L4 points
-(``benchmarks/vs_hand/offload_per_stage.py``) offloading every stage was predicted 2.5-5 % faster than
-the DP's own choice. Where no stage is searched (``stages=1``, a manual stage list) the two plans are
-without offload and with it on every stage. Either way ``plan.planner["offload"]`` = {"optimizer": [stage
-indices]} names what moves, and ``runtime.offload`` reads it.
+Offload is a memory lever with a price (``cost_models.offload``): it frees a stage's optimizer state and master
+weights at the cost of host transfers and a host step. Where the planner searches stages (``stages`` None or a
+count above 1), the stage DP prices every candidate stage with and without its optimizer on the host
+(``passes.stage_offload``) beside the other levers (layouts, ZeRO, recompute, pipelining), so one search picks
+offload for the stages whose memory binds and not for the others; each offloaded stage is solved exactly with
+``TrainingSpec.host_optimizer`` (``stage_training``) and the plan records them (``offloaded_stages``). "auto"
+then compares that plan with the plan that offloads every stage and, when the DP offloaded some stage, with the
+plan without offload, and keeps the fastest feasible one (``choose_offload``; ties to no offload, then to the
+per-stage plan): the DP prices the host step per microbatch (o/B, as it prices the gradient sync) where the step
+pays the largest one once, and it prices offloaded stages from layouts solved with the state on the device, so
+on Mist's L4 points (``benchmarks/vs_hand/offload_per_stage.py``) offloading every stage was predicted 2.5-5 %
+faster than the DP's own choice, and on GPT-3 15B / 32 A100-40GB the DP offloaded one stage where the exact plan
+without offload is faster (40.5 s vs 42.4 s predicted). Where no stage is searched (``stages=1``, a manual stage
+list) the two plans are without offload and with it on every stage. Either way ``plan.planner["offload"]`` =
+{"optimizer": [stage indices]} names what moves, and ``runtime.offload`` reads it.
 
 The "auto" choice offloads the optimizer only: activation swapping costs 2 × the saved bytes over PCIe
 per microbatch, which recompute (the planner's own lever) usually undercuts; force it with
@@ -30,8 +31,8 @@ from autopar.plan import Plan
 from autopar.planner.options import PlanOptions, offloaded
 
 EVERY_STAGE = {"optimizer": True}
-AUTO_CANDIDATES = {True: (("auto", True), (EVERY_STAGE, False)),      # stages searched: (offload, per stage)
-                   False: (("none", False), (EVERY_STAGE, False))}
+CANDIDATES = {"none": ("none", False), "per stage": ("auto", True), "every stage": (EVERY_STAGE, False)}
+PREFERENCE = tuple(CANDIDATES)  # (offload, per stage) by name; ties go to the earlier
 
 
 def searches_stages(options: PlanOptions) -> bool:
@@ -52,20 +53,31 @@ def offloaded_stages(stages) -> dict:
 
 
 def choose_offload(plan_with: Callable[[PlanOptions, bool], Plan], options: PlanOptions) -> Plan:
-    """The fastest feasible plan over ``AUTO_CANDIDATES`` (the first one's error when none fits);
-    ``plan_with(options, per_stage)`` plans one of them."""
-    best, first_error = None, None
-    for offload, per_stage in AUTO_CANDIDATES[searches_stages(options)]:
-        try:
-            plan = plan_with(dataclasses.replace(options, offload=offload), per_stage)
-        except InfeasibleError as e:
-            first_error = first_error or e
-            continue
-        if best is None or plan.predicted["step_time"] < best.predicted["step_time"] * (1 - 1e-9):
-            best = plan
-    if best is None:
-        raise first_error
-    return best
+    """The fastest feasible candidate plan, ties to the earlier in ``PREFERENCE`` (the first error when none
+    fits); ``plan_with(options, per_stage)`` plans one. Stages searched: the DP's per-stage plan and every
+    stage offloaded, plus the plan without offload when the DP offloaded some stage (its per-stage prices can
+    rank an offloaded stage first where the exact solve prices it slower); otherwise none and every stage."""
+    plans = {}
+    errors = [_plan_into(plans, name, plan_with, options)
+              for name in (("per stage", "every stage") if searches_stages(options) else ("none", "every stage"))]
+    if plans.get("per stage") is not None and "offload" in plans["per stage"].planner:
+        errors.append(_plan_into(plans, "none", plan_with, options))
+    feasible = [(plans[c], c) for c in PREFERENCE if plans.get(c) is not None]
+    if not feasible:
+        raise next(e for e in errors if e is not None)
+    fastest = min(plan.predicted["step_time"] for plan, _ in feasible)
+    return next(plan for plan, _ in feasible if plan.predicted["step_time"] <= fastest * (1 + 1e-9))
+
+
+def _plan_into(plans: dict, name: str, plan_with, options: PlanOptions) -> InfeasibleError | None:
+    """Plans the candidate ``name`` into ``plans`` (None where it does not fit); returns its InfeasibleError."""
+    offload, per_stage = CANDIDATES[name]
+    try:
+        plans[name] = plan_with(dataclasses.replace(options, offload=offload), per_stage)
+    except InfeasibleError as e:
+        plans[name] = None
+        return e
+    return None
 
 
 def record_offload(plan: Plan, options: PlanOptions) -> None:
