@@ -62,11 +62,11 @@ def choose_offload(plan_with: Callable[[PlanOptions, bool], Plan], options: Plan
               for name in (("per stage", "every stage") if searches_stages(options) else ("none", "every stage"))]
     if plans.get("per stage") is not None and "offload" in plans["per stage"].planner:
         errors.append(_plan_into(plans, "none", plan_with, options))
-    feasible = [(plans[c], c) for c in PREFERENCE if plans.get(c) is not None]
+    feasible = [plans[name] for name in PREFERENCE if plans.get(name) is not None]
     if not feasible:
         raise next(e for e in errors if e is not None)
-    fastest = min(plan.predicted["step_time"] for plan, _ in feasible)
-    return next(plan for plan, _ in feasible if plan.predicted["step_time"] <= fastest * (1 + 1e-9))
+    fastest = min(plan.predicted["step_time"] for plan in feasible)
+    return next(plan for plan in feasible if plan.predicted["step_time"] <= fastest * (1 + 1e-9))
 
 
 def _plan_into(plans: dict, name: str, plan_with, options: PlanOptions) -> InfeasibleError | None:
