@@ -35,6 +35,7 @@ from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
+from autopar.passes.strategies.registry import out_of_place_form
 from autopar.placement import R, local_shape
 from autopar.redistribute import grad_partial_axes
 
@@ -52,12 +53,15 @@ _LIGHT = _light_packets()
 
 
 def is_light(node: fx.Node) -> bool:
-    """Views, elementwise ops and casts: cheap ops that follow their producer's layout."""
+    """Views, elementwise ops and casts: cheap ops that follow their producer's layout. An in-place form of
+    one (``div_``, ``mul_``, ...) is light too: it takes its out-of-place form's rule (``strategies.registry``),
+    and where its write could be lost it has the replicated strategy only, which ``build_groups`` never joins."""
     if node.op != "call_function":
         return False
     if is_free_view(node) or node.target is operator.getitem:
         return True
-    return getattr(node.target, "overloadpacket", None) in _LIGHT
+    target = out_of_place_form(node.target) or node.target
+    return getattr(target, "overloadpacket", None) in _LIGHT
 
 
 @dataclasses.dataclass
