@@ -9,10 +9,8 @@ A builder covers one *scope*: the whole graph, or one pipeline stage's nodes. A 
 an earlier stage is a *boundary* group: free to arrive in any even spec (the transfer is priced by the
 inter-op pass). A value a later stage reads pays here for being gathered whole before it is sent.
 
-Truncation (``truncate=blocks``): of a repeated-block class with n ≥ 3 instances in scope only the first
-two are built; instance 1 stands for instances 1..n-1 (``weight`` n-1), readers of later
-instances read the matching node of instance 1, and dropped nodes take instance 1's strategy. Since an
-edge into instance 1 stands for each j-1 -> j crossing, edges take their reader's weight.
+Truncation (``truncate=blocks``, ``block_truncation``): of a repeated-block class with n ≥ 3 instances in
+scope only the first two are built; instance 1 stands for instances 1..n-1 (``weight`` n-1).
 
 Prices per group and leader strategy (seconds per training step, B = env.microbatches):
     cost = B · (op time + activation resharding) + sync,   sync = gradient synchronization of parameters
@@ -33,6 +31,7 @@ from autopar.cost_models.compute import cast_time, compute_time, local_bytes
 from autopar.cost_models.experts import dispatch_seconds, kernel_saved_bytes, with_expert_load
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
+from autopar.passes.block_truncation import truncation
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
 from autopar.passes.strategies.registry import out_of_place_form
@@ -86,33 +85,6 @@ class Group:
         return self.mem_param + self.mem_act
 
 
-def _truncation(graph, blocks, subset: set[str] | None = None) -> tuple[dict[str, str], dict[str, int]]:
-    """(dropped node -> its instance-1 twin, instance-1 node -> how many instances it stands for), over
-    the instances that lie wholly inside ``subset`` (all of them when None); cached per graph and subset."""
-    key = frozenset(subset) if subset is not None else None
-    cache = graph.__dict__.setdefault("_truncations", {})
-    if key in cache:
-        return cache[key]
-    alias, stands_for = {}, {}
-    for all_instances in blocks.instances.values():
-        instances = [inst for inst in all_instances if subset is None or all(n in subset for n in inst)]
-        if len(instances) < 3:
-            continue
-        for pos, name in enumerate(instances[1]):
-            stands_for[name] = len(instances) - 1
-        for inst in instances[2:]:
-            for pos, name in enumerate(inst):
-                alias[name] = instances[1][pos]
-    nodes = {n.name: n for n in graph.gm.graph.nodes}
-    for node in graph.gm.graph.nodes:  # parameters read only by dropped nodes: the twin reader's input
-        if node.op == "placeholder" and node.users and all(u.name in alias for u in node.users):
-            reader = next(iter(node.users))
-            idx = graph.view(reader).tensor_args.index(node)
-            alias[node.name] = graph.view(nodes[alias[reader.name]]).tensor_args[idx].name
-    cache[key] = (alias, stands_for)
-    return cache[key]
-
-
 def recompute_saved(graph, saved: dict[str, float], recomputed: frozenset[str]) -> dict[str, float]:
     """``saved`` where backward recomputes the ops in ``recomputed``: they keep nothing, and the values
     outside the set that they read (a recomputed region's inputs, which checkpoint keeps) keep their output."""
@@ -132,7 +104,7 @@ class GroupBuilder:
                  truncate=None):
         self.graph, self.env, self.subset = graph, env, subset
         self.nodes = {n.name: n for n in graph.gm.graph.nodes}
-        self.alias, self.stands_for = _truncation(graph, truncate, subset) if truncate else ({}, {})
+        self.alias, self.stands_for = truncation(graph, truncate, subset) if truncate else ({}, {})
         view = graph.view
         self.params = {p.name for p in graph.placeholders if p.kind == "parameter"}
         device_type = env.cluster.device_type
