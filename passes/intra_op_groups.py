@@ -97,23 +97,6 @@ def recompute_saved(graph, saved: dict[str, float], recomputed: frozenset[str]) 
     return out
 
 
-def _shared_prices(graph, strategies: dict, env) -> tuple[dict, dict, dict, dict]:
-    """The price caches (op times, edge times, follower picks, op-time orders) for a builder of ``graph``.
-
-    Their keys are structural (signature, strategy index, input specs, gradient flags) and their values
-    depend besides only on what the key names: the strategy lists (the same dict object: the
-    planner keeps one per graph, mesh and pins), the cluster, the mesh and node width (its links), B and the
-    routing. Builders of different scopes of one stage search (every candidate stage on one submesh) share
-    them, so a layer priced for one candidate is not priced again for the next."""
-    key = (id(strategies), id(env.cluster), env.mesh_shape, env.devices_per_node, env.microbatches,
-           env.training.expert_routing)  # the links are a function of the cluster, mesh and node width
-    shared = graph.__dict__.setdefault("_shared_prices", {})
-    hit = shared.get(key)
-    if hit is None or hit[0] is not strategies or hit[1] is not env.cluster:  # ids of objects since freed
-        hit = shared[key] = (strategies, env.cluster, ({}, {}, {}, {}))
-    return hit[2]
-
-
 class GroupBuilder:
     """Builds groups, their prices and the inter-group resharding matrices for one scope and mesh."""
 
@@ -147,10 +130,12 @@ class GroupBuilder:
         self.group_of: dict[str, int] = {}
         self.groups: list[Group] = []
         self.absorbed: dict[str, str] = {}
-        # Caches keyed by structural signatures, so identical layers are priced once, and shared by the
-        # builders of every scope that prices alike (``_shared_prices``).
+        # Caches keyed by structural signatures, so identical layers are priced once.
         self.sig = {n.name: strategy_signature(n) if n.op != "output" else "output" for n in self.order}
-        self._node_time, self._edge_time, self._follow, self._op_time_lists = _shared_prices(graph, strategies, env)
+        self._node_time: dict[tuple, tuple[float, float]] = {}
+        self._edge_time: dict[tuple, tuple[float, float]] = {}
+        self._follow: dict[tuple, int] = {}
+        self._op_time_lists: dict[tuple, tuple[list[float], list[int]]] = {}
 
     def _in(self, node: fx.Node) -> bool:
         if node.name in self.alias:
@@ -323,6 +308,8 @@ class GroupBuilder:
     # ---- prices ----------------------------------------------------------------------------------
     def node_time_k(self, name: str, k: int) -> tuple[float, float]:
         """(seconds per step, of which communication) of the op itself under its k-th strategy."""
+        # a boundary value runs in an earlier stage (0 here) and indexes placeholder strategies, so it never
+        # shares an entry with an interior node of its signature
         key = (self.sig[name], k, name in self.requires_grad, name in self.boundary)
         if key not in self._node_time:
             view = self.views.get(name)

@@ -10,7 +10,7 @@ import autopar
 from autopar.passes.capture import capture
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import GroupBuilder, is_light
-from autopar.passes.strategies import generate_strategies
+from autopar.passes.strategies import generate_strategies, strategy_signature
 
 aten = torch.ops.aten
 MESH = (2, 2)
@@ -94,3 +94,24 @@ def test_in_place_write_through_a_view_stays_a_replicated_group_of_its_own():
     group = b.groups[b.group_of[node.name]]
     assert group.leader == node.name and len(group.pick) == 1
     assert b.group_of[node.name] != b.group_of[node.args[0].name]
+
+
+def test_a_boundary_value_costs_nothing_though_an_interior_twin_was_priced_first():
+    """A stage's input computed by an earlier stage (a boundary value) has no op time here, even after an
+    interior node of the same signature (the next layer's residual add) was priced: they never share an entry."""
+    from tests.models import make_small_gpt
+
+    model, batch = make_small_gpt(n_layer=3)
+    graph = capture(model, batch)
+    mesh = (1, 2)
+    nodes = list(graph.gm.graph.nodes)
+    adds = [n for n in nodes if n.op == "call_function" and str(n.target) == "aten.add.Tensor"]
+    sigs = {}
+    for n in adds:
+        sigs.setdefault(strategy_signature(n), []).append(n)
+    cut, twin = next(pair[:2] for pair in sigs.values() if len(pair) >= 2)
+    subset = {n.name for n in nodes[nodes.index(cut) + 1:] if n.op == "call_function"}
+    b = GroupBuilder(graph, generate_strategies(graph, mesh), CostEnv(autopar.Cluster.local(2), mesh), subset)
+    assert cut.name in b.boundary and twin.name in subset
+    assert b.node_time_k(twin.name, 0)[0] > 0, "control: the interior twin has an op time a shared entry would leak"
+    assert all(b.node_time_k(cut.name, k) == (0.0, 0.0) for k in range(len(b.strategies[cut.name])))
