@@ -67,9 +67,16 @@ def _unit_cluster(world: int, probe) -> Cluster:
     return dataclasses.replace(Cluster.local(world), op_overhead=1.0, **probe.cluster_fields())
 
 
-def measure_pipeline(settings, probe) -> dict | None:
-    """This rank's {"counts": (M₁, M₂), "cpu": {M: median CPU s per step}, "wall": {M: median s per step},
-    "calls": n_r}, or None with one rank. Every rank calls it together."""
+def measure_pipeline(settings, probe, reference=None) -> dict | None:
+    """This rank's {"counts": (M₁, M₂), "cpu": {M: CPU per step}, "calls": n_r, ...}, or None with one rank.
+    Every rank calls it together.
+
+    With ``reference`` (a ``probes.SpeedReference``) on CPU ranks, each count's step is timed the way every
+    compute probe is: windows between reference windows, both in CPU seconds, median ratio, more windows
+    where the ratios spread wide; "cpu" is then in reference units ("units": "reference", turned into
+    seconds at the profile's level by ``profiler_training.training_seconds``), "cpu_raw" the raw CPU seconds
+    and "timings" the ``probes.Timing`` of each count. Without one (GPUs: the reference is device time, not
+    host time), "cpu" and "wall" are median seconds over rounds alternating the two counts."""
     import autopar
 
     world = dist.get_world_size()
@@ -85,6 +92,13 @@ def measure_pipeline(settings, probe) -> dict | None:
                                      compile=False)  # the eager runtime's host time, what it prices
         for _ in range(WARMUP_STEPS):
             modules[m].train_step(x)
+    (stage,) = modules[counts[0]].plan.stages_of_rank(dist.get_rank())
+    out = {"counts": counts, "calls": stage.predicted["latency"]}
+    if reference is not None and probe.kind == "cpu":
+        timings = {m: reference.measure(lambda m=m: modules[m].train_step(x), settings, settings.probe_window_s,
+                                        cpu=True) for m in counts}
+        return dict(out, units="reference", cpu={m: t.ratio for m, t in timings.items()},
+                    cpu_raw={m: t.seconds for m, t in timings.items()}, timings=timings)
     cpu: dict[int, list[float]] = {m: [] for m in counts}
     wall: dict[int, list[float]] = {m: [] for m in counts}
     for _ in range(2 * settings.windows):
@@ -93,9 +107,8 @@ def measure_pipeline(settings, probe) -> dict | None:
             start = time.process_time()
             wall[m].append(probe.window_seconds(lambda m=m: modules[m].train_step(x), ROUND_STEPS) / ROUND_STEPS)
             cpu[m].append((time.process_time() - start) / ROUND_STEPS)
-    (stage,) = modules[counts[0]].plan.stages_of_rank(dist.get_rank())
-    return {"counts": counts, "cpu": {m: statistics.median(t) for m, t in cpu.items()},
-            "wall": {m: statistics.median(t) for m, t in wall.items()}, "calls": stage.predicted["latency"]}
+    return dict(out, cpu={m: statistics.median(t) for m, t in cpu.items()},
+                wall={m: statistics.median(t) for m, t in wall.items()})
 
 
 # ---- in the caller --------------------------------------------------------------------------------
@@ -113,8 +126,12 @@ def microbatch_overhead(cluster: Cluster, per_rank: list[dict]) -> tuple[float, 
     cpu = [_slope(d["cpu"], counts) for d in data]
     ops = [d["calls"] * cluster.op_overhead for d in data]
     c = statistics.median(max(0.0, (s - o) / 2) for s, o in zip(cpu, ops))
-    wall = statistics.median(_slope(d["wall"], counts) for d in data)
+    if "wall" in data[0]:
+        other = f"{statistics.median(_slope(d['wall'], counts) for d in data) * 1e3:.2f} ms of wall clock"
+    else:
+        raw = statistics.median(_slope(d["cpu_raw"], counts) for d in data)
+        other = f"{raw * 1e3:.2f} ms of CPU as timed, before scaling to the reference's level"
     return c, (f"microbatch_overhead {c * 1e6:.0f} µs per (chunk, microbatch) and direction from a "
                f"{len(data)}-stage pipeline at {counts[0]} and {counts[1]} microbatches (per microbatch and "
                f"stage: {statistics.median(cpu) * 1e3:.2f} ms of CPU, {statistics.median(ops) * 1e3:.2f} of it "
-               f"its ops; {wall * 1e3:.2f} ms of wall clock)")
+               f"its ops; {other})")
