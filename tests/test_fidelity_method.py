@@ -191,3 +191,19 @@ def test_relative_spread_is_the_interquartile_range_over_the_median():
 
     assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
     assert relative_spread([2.0, 2.0, 2.0]) == 0.0 and relative_spread([7.0]) == 0.0
+
+
+def test_the_benchmark_prints_the_reference_speed_beside_the_profiles_level():
+    from benchmarks.fidelity.cost_model_fidelity import profile_level, reference_line
+
+    flops = 2.0 * 256**3
+    cluster = dataclasses.replace(Cluster.local(2), source="...; compute probes timed against float32 mm 256³, "
+                                  "their figures at its median speed (80.0 GFLOP/s per rank)")
+    assert profile_level(cluster) == 80.0
+    rounds = [flops / 60e9, flops / 60e9, flops / 40e9]  # seconds per call: two rounds at 60 GFLOP/s, one at 40
+    launches = [[{"reference_mm": rounds}, {"reference_mm": rounds}]]
+    line = reference_line(cluster, launches)
+    assert "60.0 GFLOP/s per rank (rounds 40.0-60.0), 0.750 of the profile's 80.0" in line
+    # a file profiled before the reference existed states no level: said so, not a number made up
+    assert profile_level(Cluster.local(2)) is None
+    assert "the profile states no level" in reference_line(Cluster.local(2), launches)
