@@ -297,6 +297,7 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert 0 < cluster.norm_act_bandwidth < 2 * cluster.memory_bandwidth and "norm/activation" in cluster.source
     # every compute figure was timed against the reference mm and scaled to its median speed
     assert "compute probes timed against float32 mm 256³" in cluster.source
+    assert "its windows ran at" in cluster.source  # how far the machine moved while it was profiled
     # the per-op terms' spreads are recorded, the pipeline's host time among them
     assert "spread (IQR / median" in cluster.source and "op_overhead " in cluster.source.split("spread")[1]
     assert "pipeline M=8" in cluster.source and "before scaling to the reference's level" in cluster.source

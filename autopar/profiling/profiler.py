@@ -187,7 +187,8 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
     mine["matmul"] = {name: [(flops, ratio * level) for flops, ratio in points]
                       for name, points in mine["matmul"].items()}
     mine["training"] = training_seconds(mine["training"], level)
-    mine["reference"] = (reference.side, str(reference.dtype).replace("torch.", ""), level)
+    mine["reference"] = (reference.side, str(reference.dtype).replace("torch.", ""), level,
+                         min(reference.windows), max(reference.windows))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -330,10 +331,15 @@ def _reference_note(per_rank: list[dict]) -> str:
     """The speed every compute figure was scaled to (``probes.SpeedReference``), for the source line."""
     if "reference" not in per_rank[0]:
         return ""
-    side, dtype, _ = per_rank[0]["reference"]
+    side, dtype, *_ = per_rank[0]["reference"]
     level = statistics.median(r["reference"][2] for r in per_rank)
+    rate = lambda seconds: 2.0 * side**3 / seconds / 1e9  # noqa: E731
+    moved = ""
+    if len(per_rank[0]["reference"]) == 5:  # its fastest and slowest window over the profile, over all ranks
+        fastest, slowest = min(r["reference"][3] for r in per_rank), max(r["reference"][4] for r in per_rank)
+        moved = f"; its windows ran at {rate(slowest):.1f}-{rate(fastest):.1f} over the profile"
     return (f"; compute probes timed against {dtype} mm {side}³, their figures at its median speed "
-            f"({2.0 * side**3 / level / 1e9:.1f} GFLOP/s per rank)")
+            f"({rate(level):.1f} GFLOP/s per rank){moved}")
 
 
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:
