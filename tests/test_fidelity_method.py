@@ -207,3 +207,14 @@ def test_the_benchmark_prints_the_reference_speed_beside_the_profiles_level():
     # a file profiled before the reference existed states no level: said so, not a number made up
     assert profile_level(Cluster.local(2)) is None
     assert "the profile states no level" in reference_line(Cluster.local(2), launches)
+
+
+def test_reference_drift_is_the_reference_now_over_the_profiles_level():
+    from benchmarks.fidelity.cost_model_fidelity import reference_drift
+
+    flops = 2.0 * 256**3
+    cluster = dataclasses.replace(Cluster.local(2), source="...; compute probes timed against float32 mm 256³, "
+                                  "their figures at its median speed (80.0 GFLOP/s per rank)")
+    launch = [{"reference_mm": [flops / 64e9, flops / 60e9, flops / 64e9]}, {"reference_mm": [flops / 64e9] * 3}]
+    assert reference_drift(cluster, launch) == pytest.approx(80.0 / 64.0)  # the machine ran 1.25x slower
+    assert reference_drift(Cluster.local(2), launch) is None  # no level stated: no correction made up

@@ -41,8 +41,12 @@ ranks busy), so each launch knows how fast the machine computed while it timed t
 profile's compute_time_scale was measured in: q = the scale that probe gives now / the cluster's. A second
 set of lines re-prices every plan at that speed (``drift_corrected``: its compute scaled by q; communication
 is left as profiled). On a quiet machine q is the probe's own noise (a few per cent); under other jobs' load
-it is what keeps the comparison meaningful. The goal also asks for no single-sign bias: the sign line counts
-plans predicted too slow and too fast.
+it is what keeps the comparison meaningful. Every round also times the profiler's reference mm (fp32 256³):
+its speed is printed beside the profile's level, and a third set of lines re-prices the compute by
+q_ref = its seconds now / at the level (``reference_drift``; the profile scaled every compute figure to that
+level, so this asks whether the model is right at the speed the machine ran the plans at, whatever the
+profile happened to sample). The goal also asks for no single-sign bias: the sign line counts plans
+predicted too slow and too fast.
 
 ``--repeats N`` measures N launches one after another (the plans are compiled afresh in each): the table
 shows each plan's median over launches, and each of the three figures is computed per launch and reported
@@ -264,6 +268,17 @@ def reference_line(cluster, launches: list) -> str:
             f"(rounds {rate(max(per_round)):.1f}-{rate(min(per_round)):.1f}), {versus}")
 
 
+def reference_drift(cluster, measured: list[dict]) -> float | None:
+    """q_ref = the reference mm's seconds during this launch (median over rounds and ranks) / its seconds at the
+    profile's level: the profile scaled every compute figure to that level, so q_ref re-prices the compute at
+    the speed the reference ran at while the plans were timed (None when the file states no level)."""
+    level = profile_level(cluster)
+    if level is None:
+        return None
+    during = statistics.median(x for r in measured for x in r["reference_mm"])
+    return during / (2.0 * REFERENCE_SIDE**3 / (level * 1e9))
+
+
 def drift_corrected(plan, q: float) -> float:
     """The plan's predicted step with its compute priced at the launch's speed: step + (q − 1) · c, c the
     busiest stage's predicted compute (kernels and host overhead, and the extra forward of recomputed layers
@@ -416,10 +431,17 @@ def main(argv=None) -> int:
     print_table(rows, args.split)
     print_figures("as profiled", profiled)
     print_figures("drift-corrected (compute x " + ", ".join(f"{q:.3f}" for q in qs) + " per launch)", corrected)
+    q_ref = [reference_drift(cluster, measured) for measured in launches]
+    by_reference = []
+    if None not in q_ref:
+        by_reference = [summarize(plans, measured, q) for measured, q in zip(launches, q_ref)]
+        print_figures("reference-corrected (compute x " + ", ".join(f"{q:.3f}" for q in q_ref) + " per launch)",
+                      by_reference)
     print_auto_versus_forced(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profiled": profiled, "corrected": corrected, "drift": qs, "cluster": source,
+                       "reference_corrected": by_reference, "reference_drift": q_ref,
                        "load_before": load_before, "load_after": os.getloadavg()}, f, indent=1)
     return 0
 
