@@ -218,3 +218,16 @@ def test_reference_drift_is_the_reference_now_over_the_profiles_level():
     launch = [{"reference_mm": [flops / 64e9, flops / 60e9, flops / 64e9]}, {"reference_mm": [flops / 64e9] * 3}]
     assert reference_drift(cluster, launch) == pytest.approx(80.0 / 64.0)  # the machine ran 1.25x slower
     assert reference_drift(Cluster.local(2), launch) is None  # no level stated: no correction made up
+
+
+def test_step_parts_refuses_a_profile_without_a_reference_level(tmp_path, capsys):
+    from benchmarks.fidelity.step_parts import main
+
+    path = tmp_path / "old.json"
+    Cluster.local(2).to_json(path)  # no "median speed (...)" in its source: nothing to express units in
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path)])
+    assert "states no reference level" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path), "--cycles", "0"])
+    assert "--cycles must be at least 1" in capsys.readouterr().err
