@@ -1,6 +1,6 @@
 r"""Item 5 of the profiler's training conditions: the pipeline runtime's host time per (chunk, microbatch).
 
-    per rank: measure_pipeline(settings, probe) -> raw seconds        (inside the profiler's launch)
+    per rank: measure_pipeline(settings, probe, reference) -> raw figures   (inside the profiler's launch)
     caller:   microbatch_overhead(cluster, per_rank) -> (c seconds, note)
 
 The pipeline runtime (``runtime.pipeline``, ``runtime.interleaved``) runs Python per microbatch of each
@@ -8,9 +8,13 @@ stage beyond the ops of the stage's graph, which ``op_overhead`` prices: it slic
 sends and receives, calls the generated module, and autograd does its bookkeeping. Method, with W >= 2
 ranks: ``autopar.compile`` plans a chain of 2·W tiny linear layers (width 8, so kernels cost ~nothing) as
 W one-device stages under 1F1B, once at M₁ = W and once at M₂ = 4·W microbatches, and every rank times
-``train_step`` of both, alternating in rounds (drift hits both alike), in the CPU seconds its process
-spends (``time.process_time``: its threads' work, gloo's included, not the time it waits for its peers
-or for a core); a point is the median over rounds. Rank r runs one stage, so its slope
+``train_step`` of both in the CPU seconds its process spends (``time.process_time``: its threads' work,
+gloo's included, not the time it waits for its peers or for a core). On CPU ranks each count is timed
+like every compute probe (``probes.SpeedReference.measure`` with cpu=True): windows between reference-mm
+windows, also in CPU seconds, the median ratio, more windows where the ratios spread wide; ratio × the
+profile's level puts cpu(M) in wall seconds at the profile's reference speed, the units op_overhead is
+measured in. On GPUs (whose reference is device time) a point is the median over rounds alternating the
+two counts. Rank r runs one stage, so its slope
 
     s_r = (cpu(M₂) − cpu(M₁)) / (M₂ − M₁) = n_r · op_overhead + 2c
 
@@ -18,9 +22,9 @@ is one forward and one backward of its stage: n_r op calls as the cost model cou
 compiled on a cluster whose op_overhead is 1 s and whose kernels are ~free, so the stage's predicted
 latency is n_r) and the runtime's c in each direction. c = median over ranks of max(0, (s_r − n_r ·
 op_overhead) / 2). Waits are left out on purpose: the schedule replay prices transfers and dependencies,
-and a rank's host work, unlike its waits, does not overlap its compute on a CPU rank. op_overhead itself
-is a wall-clock rate with all ranks busy; on a loaded machine it runs above the CPU rate, and c comes out
-low. One rank has no pipeline: c stays 0 and the cluster's source says so.
+and a rank's host work, unlike its waits, does not overlap its compute on a CPU rank. (Plain CPU seconds
+against op_overhead's wall-clock rate read c low on a loaded machine; scaled to the level, both are in the
+same units.) One rank has no pipeline: c stays 0 and the cluster's source says so.
 
 On GPUs the same probe runs with the device's backend; the process's CPU seconds are the host's work
 (the tiny kernels run while the host is still issuing), and the cost model adds c to the stages' forward
