@@ -12,7 +12,8 @@ rank's compute on the shared cores, cold buffers), alone / priced the profile's 
 Ratios are read under any load; seconds only on an idle machine. In process CPU seconds (gloo's threads and
 the kernel's loopback copies included; other jobs' time slices not): the step's, the same step's with the
 collectives replaced by local copies (``cost_model_fidelity --split``), their difference (the collectives'
-CPU inside the step) and the replay's CPU (theirs alone).
+CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute and optimizer the cost
+model prices for the plan, to set beside the compute-only CPU.
 
 The calls are timed by wrapping torch.distributed's functions and the runtime's module-level references to
 them (as ``cost_model_fidelity --split`` replaces them), on every rank at once, in one ``autopar.launch``.
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
                               args.warmup, args.steps, timeout=900)[0]
     print(f"# collectives in the step vs priced; cluster {args.cluster}; load average {load} -> {os.getloadavg()}")
     print(f"{'plan':8} {'step ms':>8} {'cpu ms':>8} {'in-step':>8} {'last':>8} {'alone':>8} {'priced':>8} "
-          f"{'last/alone':>10} {'alone/pr':>8} {'in/pr':>8} {'comp cpu':>8} {'comm cpu':>8} {'alone cpu':>9}")
+          f"{'last/alone':>10} {'alone/pr':>8} {'in/pr':>8} {'comp cpu':>8} {'pr comp':>8} {'comm cpu':>8} "
+          f"{'alone cpu':>9}")
     for name, m in measured.items():
         p = plans[name].predicted
         priced = float(p["comm"] - p["grad_sync"] + p["grad_sync_exposed"])
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
               f"{m['in_step_last'] * 1e3:8.1f} {m['alone'] * 1e3:8.1f} {priced * 1e3:8.1f} "
               f"{ratio(m['in_step_last'], m['alone']):>10} "
               f"{ratio(m['alone'], priced)} {ratio(m['in_step'], priced)} {m['compute_cpu'] * 1e3:8.1f} "
+              f"{float(p['compute'] + p['optimizer']) * 1e3:8.1f} "
               f"{(m['cpu'] - m['compute_cpu']) * 1e3:8.1f} {m['alone_cpu'] * 1e3:9.1f}")
     return 0
 
