@@ -1,6 +1,6 @@
 """The parity suites' launches: one ``autopar.launch`` per world size runs every case of every selected suite
-(a rank's start-up costs about 4 s of CPU, so the suites share it), each case under its negative control's
-sabotage when it names one (``tests/parity_sabotage.py``).
+(the suites share its process group and imports), each case under its negative control's sabotage when it
+names one (``tests/parity_sabotage.py``).
 
 Every case's result carries ``seconds``, rank 0's wall time for it. With ``AUTOPAR_PARITY_TIMES=FILE`` set,
 ``launch_modules`` appends one line per case (world, seconds, case) to FILE: the budget of the default tier
