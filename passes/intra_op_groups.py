@@ -136,6 +136,10 @@ class GroupBuilder:
         self._edge_time: dict[tuple, tuple[float, float]] = {}
         self._follow: dict[tuple, int] = {}
         self._op_time_lists: dict[tuple, tuple[list[float], list[int]]] = {}
+        # Cache keys hold specs by number (``spec_id``): hashing a spec hashes each of its DTensor Placements
+        # in Python (``Placement.__hash__``), and the price caches are probed millions of times per plan.
+        self._spec_number: dict = {}
+        self._spec_ids: dict[int, tuple[list[Strategy], list[tuple[tuple[int, ...], int]]]] = {}
 
     def _in(self, node: fx.Node) -> bool:
         if node.name in self.alias:
@@ -228,10 +232,12 @@ class GroupBuilder:
         group = self.groups[g]
         view = self.views[node.name]
         for pick in group.pick:
-            srcs = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_in_pick(a.name, pick)
-                         for a in view.tensor_args)
-            key = (self.sig[node.name], srcs, self._grad_flags(node, view))
+            src_ids = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_id_in_pick(a.name, pick)
+                            for a in view.tensor_args)
+            key = (self.sig[node.name], src_ids, self._grad_flags(node, view))
             if key not in self._follow:
+                srcs = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_in_pick(a.name, pick)
+                             for a in view.tensor_args)
                 self._follow[key] = self._cheapest(node, view, srcs)
             pick[node.name] = self._follow[key]
         group.members.append(node.name)
@@ -259,6 +265,31 @@ class GroupBuilder:
         g = self.groups[self.group_of[name]]
         assert len(g.pick) == 1, f"{name} is outside the group and not fixed"
         return self.strategies[name][g.pick[0][name]].out_spec
+
+    def _spec_id_in_pick(self, name: str, pick: dict[str, int]) -> int:
+        """``spec_id`` of ``_spec_in_pick``'s spec, without hashing it."""
+        if name in pick:
+            return self.strategy_spec_ids(name)[pick[name]][1]
+        g = self.groups[self.group_of[name]]
+        assert len(g.pick) == 1, f"{name} is outside the group and not fixed"
+        return self.strategy_spec_ids(name)[g.pick[0][name]][1]
+
+    def spec_id(self, spec) -> int:
+        """A number per distinct spec in this builder: equal specs, equal numbers (price-cache keys use it)."""
+        number = self._spec_number.get(spec)
+        if number is None:
+            number = self._spec_number[spec] = len(self._spec_number)
+        return number
+
+    def strategy_spec_ids(self, name: str) -> list[tuple[tuple[int, ...], int]]:
+        """Per strategy of ``name``: (``spec_id`` of each input spec, of the output spec); numbered once per
+        strategy list (nodes of one signature share theirs)."""
+        strategies = self.strategies[name]
+        hit = self._spec_ids.get(id(strategies))
+        if hit is None:  # the list is kept in the entry, so its id cannot be reused while the entry lives
+            ids = [(tuple(self.spec_id(spec) for spec in s.in_specs), self.spec_id(s.out_spec)) for s in strategies]
+            hit = self._spec_ids[id(strategies)] = (strategies, ids)
+        return hit[1]
 
     def _cheapest(self, node: fx.Node, view: OpView, srcs: tuple) -> int:
         """argmin_k local cost. Fast path: a strategy reading every input as it comes costs only its own
@@ -342,7 +373,11 @@ class GroupBuilder:
 
     def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:
         """``edge_time`` for the node's k-th strategy, cached by structure (signature, input, specs, flags)."""
-        key = (self.sig[node.name], idx, src, k, arg.name in self.requires_grad, node.name in self.requires_grad,
+        return self.edge_time_id(arg, node, idx, src, self.spec_id(src), k)
+
+    def edge_time_id(self, arg: fx.Node, node: fx.Node, idx: int, src, src_id: int, k: int) -> tuple[float, float]:
+        """``edge_time_k`` with the source spec's ``spec_id`` given (the cache key holds the number)."""
+        key = (self.sig[node.name], idx, src_id, k, arg.name in self.requires_grad, node.name in self.requires_grad,
                arg.name in self.params)
         hit = self._edge_time.get(key)
         if hit is None:

@@ -56,7 +56,8 @@ def _input_role(b, g: int, arg) -> tuple:
     if h == g:
         return ("same", group_position(b.groups[g], arg.name), arg.name in b.requires_grad)
     if len(b.groups[h].pick) == 1:
-        return ("fixed", b.sig[arg.name], b._spec_in_pick(arg.name, b.groups[h].pick[0]), arg.name in b.requires_grad)
+        return ("fixed", b.sig[arg.name], b._spec_id_in_pick(arg.name, b.groups[h].pick[0]),
+                arg.name in b.requires_grad)
     return ("other",)
 
 
@@ -91,7 +92,8 @@ def _price_member(b, group, i: int, pick: dict, name: str) -> None:
     for idx, arg in enumerate(view.tensor_args):
         g_arg = b.group_of[arg.name]
         if g_arg == b.group_of[name] or len(b.groups[g_arg].pick) == 1:
-            mb, st = b.edge_time_k(arg, node, idx, b._spec_in_pick(arg.name, pick), pick[name])
+            mb, st = b.edge_time_id(arg, node, idx, b._spec_in_pick(arg.name, pick), b._spec_id_in_pick(arg.name, pick),
+                                    pick[name])
             group.cost[i] += mb + st
             group.comm[i] += mb + st
             group.sync[i] += st
@@ -131,19 +133,21 @@ def edge_matrices(b) -> dict[tuple[int, int], np.ndarray]:
 
 
 def _edge_matrix(b, arg, node, idx, src_picks, dst_picks) -> np.ndarray:
-    """Price each distinct (source layout, read layout + gradient axes) pair once, then broadcast."""
-    src_specs = [b.strategies[arg.name][ku].out_spec for ku in src_picks]
-    strategies = b.strategies[node.name]
-    reads = [(strategies[kv].in_specs[idx], grad_partial_axes(strategies[kv].in_specs[idx], strategies[kv].out_spec))
+    """Price each distinct (source layout, read layout + gradient axes) pair once, then broadcast. Layouts
+    are compared by ``spec_id`` (equal numbers, equal specs), never hashed here."""
+    src_ids = [b.strategy_spec_ids(arg.name)[ku][1] for ku in src_picks]
+    src_spec = {sid: b.strategies[arg.name][ku].out_spec for sid, ku in zip(src_ids, src_picks)}
+    strategies, read_ids = b.strategies[node.name], b.strategy_spec_ids(node.name)
+    reads = [(read_ids[kv][0][idx], grad_partial_axes(strategies[kv].in_specs[idx], strategies[kv].out_spec))
              for kv in dst_picks]
     first_k: dict = {}
     for kv, read in zip(dst_picks, reads):
         first_k.setdefault(read, kv)
     rows = {}
-    for spec in dict.fromkeys(src_specs):
-        price = {read: sum(b.edge_time_k(arg, node, idx, spec, kv)) for read, kv in first_k.items()}
-        rows[spec] = np.array([price[read] for read in reads])
-    return np.stack([rows[spec] for spec in src_specs])
+    for sid in dict.fromkeys(src_ids):
+        price = {read: sum(b.edge_time_id(arg, node, idx, src_spec[sid], sid, kv)) for read, kv in first_k.items()}
+        rows[sid] = np.array([price[read] for read in reads])
+    return np.stack([rows[sid] for sid in src_ids])
 
 
 def shared_sync_rebates(b) -> dict[tuple[int, int], np.ndarray]:
@@ -172,11 +176,15 @@ def shared_sync_rebates(b) -> dict[tuple[int, int], np.ndarray]:
 def _rebate_matrix(b, u, c1, c2, g1, g2) -> np.ndarray | None:
     """[i, j] = minus one all-reduce where c1's i-th and c2's j-th strategy read u alike (same spec, same
     Partial-gradient axes, not none). Read keys are numbered once, so the pairs compare as integers."""
-    keys = []
+    keys, spec_of = [], {}  # reads keyed by ``spec_id``; spec_of: the spec of each number
     for c, g in ((c1, g1), (c2, g2)):
         idx = b.views[c.name].tensor_args.index(u)
-        strat_of = [b.strategies[c.name][p[c.name]] for p in b.groups[g].pick]
-        keys.append([(s.in_specs[idx], grad_partial_axes(s.in_specs[idx], s.out_spec)) for s in strat_of])
+        strategies, ids = b.strategies[c.name], b.strategy_spec_ids(c.name)
+        row = []
+        for k in (p[c.name] for p in b.groups[g].pick):
+            spec_of.setdefault(ids[k][0][idx], strategies[k].in_specs[idx])
+            row.append((ids[k][0][idx], grad_partial_axes(strategies[k].in_specs[idx], strategies[k].out_spec)))
+        keys.append(row)
     val = b.views[c1.name].in_vals[b.views[c1.name].tensor_args.index(u)]
     number: dict = {}
     first = np.array([number.setdefault(key, len(number)) for key in keys[0]])
@@ -185,7 +193,7 @@ def _rebate_matrix(b, u, c1, c2, g1, g2) -> np.ndarray | None:
     for (dst1, axes1), n in number.items():
         if not axes1:
             continue
-        nbytes = local_bytes(val, dst1, b.env.mesh_shape)
+        nbytes = local_bytes(val, spec_of[dst1], b.env.mesh_shape)
         if u.name in b.params:  # a parameter's sync: once per step, bucketed (GroupBuilder.edge_time)
             refund[n] = sum(b.env.links[a].bandwidth_time("all_reduce", nbytes) for a in axes1)
         else:

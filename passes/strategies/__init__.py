@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from autopar.ir.ops import OpView, shape_of
 from autopar.passes.strategies.base import AxisRule, Strategy, all_replicated_rule
-from autopar.passes.strategies.registry import RuleFn, has_rule, in_place_key, register, rule_for
+from autopar.passes.strategies.registry import RuleFn, has_rule, in_place_key, out_of_place_form, register, rule_for
 from autopar.placement import R, Spec, divides
 
 _WARNED: set[str] = set()  # ops already reported as rule-less in this process (planning asks many times)
@@ -47,14 +47,37 @@ from autopar.passes.strategies import (  # noqa: E402,F401
     views,
 )
 
+_SIGNATURE_KEY = "autopar_strategy_signature"  # node.meta slot: (stamp it was computed for, signature)
+
 
 def strategy_signature(node: fx.Node) -> str:
     """Nodes with equal strategy signatures have the same strategy list (index for index): the op's
     signature, whether its inputs can carry an expert-parallel layout (``expert_rows.context_key``), and for an
-    in-place op whether its write may land in a moved copy (``registry.in_place_key``)."""
+    in-place op whether its write may land in a moved copy (``registry.in_place_key``).
+
+    Cached in ``node.meta`` (planning asks once per graph, mesh option and pricing scope), valid while
+    ``_stamp``'s objects are the very same ones (checked by identity, as ``ir.ops.node_signature`` does)."""
     from autopar.ir.ops import node_signature
 
-    return f"{node_signature(node)}|{expert_rows.context_key(node)}{in_place_key(node)}"
+    stamp = _stamp(node)
+    hit = node.meta.get(_SIGNATURE_KEY)
+    if hit is not None and len(hit[0]) == len(stamp) and all(x is y for x, y in zip(hit[0], stamp)):
+        return hit[1]
+    signature = f"{node_signature(node)}|{expert_rows.context_key(node)}{in_place_key(node)}"
+    node.meta[_SIGNATURE_KEY] = (stamp, signature)
+    return signature
+
+
+def _stamp(node: fx.Node) -> tuple:
+    """What a strategy signature is computed from: the node's target, arguments and value, its inputs'
+    values, and for an op that may write in place the readers of the value it writes (``in_place_key``).
+    A pass that rewires or relabels a node replaces one of them; a copied graph has new argument tuples."""
+    inputs = node.all_input_nodes
+    stamp = (node.target, node.args, node.kwargs, node.meta.get("val"), *(a.meta.get("val") for a in inputs))
+    written = node.args[0] if node.op == "call_function" and node.args else None
+    if isinstance(written, fx.Node) and out_of_place_form(node.target) is not None:
+        stamp += (written.meta.get("val"), *written.users)
+    return stamp
 
 
 def generate_strategies(graph, mesh_shape: tuple[int, int]) -> dict[str, list[Strategy]]:
