@@ -82,6 +82,34 @@ def mesh_options(cluster: Cluster) -> list[MeshOption]:
     return out
 
 
+def outer_axis_microbatches(options: list[MeshOption], sizes: list[int]) -> list[int]:
+    """The extra reference microbatches of ``references_of``: for every logical mesh (a, t) with a > 1, the
+    smallest candidate microbatch size (of ``sizes``) that a divides, where it lies strictly between the smallest
+    and the largest size (the shared references; the largest prices wide data parallelism already)."""
+    low, high = min(sizes), max(sizes)
+    out = set()
+    for option in options:
+        a = option.logical[0]
+        fitting = [b for b in sizes if a > 1 and b % a == 0 and low % a]
+        if fitting and low < min(fitting) < high:
+            out.add(min(fitting))
+    return sorted(out)
+
+
+def references_of(option: MeshOption, references: list[int]) -> list[int]:
+    """The reference microbatches ``option`` is solved at: the smallest and the largest of ``references``
+    (shared by every option), and for a logical mesh (a, t) whose outer axis cannot split the smallest (a does
+    not divide it) the smallest reference that a divides. Why: a solution prices only microbatches its batch
+    split divides, and at the smallest reference the outer axis must shard something other than the batch,
+    while the largest one's solution splits the batch widely; neither prices Megatron's dp × tp stage at a
+    microbatch of one sequence per replica (GPT-3 15B / 32 A100-40GB: dp2·tp2 stages at B = 256, microbatch 2,
+    39.26 s, where the DP found 40.50 s on one axis at B = 128)."""
+    shared = sorted({min(references), max(references)})
+    a = option.logical[0]
+    own = [b for b in sorted(references) if a > 1 and b % a == 0 and shared[0] % a and b not in shared]
+    return sorted(shared + own[:1])
+
+
 class StageCosts:
     """Per-mesh-option layer costs (with memory-saving variants), turned into DP tables for any B.
 
@@ -141,7 +169,7 @@ class StageCosts:
         self.solves += sum(c.solved for m in todo for c in self.variants[m])
 
     def _solve_all(self, m: int) -> list[LayerCosts]:
-        return [c for b0 in self.graphs for c in self._solve(m, b0)]
+        return [c for b0 in references_of(self.options[m], list(self.graphs)) for c in self._solve(m, b0)]
 
     def costs(self, m: int) -> list[LayerCosts]:
         """Option m's solutions at every reference microbatch (solved on first use): the unconstrained
@@ -379,3 +407,27 @@ def _cheapest(costs: StageCosts, global_batch: int, candidates: list[int], sched
         if found is not None and (best is None or found.cost <= bound):
             best = (found, B, table)
     return best
+
+
+def restaged(costs: StageCosts, choice: StageChoice, global_batch: int, microbatches: int,
+             schedule: str) -> StageChoice | None:
+    """The DP's (un-interleaved) stages at another B, each on the logical mesh of its own submesh that this B's
+    table prices cheapest (with that entry's recompute and offload); None where some stage fits on none. The
+    logical mesh is re-chosen because the best one moves with the microbatch: a (data, tensor) mesh splits the
+    batch only at microbatches its data axis divides."""
+    L = costs.layers.count
+    max_f = microbatches if schedule == "gpipe" else min(L, microbatches)
+    table = costs.table(global_batch, microbatches, max_f)
+    live = [microbatches if schedule == "gpipe" else min(len(choice.stages) - s, microbatches)
+            for s in range(len(choice.stages))]
+    out = []
+    for stage, f in zip(choice.stages, live):
+        f = min(f, max_f)
+        same = [m for m, o in enumerate(costs.options) if o.physical == stage.option.physical]
+        m = min(same, key=lambda m: table[stage.first, stage.last, m, f - 1])
+        if not math.isfinite(table[stage.first, stage.last, m, f - 1]):
+            return None
+        cell = (microbatches, stage.first, stage.last, m, f)
+        out.append(ChosenStage(stage.first, stage.last, costs.options[m], f, costs.recompute_of(*cell),
+                               offload=costs.offload_of(*cell)))
+    return StageChoice(microbatches, out, choice.cost)

@@ -33,7 +33,14 @@ from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend, raise_if_proven_over_budget
 from autopar.passes.ilp_reuse import solve_walks
-from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
+from autopar.passes.inter_op import (
+    StageChoice,
+    StageCosts,
+    choose_stages,
+    mesh_options,
+    outer_axis_microbatches,
+    restaged,
+)
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
@@ -45,6 +52,7 @@ from autopar.planner import invariants
 from autopar.planner.exact_checks import (
     feasible,
     fewer_microbatches,
+    more_microbatches,
     or_even_split,
     or_single_stage,
     same_stages_at,
@@ -98,7 +106,7 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     else:
         layers = _enough_layers(graph, blocks, options)
         _check(options, lambda: invariants.check_layers(graph, layers))
-        costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
+        costs = StageCosts(lambda: _reference_graphs(graph, candidates, cluster), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers),
@@ -214,11 +222,23 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                                       lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
             if ahead is not None:
                 ahead.cancel()  # already joined when it was asked for; stopped here when it was not
+        if fewer and not isinstance(options.stages, (list, tuple)):
+            plan = more_microbatches(plan, choice, candidates, lambda b: _restaged_plan(
+                graph, layers, blocks, cluster, options, model_name, costs, choice, b, at_microbatch))
         plan = or_even_split(plan, choice, layers, blocks, options, lambda even: _pipeline(
             graph, layers, blocks, cluster, options, model_name, even, at_microbatch, costs.modes))
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
+
+
+def _restaged_plan(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
+                   costs: StageCosts, choice: StageChoice, microbatches: int, at_microbatch) -> Plan | None:
+    """The DP's stages at ``microbatches``, each on its cheapest logical mesh there (``inter_op.restaged``),
+    solved exactly; None where they do not fit."""
+    staged = restaged(costs, choice, graph.input_signature[0][0][0], microbatches, dp_schedule(options.schedule))
+    return feasible(lambda: _pipeline(graph, layers, blocks, cluster, options, model_name, staged, at_microbatch,
+                                      costs.modes)) if staged is not None else None
 
 
 def _half_ahead(microbatches: int, candidates: list[int], solve_at) -> Beside | None:
@@ -273,15 +293,20 @@ def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
     return pinned_strategies(graph, mesh, options.pin or {}, check)
 
 
-def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
+def _reference_graphs(graph: ModelGraph, candidates: list[int], cluster: Cluster) -> dict:
     """{microbatch size: graph rescaled to it} for two references: the smallest candidate microbatch
-    (where tensor parallelism and pipelines live) and batch / min(8, max B) (where data parallelism does).
+    (where tensor parallelism and pipelines live) and batch / min(8, max B) (where data parallelism does);
+    between them, for the (data, tensor) meshes whose data axis cannot split the smallest, the smallest
+    candidate microbatch it can (``inter_op.references_of``: only those meshes are solved there).
 
     Their solutions price every B by scaling; batch splits they chose must divide the microbatch of a
     given B (checked per entry), and each chosen stage is re-solved exactly at its B."""
     batch = graph.input_signature[0][0][0]
     parts = {max(candidates), max((b for b in candidates if b <= 8), default=min(candidates))}
-    return {batch // b: rescale(graph, b) for b in sorted(parts)}
+    shared = sorted(batch // b for b in parts)
+    sizes = [batch // b for b in candidates if shared[0] <= batch // b <= shared[-1]]
+    extra = outer_axis_microbatches(mesh_options(cluster), sizes)
+    return {b0: rescale(graph, batch // b0) for b0 in sorted({*shared, *extra})}
 
 
 def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_name: str, microbatches: int,
