@@ -37,8 +37,6 @@ from autopar.passes.inter_op import (
     StageChoice,
     StageCosts,
     choose_stages,
-    mesh_options,
-    outer_axis_microbatches,
     restaged,
 )
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
@@ -106,11 +104,12 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     else:
         layers = _enough_layers(graph, blocks, options)
         _check(options, lambda: invariants.check_layers(graph, layers))
-        costs = StageCosts(lambda: _reference_graphs(graph, candidates, cluster), layers, blocks, cluster,
+        costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers),
-                           offload=per_stage_offload)
+                           offload=per_stage_offload,
+                           rescaled=lambda b0: rescale(graph, graph.input_signature[0][0][0] // b0))
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
@@ -293,20 +292,15 @@ def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
     return pinned_strategies(graph, mesh, options.pin or {}, check)
 
 
-def _reference_graphs(graph: ModelGraph, candidates: list[int], cluster: Cluster) -> dict:
+def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
     """{microbatch size: graph rescaled to it} for two references: the smallest candidate microbatch
-    (where tensor parallelism and pipelines live) and batch / min(8, max B) (where data parallelism does);
-    between them, for the (data, tensor) meshes whose data axis cannot split the smallest, the smallest
-    candidate microbatch it can (``inter_op.references_of``: only those meshes are solved there).
+    (where tensor parallelism and pipelines live) and batch / min(8, max B) (where data parallelism does).
 
     Their solutions price every B by scaling; batch splits they chose must divide the microbatch of a
     given B (checked per entry), and each chosen stage is re-solved exactly at its B."""
     batch = graph.input_signature[0][0][0]
     parts = {max(candidates), max((b for b in candidates if b <= 8), default=min(candidates))}
-    shared = sorted(batch // b for b in parts)
-    sizes = [batch // b for b in candidates if shared[0] <= batch // b <= shared[-1]]
-    extra = outer_axis_microbatches(mesh_options(cluster), sizes)
-    return {b0: rescale(graph, batch // b0) for b0 in sorted({*shared, *extra})}
+    return {batch // b: rescale(graph, b) for b in sorted(parts)}
 
 
 def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_name: str, microbatches: int,

@@ -176,10 +176,11 @@ def chart(s: dict) -> str:
     return report._save(fig, plt, "mist")
 
 
-FULL_SWEEPS = ("mist_full", "mist_full_b", "mist_full_c", "mist_full_d", "mist_full_e", "mist_full_f")
+FULL_SWEEPS = ("mist_full", "mist_full_b", "mist_full_c", "mist_full_d", "mist_full_e", "mist_full_f",
+               "mist_full_g")
 
 
-CURRENT = ("mist_full_d", "mist_full_e", "mist_full_f")  # hand grids scored under today's cost model
+CURRENT = ("mist_full_d", "mist_full_e", "mist_full_f", "mist_full_g")  # hand grids scored under today's cost model
 
 
 def merged(names: tuple, current: tuple, replanned: dict[str, dict]) -> dict[str, dict]:
