@@ -115,3 +115,119 @@ def test_fresh_runs_refuses_bad_arguments_before_profiling(tmp_path, capsys):
             main(argv)
         assert stop.value.code == 2 and named in capsys.readouterr().err
     assert kept.read_text() == "an earlier result\n"  # a results file is never overwritten
+
+
+class _ScriptedMachine:
+    """A probe device whose clock reads a window of ``calls`` calls as calls × cost × drift × noise: drift
+    the whole machine's speed at that window (shared by every call), noise the next of the call's scripted
+    per-window factors (1 once they run out): what moves the probe alone."""
+
+    kind = "cpu"
+    torch = None
+
+    def __init__(self, drift_per_window: float = 0.0):
+        self.costs, self.noise, self.windows, self.drift = {}, {}, 0, drift_per_window
+
+    def window_seconds(self, call, calls: int) -> float:
+        self.windows += 1
+        noise = self.noise.get(call, [])
+        return calls * self.costs[call] * (1.0 + self.drift * self.windows) * (noise.pop(0) if noise else 1.0)
+
+
+def _reference_on(machine, monkeypatch):
+    from autopar.profiling import probes
+
+    monkeypatch.setattr(probes.dist, "barrier", lambda: None)  # one process: nothing to agree with
+    monkeypatch.setattr(probes, "slowest_rank", lambda seconds, probe: seconds)
+    reference = probes.SpeedReference(machine)
+    machine.costs[reference.call] = 1e-3
+    return reference
+
+
+def _settings(max_windows: int):
+    return type("Settings", (), {"warmup": 1, "windows": 5, "window_s": 0.01, "max_spread": 0.1,
+                                 "max_windows": max_windows})()
+
+
+def test_wide_spread_gets_more_windows_and_the_median_settles(monkeypatch):
+    """A probe whose first windows scatter (0.6-1.6× its cost) on a drifting machine: the spread of its
+    ratios is wide, so more windows are timed until it is not, and the median lands on the true ratio.
+    (slowest_s given: no warm-up call, so every scripted factor falls on a timed window.)"""
+    machine = _ScriptedMachine(drift_per_window=0.1)
+    reference = _reference_on(machine, monkeypatch)
+    step = lambda: None  # noqa: E731 - costs 3 reference calls
+    machine.costs[step], machine.noise[step] = 3e-3, [1.6, 0.6, 1.5, 1.4, 1.0]
+    timing = reference.measure(step, _settings(max_windows=20), slowest_s=3e-3)
+    assert timing.ratio == pytest.approx(3.0, rel=1e-9) and timing.windows == 15
+    assert timing.ratio_spread <= 0.1 and timing.reference_spread > 0.1  # the machine drifted 10 % a window
+    # negative control: held to the first 5 windows, the scattered ones decide the median (1.4 × 3)
+    machine = _ScriptedMachine(drift_per_window=0.1)
+    reference = _reference_on(machine, monkeypatch)
+    machine.costs[step], machine.noise[step] = 3e-3, [1.6, 0.6, 1.5, 1.4, 1.0]
+    timing = reference.measure(step, _settings(max_windows=5), slowest_s=3e-3)
+    assert timing.ratio == pytest.approx(4.2, rel=1e-9) and timing.windows == 5 and timing.ratio_spread > 0.1
+
+
+def test_timing_tells_the_machine_moving_from_the_probe_moving(monkeypatch):
+    """The machine drifting: the probe's own seconds and the reference spread, their ratio does not. The probe
+    scattering on a steady machine: the ratio spreads with the probe while the reference holds."""
+    step = lambda: None  # noqa: E731
+    machine = _ScriptedMachine(drift_per_window=0.1)
+    reference = _reference_on(machine, monkeypatch)
+    machine.costs[step] = 2e-3
+    moving_machine = reference.measure(step, _settings(max_windows=5), slowest_s=2e-3)
+    assert moving_machine.ratio_spread == pytest.approx(0.0, abs=1e-9)
+    assert moving_machine.probe_spread > 0.1 and moving_machine.reference_spread > 0.1
+    machine = _ScriptedMachine()
+    reference = _reference_on(machine, monkeypatch)
+    machine.costs[step], machine.noise[step] = 2e-3, [1.3, 0.7, 1.0, 1.2, 0.9]
+    moving_probe = reference.measure(step, _settings(max_windows=5), slowest_s=2e-3)
+    assert moving_probe.ratio_spread == pytest.approx(moving_probe.probe_spread) and moving_probe.ratio_spread > 0.1
+    assert moving_probe.reference_spread == 0.0
+
+
+def test_relative_spread_is_the_interquartile_range_over_the_median():
+    from autopar.profiling.probes import relative_spread
+
+    assert relative_spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx((4.0 - 2.0) / 3.0)
+    assert relative_spread([2.0, 2.0, 2.0]) == 0.0 and relative_spread([7.0]) == 0.0
+
+
+def test_the_benchmark_prints_the_reference_speed_beside_the_profiles_level():
+    from benchmarks.fidelity.cost_model_fidelity import profile_level, reference_line
+
+    flops = 2.0 * 256**3
+    cluster = dataclasses.replace(Cluster.local(2), source="...; compute probes timed against float32 mm 256³, "
+                                  "their figures at its median speed (80.0 GFLOP/s per rank)")
+    assert profile_level(cluster) == 80.0
+    rounds = [flops / 60e9, flops / 60e9, flops / 40e9]  # seconds per call: two rounds at 60 GFLOP/s, one at 40
+    launches = [[{"reference_mm": rounds}, {"reference_mm": rounds}]]
+    line = reference_line(cluster, launches)
+    assert "60.0 GFLOP/s per rank (rounds 40.0-60.0), 0.750 of the profile's 80.0" in line
+    # a file profiled before the reference existed states no level: said so, not a number made up
+    assert profile_level(Cluster.local(2)) is None
+    assert "the profile states no level" in reference_line(Cluster.local(2), launches)
+
+
+def test_reference_drift_is_the_reference_now_over_the_profiles_level():
+    from benchmarks.fidelity.cost_model_fidelity import reference_drift
+
+    flops = 2.0 * 256**3
+    cluster = dataclasses.replace(Cluster.local(2), source="...; compute probes timed against float32 mm 256³, "
+                                  "their figures at its median speed (80.0 GFLOP/s per rank)")
+    launch = [{"reference_mm": [flops / 64e9, flops / 60e9, flops / 64e9]}, {"reference_mm": [flops / 64e9] * 3}]
+    assert reference_drift(cluster, launch) == pytest.approx(80.0 / 64.0)  # the machine ran 1.25x slower
+    assert reference_drift(Cluster.local(2), launch) is None  # no level stated: no correction made up
+
+
+def test_step_parts_refuses_a_profile_without_a_reference_level(tmp_path, capsys):
+    from benchmarks.fidelity.step_parts import main
+
+    path = tmp_path / "old.json"
+    Cluster.local(2).to_json(path)  # no "median speed (...)" in its source: nothing to express units in
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path)])
+    assert "states no reference level" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path), "--cycles", "0"])
+    assert "--cycles must be at least 1" in capsys.readouterr().err

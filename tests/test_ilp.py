@@ -251,3 +251,37 @@ def test_replay_rows_agree_with_brute_force(seed):
         assert memory_of(problem, result.choice) <= problem.budget * (1 + 1e-9)
     if memory_of(plain, free) <= plain.budget:
         assert solve_ilp(plain, 30).choice == free, "without replay rows the cheapest choice fits"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_an_integral_relaxation_is_kept_as_the_exact_optimum(seed):
+    """The quick solve (presolve off, the stage DP's prices) keeps the LP relaxation when it comes back
+    integral: its objective is then the brute-force optimum itself, not just within the MIP gap."""
+    from autopar.passes import ilp_highs
+    from autopar.passes.ilp_model import sharding_model
+
+    if backend() != "highs":
+        pytest.skip("highspy not installed")
+    problem = random_problem(np.random.default_rng(seed), classes=7)
+    model = sharding_model(problem)
+    status, values = ilp_highs._integral_relaxation(model, 30)
+    assert status == "Optimal" and values is not None  # chains of resharding matrices relax integrally
+    assert evaluate(problem, model.choice(values)) == pytest.approx(brute(problem), rel=1e-9)
+    assert solve_ilp(problem, 30, presolve=False).objective == pytest.approx(brute(problem), rel=1e-9)
+
+
+def test_a_fractional_relaxation_goes_on_to_the_mip():
+    """Negative control: a knapsack the relaxation splits (3/4 of class 0's lean strategy meets the budget
+    at cost 0.75) is not kept; the quick solve answers with the MIP's integer optimum (cost 1)."""
+    from autopar.passes import ilp_highs
+    from autopar.passes.ilp_model import sharding_model
+
+    if backend() != "highs":
+        pytest.skip("highspy not installed")
+    gib = 2.0 ** 30
+    problem = IlpProblem([np.array([0.0, 1.0]), np.array([0.0, 1.0])],
+                         [np.array([3.0, 1.0]) * gib, np.array([2.0, 1.0]) * gib], {}, budget=3.5 * gib)
+    assert ilp_highs._integral_relaxation(sharding_model(problem), 30) == ("", None)
+    result = solve_ilp(problem, 30, presolve=False)
+    assert result.choice == [1, 0] and result.objective == pytest.approx(1.0)
+    assert memory_of(problem, result.choice) <= problem.budget

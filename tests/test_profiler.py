@@ -224,6 +224,30 @@ def test_microbatch_overhead_is_the_cpu_slope_its_ops_do_not_explain():
     assert c == 0.0 and "one rank" in note
 
 
+def test_pipeline_cpu_in_reference_units_becomes_seconds_at_the_level():
+    """Timed against the reference (CPU ranks), the pipeline's CPU per step comes back in reference units;
+    training_seconds scales it by the level, so microbatch_overhead sees seconds like op_overhead's."""
+    from autopar.profiling.profiler_pipeline import microbatch_overhead
+    from autopar.profiling.profiler_training import training_seconds
+
+    cluster = Cluster(**{**Cluster.local(2).__dict__, "op_overhead": 2e-5})
+    level = 4e-4  # seconds of one reference call
+    ranks = []
+    for calls in (8.0, 6.0):
+        seconds = _pipeline_rank(cluster, 3e-4, calls)["pipeline"]
+        relative = {m: t / level for m, t in seconds["cpu"].items()}
+        raw = {m: 0.5 * t for m, t in seconds["cpu"].items()}  # CPU seconds as timed, on a faster moment
+        pipeline = {"counts": seconds["counts"], "calls": calls, "units": "reference", "cpu": relative,
+                    "cpu_raw": raw}
+        ranks.append(training_seconds({"linears": {}, "pipeline": pipeline}, level))
+    c, note = microbatch_overhead(cluster, ranks)
+    assert c == pytest.approx(3e-4) and "before scaling to the reference's level" in note
+    # negative control: the same ranks left in reference units read a slope 1/level times too large
+    unscaled = [{"pipeline": dict(r["pipeline"], cpu={m: t / level for m, t in r["pipeline"]["cpu"].items()})}
+                for r in ranks]
+    assert microbatch_overhead(cluster, unscaled)[0] > 100 * c
+
+
 # ---- one real profile: 2 gloo ranks, quick -------------------------------------------------------
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
@@ -273,3 +297,7 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert 0 < cluster.norm_act_bandwidth < 2 * cluster.memory_bandwidth and "norm/activation" in cluster.source
     # every compute figure was timed against the reference mm and scaled to its median speed
     assert "compute probes timed against float32 mm 256³" in cluster.source
+    assert "its windows ran at" in cluster.source  # how far the machine moved while it was profiled
+    # the per-op terms' spreads are recorded, the pipeline's host time among them
+    assert "spread (IQR / median" in cluster.source and "op_overhead " in cluster.source.split("spread")[1]
+    assert "pipeline M=8" in cluster.source and "before scaling to the reference's level" in cluster.source

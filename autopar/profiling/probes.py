@@ -13,6 +13,10 @@ between two windows of a reference mm (fp32 256³ on CPUs, bf16 4096³ on GPUs),
 with level = the median of every reference window this rank timed over the whole profile. On a shared
 machine the speed drifts over the minute a profile takes; ratios to a reference timed a moment apart
 cancel it, so every compute figure of one profile describes the machine at the same speed (the level).
+Each measurement also reports its spread (``Timing``: interquartile range / median of the ratios, of the
+probe's own seconds and of the references beside it; a ratio that holds while both sides move is the
+machine moving, a ratio that moves with the probe while the reference holds is the probe), and a probe
+whose ratios spread wider than ``max_spread`` gets more windows, up to ``max_windows``.
 
 Fit, per "<collective>/<g>":
 
@@ -20,8 +24,10 @@ Fit, per "<collective>/<g>":
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -65,12 +71,49 @@ def calls_per_window(slowest_call_s: float, settings, window_s: float | None = N
     return max(1, min(MAX_CALLS_PER_WINDOW, math.ceil(window_s / max(slowest_call_s, 1e-9))))
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One probe timed against the reference: its median ratio and how much each side moved meanwhile.
+
+    ratio: median over windows of (probe seconds per call / mean of the references around it).
+    ratio_spread, probe_spread, reference_spread: interquartile range / median of the ratios, of the probe's
+    own seconds per call, and of the reference windows timed beside it (``relative_spread``; the largest
+    over ranks). A steady ratio beside moving raw seconds is the machine moving, which the ratio cancels;
+    a moving ratio beside a steady reference is the probe itself. windows: how many were timed.
+    """
+
+    ratio: float
+    seconds: float  # median of the probe's own seconds per call (the clock's, or CPU seconds)
+    ratio_spread: float
+    probe_spread: float
+    reference_spread: float
+    windows: int
+
+
+def relative_spread(values) -> float:
+    """Interquartile range / median of ``values`` (0 for fewer than two values)."""
+    values = list(values)
+    if len(values) < 2:
+        return 0.0
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return (q3 - q1) / q2 if q2 > 0 else math.inf
+
+
 class SpeedReference:
     """The reference mm of the module docstring, and the windows of it this rank timed.
 
-    ``ratio(call, ...)`` times ``call`` between reference windows (all ranks together) and returns its
-    seconds per call in reference units; once the profile is done, ratio · ``level()`` (the median reference
-    call over everything this rank timed) is the call's seconds at the profile's speed.
+    ``measure(call, ...)`` times ``call`` between reference windows (all ranks together) and returns its
+    seconds per call in reference units with the spreads (``Timing``); once the profile is done, ratio ·
+    ``level()`` (the median reference call over everything this rank timed) is the call's seconds at the
+    profile's speed. ``ratio(...)`` is ``measure(...).ratio``.
+
+    Wide spread gets more windows: after ``settings.windows`` windows, while the ratios' spread on some rank
+    exceeds ``settings.max_spread``, every rank times ``settings.windows`` more, up to ``settings.max_windows``
+    in all (the ranks agree each time, so they stay busy together).
+
+    ``cpu=True`` times both sides in this process's CPU seconds (``time.process_time``) instead of the clock:
+    for host work whose waits on other ranks must not count (``profiler_pipeline``); its ratio · level is
+    then that CPU work in wall seconds at the profile's reference speed, the units of ``op_overhead``.
     """
 
     def __init__(self, probe: ProbeDevice):
@@ -80,8 +123,13 @@ class SpeedReference:
         self.call = lambda: torch.mm(a, b, out=self._out)
 
     def ratio(self, call, settings, window_s: float | None = None, slowest_s: float | None = None) -> float:
-        """Median over ``settings.windows`` windows of call seconds / the mean of the references around it.
-        slowest_s: the slowest rank's seconds per call when the caller has warmed ``call`` up already."""
+        """``measure(...).ratio``."""
+        return self.measure(call, settings, window_s, slowest_s).ratio
+
+    def measure(self, call, settings, window_s: float | None = None, slowest_s: float | None = None,
+                cpu: bool = False) -> Timing:
+        """``call`` timed in windows between reference windows (class docstring). slowest_s: the slowest
+        rank's seconds per call when the caller has warmed ``call`` up already."""
         if slowest_s is None:
             dist.barrier()
             slowest_s = slowest_rank(warm_up(call, settings.warmup, self.probe), self.probe)
@@ -90,14 +138,23 @@ class SpeedReference:
         # at the on-core speed, a longer one at the share of the core this rank gets (under other jobs' load
         # the two differ many times over)
         reference_calls = calls_per_window(self._slowest_reference(settings), settings, calls * slowest_s)
-        before = self._window(reference_calls)
-        ratios = []
-        for _ in range(max(1, settings.windows)):
-            seconds = self.probe.window_seconds(call, calls) / calls
-            after = self._window(reference_calls)
-            ratios.append(seconds / ((before + after) / 2))
-            before = after
-        return statistics.median(ratios)
+        timer = self._cpu_seconds if cpu else self.probe.window_seconds
+        before = self._window(reference_calls, cpu)
+        ratios, seconds, references = [], [], [before]
+        batch, most = max(1, settings.windows), max(settings.windows, getattr(settings, "max_windows", 0))
+        while True:
+            for _ in range(batch):
+                seconds.append(timer(call, calls) / calls)
+                after = self._window(reference_calls, cpu)
+                ratios.append(seconds[-1] / ((before + after) / 2))
+                references.append(after)
+                before = after
+            spread = slowest_rank(relative_spread(ratios), self.probe)
+            if spread <= getattr(settings, "max_spread", math.inf) or len(ratios) + batch > most:
+                break
+        return Timing(statistics.median(ratios), statistics.median(seconds), spread,
+                      slowest_rank(relative_spread(seconds), self.probe),
+                      slowest_rank(relative_spread(references), self.probe), len(ratios))
 
     def _slowest_reference(self, settings) -> float:
         if not self.windows:
@@ -105,10 +162,18 @@ class SpeedReference:
             return slowest_rank(warm_up(self.call, settings.warmup, self.probe), self.probe)
         return slowest_rank(statistics.median(self.windows), self.probe)
 
-    def _window(self, calls: int) -> float:
+    def _window(self, calls: int, cpu: bool = False) -> float:
+        if cpu:  # the level is the clock's: CPU-second windows stay out of it
+            return self._cpu_seconds(self.call, calls) / calls
         seconds = self.probe.window_seconds(self.call, calls) / calls
         self.windows.append(seconds)
         return seconds
+
+    def _cpu_seconds(self, call, calls: int) -> float:
+        begin = time.process_time()
+        for _ in range(calls):
+            call()
+        return time.process_time() - begin
 
     def level(self) -> float:
         """Seconds of one reference call at this rank's median speed over the profile."""

@@ -88,6 +88,9 @@ class ProfileSettings:
     timeout_s: per-collective timeout of the profiling process group.
     compiled_probe: also time the probe training step under torch.compile (``Cluster.compiled_time_scale``;
       compiling it takes a minute on a few busy cores, so quick profiles leave it out).
+    max_spread, max_windows: a compute probe whose ratios to the reference spread wider than max_spread
+      (interquartile range / median, on some rank) gets ``windows`` more windows, up to max_windows in all
+      (``probes.SpeedReference.measure``).
     """
 
     message_bytes: tuple[int, ...]
@@ -100,13 +103,15 @@ class ProfileSettings:
     probe_window_s: float = 0.1
     timeout_s: float = 120.0
     compiled_probe: bool = True
+    max_spread: float = 0.10
+    max_windows: int = 20
 
 
 FULL = ProfileSettings(message_bytes=tuple(4 * KiB * 4**k for k in range(7)), matmul_sizes=(64, 128, 256, 512, 1024),
                        max_matmul_call_s=0.25, stream_bytes=64 * MiB, warmup=2, windows=5, window_s=0.03)
 QUICK = ProfileSettings(message_bytes=(4 * KiB, 64 * KiB, 1 * MiB), matmul_sizes=(64, 128, 256),
                         max_matmul_call_s=0.05, stream_bytes=8 * MiB, warmup=1, windows=3, window_s=0.005,
-                        probe_window_s=0.01, compiled_probe=False)
+                        probe_window_s=0.01, compiled_probe=False, max_windows=3)
 # GPUs: larger matmuls (peak needs s ≥ 4096), messages up to 256 MiB, streams past a 50 MB L2 cache.
 GPU_FULL = dataclasses.replace(FULL, message_bytes=tuple(4 * KiB * 4**k for k in range(9)),
                                matmul_sizes=(256, 512, 1024, 2048, 4096, 8192), stream_bytes=512 * MiB)
@@ -182,7 +187,8 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
     mine["matmul"] = {name: [(flops, ratio * level) for flops, ratio in points]
                       for name, points in mine["matmul"].items()}
     mine["training"] = training_seconds(mine["training"], level)
-    mine["reference"] = (reference.side, str(reference.dtype).replace("torch.", ""), level)
+    mine["reference"] = (reference.side, str(reference.dtype).replace("torch.", ""), level,
+                         min(reference.windows), max(reference.windows))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     return everyone
@@ -325,10 +331,15 @@ def _reference_note(per_rank: list[dict]) -> str:
     """The speed every compute figure was scaled to (``probes.SpeedReference``), for the source line."""
     if "reference" not in per_rank[0]:
         return ""
-    side, dtype, _ = per_rank[0]["reference"]
+    side, dtype, *_ = per_rank[0]["reference"]
     level = statistics.median(r["reference"][2] for r in per_rank)
+    rate = lambda seconds: 2.0 * side**3 / seconds / 1e9  # noqa: E731
+    moved = ""
+    if len(per_rank[0]["reference"]) == 5:  # its fastest and slowest window over the profile, over all ranks
+        fastest, slowest = min(r["reference"][3] for r in per_rank), max(r["reference"][4] for r in per_rank)
+        moved = f"; its windows ran at {rate(slowest):.1f}-{rate(fastest):.1f} over the profile"
     return (f"; compute probes timed against {dtype} mm {side}³, their figures at its median speed "
-            f"({2.0 * side**3 / level / 1e9:.1f} GFLOP/s per rank)")
+            f"({rate(level):.1f} GFLOP/s per rank){moved}")
 
 
 def _source_line(n: int, threads: int, quick: bool, probe: ProbeDevice) -> str:

@@ -126,6 +126,7 @@ def training_shapes(probe) -> list[tuple[int, int, int]]:
 
 
 NORM_ACT_SHAPE = {"cpu": (4096, 512, "float32"), "cuda": (16384, 2048, "bfloat16")}  # tokens, width, dtype
+NORM_ACT_OPS = ("layernorm", "gelu", "softmax")  # the calls of ``norm_act_calls``, in order
 
 
 def norm_act_calls(kind: str, device) -> list:
@@ -185,9 +186,10 @@ def attention_efficiency(cluster: Cluster, per_rank: list[dict]) -> float:
 
 def measure_rank(settings, probe, reference: SpeedReference) -> dict:
     """This rank's raw measurements: {"mesh": {(mesh, kind): [(m0, m1, s)]}, "pipeline": ``profiler_pipeline.
-    measure_pipeline``'s, in seconds; and the compute probes "tiny_step", "probe_step", "probe_reference",
-    "linears": {dtype: [...]}, "norm_act", "attention", "probe_compiled" in ``reference`` units (calls timed
-    between reference mms, ``probes.SpeedReference``), which ``training_seconds`` turns into seconds."""
+    measure_pipeline``'s; the compute probes "tiny_step", "probe_step", "probe_reference", "linears": {dtype:
+    [...]}, "norm_act", "attention", "probe_compiled" in ``reference`` units (calls timed between reference
+    mms, ``probes.SpeedReference``), which ``training_seconds`` turns into seconds; and "spreads": {term:
+    (ratio, probe, reference spread, windows)} of the per-op terms (``probes.Timing``), for the source line."""
     out = {"mesh": {}, "tiny_step": None, "linears": {}, "probe_step": None, "probe_reference": None}
     for mesh in meshes_of(dist.get_world_size()):
         groups = _axis_groups(mesh)
@@ -197,35 +199,43 @@ def measure_rank(settings, probe, reference: SpeedReference) -> dict:
                                               for a in (0, 1))
                 out["mesh"].setdefault((mesh, kind), []).append((m0, m1, _timed(lambda: (call0(), call1()),
                                                                                  settings, probe)))
-    device = probe.torch
+    device, timings = probe.torch, {}
 
-    def relative(call):
-        return reference.ratio(call, settings, settings.probe_window_s)
+    def relative(call, term: str | None = None):
+        timing = reference.measure(call, settings, settings.probe_window_s)
+        if term:
+            timings[term] = timing
+        return timing.ratio
 
     block, x = TinyBlock().to(device), torch.randn(4, 8, device=device)
-    out["tiny_step"] = relative(lambda: block(x).backward())
+    out["tiny_step"] = relative(lambda: block(x).backward(), "op_overhead")
     shape = probe_shape(probe.kind)
     dtype = getattr(torch, shape.dtype)
     block = TinyBlock(shape.width).to(device, dtype)
     x = torch.randn(shape.tokens, shape.width, device=device, dtype=dtype)
     a, b = (torch.randn(shape.reference_side, shape.reference_side, device=device, dtype=dtype) for _ in range(2))
-    out["probe_step"] = relative(lambda: block(x).backward())
+    out["probe_step"] = relative(lambda: block(x).backward(), "probe step")
     out["probe_reference"] = relative(lambda: torch.mm(a, b))
     if settings.compiled_probe:
         out["probe_compiled"] = _compiled_probe_step(block, x, relative)
     for name in training_dtypes(probe):
         dtype = getattr(torch, name)
         out["linears"][name] = [relative(_linear_step(s, dtype, probe.torch)) for s in training_shapes(probe)]
-    out["norm_act"] = [relative(call) for call in norm_act_calls(probe.kind, device)]
+    out["norm_act"] = [relative(call, op) for call, op in zip(norm_act_calls(probe.kind, device), NORM_ACT_OPS)]
     if probe.kind == "cuda":
         out["attention"] = relative(attention_call(device))
-    out["pipeline"] = measure_pipeline(settings, probe)
+    out["pipeline"] = measure_pipeline(settings, probe, reference)
+    for m, timing in (out["pipeline"] or {}).pop("timings", {}).items():
+        timings[f"pipeline M={m}"] = timing
+    out["spreads"] = {term: (t.ratio_spread, t.probe_spread, t.reference_spread, t.windows)
+                      for term, t in timings.items()}
     return out
 
 
 def training_seconds(out: dict, level: float) -> dict:
     """``measure_rank``'s output with its compute probes turned from reference units into seconds (× level,
-    the seconds of one reference call at the profile's median speed)."""
+    the seconds of one reference call at the profile's median speed), the pipeline's CPU too where it was
+    timed against the reference."""
     out = dict(out, linears={name: [r * level for r in ratios] for name, ratios in out["linears"].items()})
     for key in ("tiny_step", "probe_step", "probe_reference", "attention"):
         if out.get(key) is not None:
@@ -234,7 +244,21 @@ def training_seconds(out: dict, level: float) -> dict:
         out["norm_act"] = [r * level for r in out["norm_act"]]
     if out.get("probe_compiled"):
         out["probe_compiled"] = tuple(r * level for r in out["probe_compiled"])
+    pipeline = out.get("pipeline")
+    if pipeline and pipeline.get("units") == "reference":
+        out["pipeline"] = dict(pipeline, units="seconds", cpu={m: r * level for m, r in pipeline["cpu"].items()})
     return out
+
+
+def spread_note(per_rank: list[dict]) -> str:
+    """The per-op terms' spreads (``probes.Timing``; the largest over ranks already) for the source line."""
+    spreads = per_rank[0].get("spreads")
+    if not spreads:
+        return ""
+    terms = ", ".join(f"{term} {r * 100:.0f}/{p * 100:.0f}/{ref * 100:.0f} % ({n} windows)"
+                      for term, (r, p, ref, n) in spreads.items())
+    return ("spread (IQR / median over windows, largest over ranks) of the ratio to the reference / the probe's "
+            f"own time / the reference beside it: {terms}")
 
 
 def _compiled_probe_step(block, x, relative) -> tuple[float, float] | None:
@@ -325,7 +349,9 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
     host, note = microbatch_overhead(out, per_rank)
     out = dataclasses.replace(out, microbatch_overhead=host)
     notes.append(note)
-    note = f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; " + ("; ".join(notes) or "no curve scaled")
+    notes.append(spread_note(per_rank))
+    note = (f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; "
+            + ("; ".join(n for n in notes if n) or "no curve scaled"))
     return out, note
 
 

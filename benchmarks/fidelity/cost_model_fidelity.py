@@ -41,8 +41,12 @@ ranks busy), so each launch knows how fast the machine computed while it timed t
 profile's compute_time_scale was measured in: q = the scale that probe gives now / the cluster's. A second
 set of lines re-prices every plan at that speed (``drift_corrected``: its compute scaled by q; communication
 is left as profiled). On a quiet machine q is the probe's own noise (a few per cent); under other jobs' load
-it is what keeps the comparison meaningful. The goal also asks for no single-sign bias: the sign line counts
-plans predicted too slow and too fast.
+it is what keeps the comparison meaningful. Every round also times the profiler's reference mm (fp32 256³):
+its speed is printed beside the profile's level, and a third set of lines re-prices the compute by
+q_ref = its seconds now / at the level (``reference_drift``; the profile scaled every compute figure to that
+level, so this asks whether the model is right at the speed the machine ran the plans at, whatever the
+profile happened to sample). The goal also asks for no single-sign bias: the sign line counts plans
+predicted too slow and too fast.
 
 ``--repeats N`` measures N launches one after another (the plans are compiled afresh in each): the table
 shows each plan's median over launches, and each of the three figures is computed per launch and reported
@@ -73,7 +77,7 @@ from autopar.profiling.fidelity import (  # noqa: E402
     sign_balance,
     spearman,
 )
-from autopar.profiling.probe_step import TinyBlock, end_to_end_factor, probe_shape  # noqa: E402
+from autopar.profiling.probe_step import REFERENCE_SIDE, TinyBlock, end_to_end_factor, probe_shape  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, PLANS_BY_WORLD, make_plans  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
@@ -117,17 +121,29 @@ def _probe_step(window_s: float = 0.15):
     very units the profile's compute_time_scale was measured in."""
     shape = probe_shape("cpu")
     block, x = TinyBlock(shape.width), torch.randn(shape.tokens, shape.width)
+    return _all_ranks_window(lambda: block(x).backward(), window_s)
 
+
+def _reference_mm(window_s: float = 0.1):
+    """The profiler's reference mm (fp32 256³, ``probes.SpeedReference``) timed like ``_probe_step``: its
+    seconds per call during the benchmark, beside the profile's level (the machine moved, or the profile)."""
+    a, b, out = (torch.randn(REFERENCE_SIDE, REFERENCE_SIDE) for _ in range(3))
+    return _all_ranks_window(lambda: torch.mm(a, b, out=out), window_s)
+
+
+def _all_ranks_window(call, window_s: float):
+    """A zero-argument call that runs ``call`` for about ``window_s`` on every rank at once (the same number
+    of calls on each, from the slowest rank's trial) and returns this rank's seconds per call."""
     def timed() -> float:
-        block(x).backward()
+        call()
         start = time.perf_counter()
-        block(x).backward()
+        call()
         calls = torch.tensor([max(1.0, window_s / (time.perf_counter() - start))])
         dist.all_reduce(calls, op=dist.ReduceOp.MIN)  # every rank the same number of steps
         dist.barrier()
         start = time.perf_counter()
         for _ in range(int(calls)):
-            block(x).backward()
+            call()
         return (time.perf_counter() - start) / int(calls)
     return timed
 
@@ -142,6 +158,7 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
         built.append((name, pm, pm.optimizer(torch.optim.AdamW, lr=1e-4)))  # ZeRO plans step their shards
     out = {name: {"times": [], "compute": []} for name, _, _ in built}
     out["probe_step"], probe_step = [], _probe_step()
+    out["reference_mm"], reference_mm = [], _reference_mm()
     for name, pm, opt in built:
         _step(pm, opt, batch)  # the first step allocates the optimizer state
         dist.barrier()
@@ -149,6 +166,7 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
     single = [b for b in built if len(b[1].plan.stages) == 1]  # compute-only needs no sends between stages
     for r in range(warmup + steps):
         out["probe_step"].append(probe_step())
+        out["reference_mm"].append(reference_mm())
         rotated = built[r % len(built):] + built[:r % len(built)]  # no plan always runs first
         for b in rotated:
             t = _timed(b, batch, False)
@@ -226,6 +244,39 @@ def drift(cluster, measured: list[dict]) -> float:
     machine computed while the plans were timed than when it was profiled (1 on a steady machine)."""
     during = statistics.median(x for r in measured for x in r["probe_step"])
     return end_to_end_factor(cluster, during) / cluster.compute_time_scale
+
+
+def profile_level(cluster) -> float | None:
+    """GFLOP/s of the reference mm at the profile's median speed, as its source line states it (None in files
+    written before the profiler timed against a reference)."""
+    import re
+
+    found = re.search(r"at its median speed \(([0-9.]+) GFLOP/s per rank\)", cluster.source)
+    return float(found.group(1)) if found else None
+
+
+def reference_line(cluster, launches: list) -> str:
+    """The reference mm's speed during the benchmark (median over rounds and ranks; per round min-max) beside the
+    profile's level: where both this and the probe step moved from the profile, the machine moved."""
+    per_round = [statistics.median(r["reference_mm"][i] for r in measured)
+                 for measured in launches for i in range(len(measured[0]["reference_mm"]))]
+    rate = lambda s: 2.0 * REFERENCE_SIDE**3 / s / 1e9  # noqa: E731
+    level = profile_level(cluster)
+    during = rate(statistics.median(per_round))
+    versus = f"{during / level:.3f} of the profile's {level:.1f}" if level else "the profile states no level"
+    return (f"# reference mm fp32 {REFERENCE_SIDE}³ during the measurement: {during:.1f} GFLOP/s per rank "
+            f"(rounds {rate(max(per_round)):.1f}-{rate(min(per_round)):.1f}), {versus}")
+
+
+def reference_drift(cluster, measured: list[dict]) -> float | None:
+    """q_ref = the reference mm's seconds during this launch (median over rounds and ranks) / its seconds at the
+    profile's level: the profile scaled every compute figure to that level, so q_ref re-prices the compute at
+    the speed the reference ran at while the plans were timed (None when the file states no level)."""
+    level = profile_level(cluster)
+    if level is None:
+        return None
+    during = statistics.median(x for r in measured for x in r["reference_mm"])
+    return during / (2.0 * REFERENCE_SIDE**3 / (level * 1e9))
 
 
 def drift_corrected(plan, q: float) -> float:
@@ -373,16 +424,24 @@ def main(argv=None) -> int:
     print(f"# machine speed: the profiler's probe step with all ranks busy took {during * 1e3:.2f} ms during the "
           f"measurement, compute x {', '.join(f'{q:.3f}' for q in qs)} (per launch) of the speed the cluster file "
           f"was profiled at (compute_time_scale {cluster.compute_time_scale:.3f})")
+    print(reference_line(cluster, launches))
     profiled = [summarize(plans, measured) for measured in launches]
     corrected = [summarize(plans, measured, q) for measured, q in zip(launches, qs)]
     rows = median_rows(profiled)
     print_table(rows, args.split)
     print_figures("as profiled", profiled)
     print_figures("drift-corrected (compute x " + ", ".join(f"{q:.3f}" for q in qs) + " per launch)", corrected)
+    q_ref = [reference_drift(cluster, measured) for measured in launches]
+    by_reference = []
+    if None not in q_ref:
+        by_reference = [summarize(plans, measured, q) for measured, q in zip(launches, q_ref)]
+        print_figures("reference-corrected (compute x " + ", ".join(f"{q:.3f}" for q in q_ref) + " per launch)",
+                      by_reference)
     print_auto_versus_forced(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"profiled": profiled, "corrected": corrected, "drift": qs, "cluster": source,
+                       "reference_corrected": by_reference, "reference_drift": q_ref,
                        "load_before": load_before, "load_after": os.getloadavg()}, f, indent=1)
     return 0
 

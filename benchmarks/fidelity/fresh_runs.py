@@ -9,7 +9,11 @@ then ``cost_model_fidelity.py --nprocs N --cluster <that file> --repeats 1 --jso
 Every run's table goes into the results file (default ``benchmarks/results/cost_model_fidelity_3runs_<UTC
 date-time>.txt``; an existing file is never overwritten), each with the UTC time and the load average
 before and after, then one summary line per run: the goal's figures as profiled (median |time error| <=
-10 %, Spearman >= 0.9, both signs of error present) and whether all runs met them. Run it on an idle
+10 %, Spearman >= 0.9, both signs of error present) and whether all runs met them, each followed by the same
+figures re-priced at the reference mm's speed during the benchmark (``cost_model_fidelity.reference_drift``:
+is the model right at the speed the machine ran at, whatever the profile sampled). ``--collective-share``
+appends, per run, ``collective_share.py`` on the same profile (after the benchmark, so the goal's pairs stay
+profile-then-benchmark). Run it on an idle
 machine: other jobs' load changes what is measured between the profile and the benchmark.
 """
 from __future__ import annotations
@@ -42,8 +46,9 @@ def _run(cmd: list[str], log) -> str:
     return done.stdout
 
 
-def one_run(i: int, args, log) -> tuple[str, dict]:
-    """(text for the results file, the launch's figures as profiled) of run ``i``."""
+def one_run(i: int, args, log) -> tuple[str, dict, dict | None]:
+    """(text for the results file, the launch's figures as profiled, and re-priced at the reference mm's speed
+    during the benchmark, None where the profile states no level) of run ``i``."""
     profile = os.path.join(args.workdir, f"profile_{i}.json")
     rows = os.path.join(args.workdir, f"fidelity_{i}.json")
     text = [f"## run {i}", f"# profile start {_stamp()}"]
@@ -58,8 +63,14 @@ def one_run(i: int, args, log) -> tuple[str, dict]:
     text.append(_run([sys.executable, "benchmarks/fidelity/cost_model_fidelity.py", "--nprocs", str(args.nprocs),
                       "--cluster", profile, "--repeats", "1", "--json", rows] + args.bench_args, log).rstrip())
     text.append(f"# benchmark took {time.perf_counter() - started:.0f} s; end {_stamp()}")
+    if args.collective_share:
+        share = [sys.executable, "benchmarks/fidelity/collective_share.py", "--cluster", profile]
+        text.append(_run(share, log).rstrip())
+        text.append(f"# collective_share end {_stamp()}")
     with open(rows) as f:
-        return "\n".join(text), figures(json.load(f)["profiled"][0])
+        data = json.load(f)
+    by_reference = data.get("reference_corrected") or [None]
+    return "\n".join(text), figures(data["profiled"][0]), by_reference[0] and figures(by_reference[0])
 
 
 def verdict(fig: dict) -> tuple[bool, str]:
@@ -82,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None, help="where the cluster files, the benchmark's JSON rows and "
                         "the subprocesses' stderr go (default: a new temporary directory)")
     parser.add_argument("--quick", action="store_true", help="coarse profiles (a smoke test, not a figure)")
+    parser.add_argument("--collective-share", action="store_true", help="after each run's benchmark, also "
+                        "collective_share.py on its profile (the collectives' time inside a step vs alone vs priced)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="after --: extra arguments for cost_model_fidelity.py (e.g. -- --plans dp tp)")
     args = parser.parse_args(argv)
@@ -97,9 +110,12 @@ def main(argv=None) -> int:
     texts, verdicts = [], []
     with open(os.path.join(args.workdir, "stderr.log"), "a") as log:
         for i in range(1, args.runs + 1):
-            text, fig = one_run(i, args, log)
+            text, fig, by_reference = one_run(i, args, log)
             texts.append(text)
-            verdicts.append(verdict(fig))
+            met, line = verdict(fig)
+            if by_reference:  # the model at the speed the reference ran at during the benchmark (not the goal)
+                line += f"; reference-corrected: {verdict(by_reference)[1]}"
+            verdicts.append((met, line))
             print(f"run {i}: {verdicts[-1][1]}", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     header = (f"# Cost-model fidelity (tree {commit.strip() or 'unknown'}), {args.runs} consecutive runs, each a "
