@@ -163,8 +163,9 @@ class StageCosts:
     def add_own_references(self, options: list[int], global_batch: int) -> None:
         """Solve each of ``options`` (indices) at its ``own_reference`` too, once, appending those solutions to
         its variants (after the others, so the indices ``picks`` records stay valid). The stage DP prices
-        without them (a solve more per (data, tensor) mesh: +70 % pricing CPU on Llama-3-8B / 64 H100s);
-        ``restaged`` asks for the meshes of the submeshes it re-chooses among."""
+        without them (a solve more per (data, tensor) mesh: +70 % pricing CPU on Llama-3-8B / 64 H100s), and
+        ``solves`` (the plan's "mesh_solves") counts the DP's only; ``restaged`` asks for the meshes of the
+        submeshes it re-chooses among."""
         shared = self.shared
         for m in options:
             b0 = own_reference(self.options[m], min(shared), global_batch)
@@ -175,9 +176,7 @@ class StageCosts:
             if b0 not in self.graphs:
                 self.graphs[b0] = self.rescaled(b0)
                 self.cut_bytes[b0] = _cut_bytes(self.graphs[b0], self.layers) / b0
-            found = [c for c in self._solve(m, b0) if not c.last_resort]
-            self.variants[m] += found
-            self.solves += sum(c.solved for c in found)
+            self.variants[m] += [c for c in self._solve(m, b0) if not c.last_resort]
 
     @functools.cached_property
     def shared(self) -> tuple[int, ...]:

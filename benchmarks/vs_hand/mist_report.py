@@ -202,8 +202,8 @@ def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, 
     present = _present(mist_names + full_names)
     files = ", ".join(f"vs_megatron_{n}.json" for n in mist_names + full_names if n in present)
     if replanned:
-        files += (f"; autopar's side of the rows of {', '.join(n for n in current if n in present)} re-planned on "
-                  f"one tree: vs_megatron_{AUTOPAR}.json ({next(iter(replanned.values()))['replanned'].lstrip('# ')})")
+        files += (f"; autopar's side of the rows of {', '.join(n for n in current if n in present)} re-planned: "
+                  f"vs_megatron_{AUTOPAR}.json ({_replan_times(replanned)})")
     headers = [r.get("autopar_options") for r in list(mist.values()) + list(full.values())][:1]
     text = "\n\n".join([report.machine_line("autopar on Mist's points (Zhu et al., EuroSys'25), simulated: "
                                             "both hand grids; rendered from the two sweeps' JSON"),
@@ -217,6 +217,17 @@ def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, 
         chart(s)
     print(text)
     return path
+
+
+def _replan_times(replanned: dict[str, dict]) -> str:
+    """'re-planned 2026-11-26 21:52 to 2026-11-27 01:00, ...': the span of the points' re-planning times (each on
+    the tree of its time: the ``replanned`` field of each point says when)."""
+    stamp = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d")
+    times = sorted(m.group(0) for row in replanned.values() if (m := stamp.search(row["replanned"])))
+    if not times:
+        return next(iter(replanned.values()))["replanned"].lstrip("# ")
+    return (f"{len(replanned)} points re-planned {times[0]} to {times[-1]}, each on the tree of its time (its "
+            "'replanned' field)")
 
 
 def _present(names: tuple) -> set[str]:
