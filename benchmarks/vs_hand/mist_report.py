@@ -122,7 +122,9 @@ def scores(mist: dict[str, dict], full: dict[str, dict]) -> dict:
 def verdict(value: float | None, goal: float) -> str:
     if value is None:
         return "n/a (no point scored)"
-    return f"{value:.3f} (goal ≥ {goal:.2f}: {'met' if value >= goal - 1e-12 else 'NOT met'})"
+    met = value >= goal - 1e-12
+    shown = f"{value:.3f}" if met or f"{value:.3f}" != f"{goal:.3f}" else f"{value:.5f}"  # a miss never shows the goal
+    return f"{shown} (goal ≥ {goal:.2f}: {'met' if met else 'NOT met'})"
 
 
 HEADERS = ["model", "GPUs", "cluster", "autopar plan", "Mist's Megatron: best", "autopar / it", "full grid: best",
