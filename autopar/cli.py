@@ -180,8 +180,8 @@ def cmd_demo(args) -> int:
     if path is None:
         raise AutoparError(f"the demo lives in a source checkout (examples/demo.py), not found at "
                            f"{[str(p) for p in candidates]}; run it from a clone of the autopar repository")
-    # A child process, not an import: the demo spawns ranks with torch.multiprocessing, which must re-import
-    # the demo's functions by module name in each child, as it does when the script runs on its own.
+    # A child process, not an import: the demo starts ranks with multiprocessing, which must re-import the
+    # demo's functions by module name in each child, as it does when the script runs on its own.
     return subprocess.run([sys.executable, str(path)], check=False).returncode
 
 

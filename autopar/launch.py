@@ -1,7 +1,7 @@
 """``autopar.launch``: run ``fn(rank, *args)`` on n local processes over gloo, or once under torchrun.
 
 Under ``torchrun`` (RANK and WORLD_SIZE set) the process group is initialized from the environment and
-``fn`` runs in this process. Otherwise n processes are spawned on this machine. Every process group gets
+``fn`` runs in this process. Otherwise n processes are started on this machine. Every process group gets
 ``timeout`` seconds per collective, so a dead rank makes the others fail instead of hanging. Each rank's
 return value comes back to the caller (rank order).
 
@@ -14,14 +14,23 @@ then raises within that time:
   * ``LaunchError`` (a ``CommunicationError``) when a rank died without a Python exception (os._exit, a
     signal, out of memory): "rank 2 died (exit code 1); other ranks stopped: rank 0: ...", with
     ``.dead_ranks`` and ``.rank_errors`` ({rank: that rank's own error text}).
+
+Start-up. Ranks are forked from multiprocessing's fork server, which imports torch and autopar once per
+calling process: a rank then starts in a fraction of a second, where a spawned one spends seconds of CPU
+importing torch (the calling process itself is never forked: its threads, process group or CUDA context
+stay its own). The caller's environment at each launch is the rank's (``_worker`` sets it); variables that
+torch reads while it is imported are those of the first launch. Where the platform has no fork server,
+ranks are spawned.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import inspect
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import socket
 import sys
 import tempfile
@@ -38,6 +47,7 @@ from autopar.runtime import faults
 _MAX_GRACE_S = 10.0
 _STARTUP_TIMEOUT_S = 600.0
 _OUT_DIR_VAR = "AUTOPAR_LAUNCH_OUT"
+_BOOTSTRAP_DIR: list[str] = []  # set once per process (_bootstrap_dir)
 _NO_MAIN_GUARD = ("autopar.launch was called again while a spawned rank was importing your script: the "
                   "call runs at import time. Fix: put it under `if __name__ == \"__main__\":` (spawned "
                   "processes import the main script, see the multiprocessing docs on safe importing)")
@@ -55,11 +65,12 @@ def launch(fn, nprocs: int, *args, backend: str = "gloo", timeout: float = 60.0,
     with tempfile.TemporaryDirectory(prefix="autopar-launch-") as out_dir:
         store = _store_listening_on(store_host, timeout)
         faults.mark_supervised(store)
-        ctx = mp.get_context("spawn")
+        ctx = _start_method()
+        env = dict(os.environ)
         procs = [ctx.Process(target=_worker, name=f"autopar-rank{rank}",
-                             args=(rank, fn, nprocs, store_host, store.port, backend, timeout, args, out_dir))
+                             args=(rank, fn, nprocs, store_host, store.port, backend, timeout, args, out_dir, env))
                  for rank in range(nprocs)]
-        _start(procs, out_dir)
+        _start(procs)
         killed = _supervise(procs, store, grace=min(timeout, _MAX_GRACE_S))
         if killed or any(p.exitcode != 0 for p in procs):
             raise _failure(procs, out_dir, killed)
@@ -79,26 +90,47 @@ def _store_listening_on(host: str, timeout: float):
     return store
 
 
-def _start(procs: list, out_dir: str) -> None:
+def _start_method():
+    """The fork server (see the module doc), told to import torch and autopar before it forks the first rank,
+    and told where a rank reports a missing ``__main__`` guard (``_bootstrap_dir``); spawn where there is none.
+    Not plain fork: the caller may hold threads, a process group or a CUDA context that a fork would copy."""
+    if "forkserver" not in mp.get_all_start_methods():
+        _bootstrap_dir()
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    if not _BOOTSTRAP_DIR:  # the server starts with this process's environment at its first launch
+        _bootstrap_dir()
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "autopar"])
+    return ctx
+
+
+def _bootstrap_dir() -> str:
+    """A directory for this process's lifetime where a starting rank that finds launch called at import time
+    leaves a note (``bootstrap-<pid>.txt``); its path is in the environment every rank starts with."""
+    if not _BOOTSTRAP_DIR:
+        _BOOTSTRAP_DIR.append(tempfile.mkdtemp(prefix="autopar-launch-"))
+        atexit.register(shutil.rmtree, _BOOTSTRAP_DIR[0], True)
+        os.environ[_OUT_DIR_VAR] = _BOOTSTRAP_DIR[0]
+    return _BOOTSTRAP_DIR[0]
+
+
+def _start(procs: list) -> None:
     """Start every child; if one cannot start, kill those that did (never leave orphans)."""
-    os.environ[_OUT_DIR_VAR] = out_dir  # read by _refuse_inside_a_starting_rank in the children
     try:
         for p in procs:
             p.start()
     except BaseException:
         _kill({r: p for r, p in enumerate(procs) if p.pid is not None}, "killed by launch")
         raise
-    finally:
-        del os.environ[_OUT_DIR_VAR]
 
 
 def _refuse_inside_a_starting_rank() -> None:
-    """A script without the ``__main__`` guard re-runs ``launch`` in every spawned child as it imports the
+    """A script without the ``__main__`` guard re-runs ``launch`` in every starting child as it imports the
     script; say so, to the child's stderr and to the parent (which otherwise sees bare exit codes)."""
     if not getattr(mp.current_process(), "_inheriting", False):
         return
     out_dir = os.environ.get(_OUT_DIR_VAR)
-    if out_dir:
+    if out_dir and os.path.isdir(out_dir):
         with open(os.path.join(out_dir, f"bootstrap-{os.getpid()}.txt"), "w") as f:
             f.write(_NO_MAIN_GUARD)
     raise UsageError(_NO_MAIN_GUARD)
@@ -219,7 +251,9 @@ def _run_under_torchrun(fn, args: tuple, backend: str, timeout: float):
 
 
 def _worker(rank: int, fn, world: int, host: str, port: int, backend: str, timeout: float, args: tuple,
-            out_dir: str) -> None:
+            out_dir: str, env: dict) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from its first launch
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     try:
@@ -309,7 +343,7 @@ def _failure(procs: list, out_dir: str, killed: dict[int, str]) -> BaseException
     """The exception ``launch`` raises. Blame, in order: ranks that died without a Python exception;
     the first rank that raised its own (non-communication) error; ranks still running when every
     failure was a communication error (stuck); else the first error."""
-    if any(name.startswith("bootstrap-") for name in os.listdir(out_dir)):
+    if any(os.path.exists(os.path.join(_bootstrap_dir(), f"bootstrap-{p.pid}.txt")) for p in procs):
         return UsageError(_NO_MAIN_GUARD)
     records = {r: _read_record(out_dir, r) for r in range(len(procs))}
     status = {r: _status(r, p.exitcode, records[r], killed) for r, p in enumerate(procs)}

@@ -9,10 +9,8 @@ A builder covers one *scope*: the whole graph, or one pipeline stage's nodes. A 
 an earlier stage is a *boundary* group: free to arrive in any even spec (the transfer is priced by the
 inter-op pass). A value a later stage reads pays here for being gathered whole before it is sent.
 
-Truncation (``truncate=blocks``): of a repeated-block class with n ≥ 3 instances in scope only the first
-two are built; instance 1 stands for instances 1..n-1 (``weight`` n-1), readers of later
-instances read the matching node of instance 1, and dropped nodes take instance 1's strategy. Since an
-edge into instance 1 stands for each j-1 -> j crossing, edges take their reader's weight.
+Truncation (``truncate=blocks``, ``block_truncation``): of a repeated-block class with n ≥ 3 instances in
+scope only the first two are built; instance 1 stands for instances 1..n-1 (``weight`` n-1).
 
 Prices per group and leader strategy (seconds per training step, B = env.microbatches):
     cost = B · (op time + activation resharding) + sync,   sync = gradient synchronization of parameters
@@ -33,8 +31,10 @@ from autopar.cost_models.compute import cast_time, compute_time, local_bytes
 from autopar.cost_models.experts import dispatch_seconds, kernel_saved_bytes, with_expert_load
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
+from autopar.passes.block_truncation import truncation
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
+from autopar.passes.strategies.registry import out_of_place_form
 from autopar.placement import R, local_shape
 from autopar.redistribute import grad_partial_axes
 
@@ -52,12 +52,15 @@ _LIGHT = _light_packets()
 
 
 def is_light(node: fx.Node) -> bool:
-    """Views, elementwise ops and casts: cheap ops that follow their producer's layout."""
+    """Views, elementwise ops and casts: cheap ops that follow their producer's layout. An in-place form of
+    one (``div_``, ``mul_``, ...) is light too: it takes its out-of-place form's rule (``strategies.registry``),
+    and where its write could be lost it has the replicated strategy only, which ``build_groups`` never joins."""
     if node.op != "call_function":
         return False
     if is_free_view(node) or node.target is operator.getitem:
         return True
-    return getattr(node.target, "overloadpacket", None) in _LIGHT
+    target = out_of_place_form(node.target) or node.target
+    return getattr(target, "overloadpacket", None) in _LIGHT
 
 
 @dataclasses.dataclass
@@ -82,33 +85,6 @@ class Group:
         return self.mem_param + self.mem_act
 
 
-def _truncation(graph, blocks, subset: set[str] | None = None) -> tuple[dict[str, str], dict[str, int]]:
-    """(dropped node -> its instance-1 twin, instance-1 node -> how many instances it stands for), over
-    the instances that lie wholly inside ``subset`` (all of them when None); cached per graph and subset."""
-    key = frozenset(subset) if subset is not None else None
-    cache = graph.__dict__.setdefault("_truncations", {})
-    if key in cache:
-        return cache[key]
-    alias, stands_for = {}, {}
-    for all_instances in blocks.instances.values():
-        instances = [inst for inst in all_instances if subset is None or all(n in subset for n in inst)]
-        if len(instances) < 3:
-            continue
-        for pos, name in enumerate(instances[1]):
-            stands_for[name] = len(instances) - 1
-        for inst in instances[2:]:
-            for pos, name in enumerate(inst):
-                alias[name] = instances[1][pos]
-    nodes = {n.name: n for n in graph.gm.graph.nodes}
-    for node in graph.gm.graph.nodes:  # parameters read only by dropped nodes: the twin reader's input
-        if node.op == "placeholder" and node.users and all(u.name in alias for u in node.users):
-            reader = next(iter(node.users))
-            idx = graph.view(reader).tensor_args.index(node)
-            alias[node.name] = graph.view(nodes[alias[reader.name]]).tensor_args[idx].name
-    cache[key] = (alias, stands_for)
-    return cache[key]
-
-
 def recompute_saved(graph, saved: dict[str, float], recomputed: frozenset[str]) -> dict[str, float]:
     """``saved`` where backward recomputes the ops in ``recomputed``: they keep nothing, and the values
     outside the set that they read (a recomputed region's inputs, which checkpoint keeps) keep their output."""
@@ -128,7 +104,7 @@ class GroupBuilder:
                  truncate=None):
         self.graph, self.env, self.subset = graph, env, subset
         self.nodes = {n.name: n for n in graph.gm.graph.nodes}
-        self.alias, self.stands_for = _truncation(graph, truncate, subset) if truncate else ({}, {})
+        self.alias, self.stands_for = truncation(graph, truncate, subset) if truncate else ({}, {})
         view = graph.view
         self.params = {p.name for p in graph.placeholders if p.kind == "parameter"}
         device_type = env.cluster.device_type
@@ -332,7 +308,9 @@ class GroupBuilder:
     # ---- prices ----------------------------------------------------------------------------------
     def node_time_k(self, name: str, k: int) -> tuple[float, float]:
         """(seconds per step, of which communication) of the op itself under its k-th strategy."""
-        key = (self.sig[name], k, name in self.requires_grad)
+        # a boundary value runs in an earlier stage (0 here) and indexes placeholder strategies, so it never
+        # shares an entry with an interior node of its signature
+        key = (self.sig[name], k, name in self.requires_grad, name in self.boundary)
         if key not in self._node_time:
             view = self.views.get(name)
             self._node_time[key] = self._node_time_of(self.nodes[name], view, self.strategies[name][k]) \

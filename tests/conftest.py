@@ -48,7 +48,8 @@ PROCESS_GROUP_FIXTURES = {
 # module -> tests that start processes themselves.
 PROCESS_GROUP_TESTS = {
     "test_faults": {"test_a_stuck_rank_makes_its_peers_time_out_instead_of_hanging",
-                    "test_a_plan_that_differs_on_one_rank_is_refused"},
+                    "test_a_plan_that_differs_on_one_rank_is_refused",
+                    "test_a_script_calling_launch_at_import_time_is_told_to_add_the_main_guard"},
     "test_cli": {"test_profile_writes_the_cluster_file", "test_demo_runs_examples_demo",
                  "test_the_demo_trains_on_four_ranks_as_on_one_device"},
     "test_profiler": {"test_gpu_profile_uses_nccl_and_cuda_events"},
@@ -77,8 +78,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def parity_runs(request) -> dict:
     """{case: every rank's results} for the parity cases of every module with a selected test
-    (``tests/parity.py``'s ``launch_modules``: one launch per world size serves all of them)."""
-    from tests.parity import launch_modules
+    (``tests/parity_launch.py``'s ``launch_modules``: one launch per world size serves all of them)."""
+    from tests.parity_launch import launch_modules
 
     modules = {getattr(item, "module", None) for item in request.session.items}
     return launch_modules(sorted((m for m in modules if hasattr(m, "PARITY_CASES")), key=lambda m: m.__name__))

@@ -4,9 +4,10 @@ Layouts: "auto" (one stage on the cluster's mesh, memory squeezed so the plan mu
 stage, pinned data parallel), and pipelines: "pp2x2" (2 stages × 2 devices), "pp4x1" (4 × 1), "pp1+3"
 (stages on 1 and 3 devices), each with a schedule ("1f1b" or "gpipe") and 4 (or 2) microbatches.
 
-``run_cases`` runs in every rank of one ``autopar.launch``; each case compiles a model for a mesh and a
-layout, takes 3 AdamW steps on both the sharded module and a single-device copy, and reports the largest
-relative loss error over the steps and the largest relative parameter error (‖a−b‖/‖b‖ per tensor) over
+``tests/parity_launch.run_cases`` runs in every rank of one ``autopar.launch``; each case (``run_case``)
+compiles a model for a mesh and a layout, takes 3 AdamW steps on both the sharded module and a single-device
+copy, and reports the largest relative loss error over the steps and the largest relative parameter error
+(‖a−b‖/‖b‖ per tensor) over
 the parameters whose gradient is not zero up to round-off (``_with_gradient``): a zero-gradient parameter
 only decays, and the round-off noise a sharded run gives such a gradient is not a parity signal. Likewise
 single elements whose gradient at some step is the round-off of a cancellation (``_cancelled_elements``) are
@@ -19,7 +20,6 @@ reproduce; with eps=1e-6 such noise moves nothing.
 """
 import copy
 import pickle
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,9 @@ import torch.distributed as dist
 import autopar
 from autopar.passes.capture import capture
 from autopar.planner.driver import PlanOptions, memory_bounds
-from autopar.runtime import collectives, faults
 from autopar.runtime.compiled import compile_failures
 from tests.models import FACTORIES
+from tests.parity_sabotage import count_collectives
 
 LR, EPS, STEPS = 1e-3, 1e-6, 3
 
@@ -221,7 +221,7 @@ def run_case(model_name: str, mesh, layout: str, world: int) -> dict:
     opt = _optimizer(pm, zero or offload.get("optimizer") or "offload" in pm.plan.planner)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, eps=EPS)
     loss_err, moved, cancelled = 0.0, set(), {}
-    counted = _count_collectives()
+    counted = count_collectives()
     graphs = []
     for step in range(STEPS):
         if step == STEPS - 1 and any(f.startswith("ckpt") for f in flags):
@@ -387,195 +387,3 @@ def _compared_elements(cancelled: dict[str, torch.Tensor]) -> dict[str, torch.Te
     dropped = sum(int(m.sum()) for m in cancelled.values())
     keep_all = dropped > 1e-3 * max(total, 1)
     return {k: torch.ones_like(m) if keep_all else ~m for k, m in cancelled.items()}
-
-
-def launch_cases(cases: list[tuple], world: int, timeout: float = 120) -> list[dict]:
-    """One ``autopar.launch`` of ``run_cases`` on ``world`` ranks: every rank's results, with rank 0's
-    marked ``ranks_agree`` per case (all ranks saw the same loss)."""
-    per_rank = autopar.launch(run_cases, world, cases, world, timeout=timeout)
-    for case in cases:
-        per_rank[0][case]["ranks_agree"] = len({round(r[case].get("loss", 0.0), 12) for r in per_rank}) == 1
-    return per_rank
-
-
-def launch_modules(modules) -> dict[tuple, list[dict]]:
-    """One launch per world size for the cases of all ``modules`` (each declares ``PARITY_CASES``, {world:
-    [case]}, and may declare ``PARITY_TIMEOUT``, seconds, default 120): {case: every rank's results}. Each
-    launch costs every rank a torch start-up (about 4 s of CPU per rank), so the parity suites share them.
-    A case two modules declare runs once."""
-    cases, timeout = {}, {}
-    for module in modules:
-        for world, listed in module.PARITY_CASES.items():
-            cases.setdefault(world, {}).update(dict.fromkeys(listed))
-            timeout[world] = max(timeout.get(world, 0), getattr(module, "PARITY_TIMEOUT", 120))
-    out = {}
-    for world, unique in sorted(cases.items()):
-        per_rank = launch_cases(list(unique), world, timeout=timeout[world])
-        out.update({case: [r[case] for r in per_rank] for case in unique})
-    return out
-
-
-def run_cases(rank: int, cases: list[tuple], world: int) -> dict:
-    """Every case in one process group. A case's last field names a sabotage (its negative control):
-    "all_reduce" makes every all-reduce return the local value; "transfer" returns zero gradients
-    between pipeline stages; "offsets" misplaces each shard-to-shard piece;
-    "accumulate" keeps only the last microbatch's gradients; "replay" skips the collectives
-    when a recomputed region re-runs in backward; "cp_swap" skips context parallelism's load-balancing swap;
-    "kv_grad" drops the sum of gathered keys' and values' gradients; "host_step" never copies the host-stepped
-    values back; "host_acts" brings offloaded activations back as zeros."""
-    results = {}
-    for case in cases:
-        model_name, mesh, layout, sabotage = case
-        if model_name == "loop":  # a training-loop idiom (tests/loop_cases.py)
-            from tests import loop_cases
-
-            undo = loop_cases.sabotage(sabotage)
-            try:
-                results[case] = loop_cases.run_loop_case(mesh, layout, world)
-            finally:
-                undo()
-            continue
-        if model_name == "dispatch":  # the all-to-all expert dispatch kernel alone (tests/moe_cases.py)
-            from tests import moe_cases
-
-            undo = _sabotage(sabotage)
-            try:
-                results[case] = moe_cases.run_dispatch_case(mesh, layout)
-            finally:
-                undo()
-            continue
-        undo = _sabotage(sabotage)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                results[case] = run_case(model_name, mesh, layout, world)
-        finally:
-            undo()
-        results[case]["compile_warnings"] = [str(w.message) for w in caught if "torch.compile of" in str(w.message)]
-    return results
-
-
-def _count_collectives() -> callable:
-    """Count this rank's collectives (every ``faults.guard`` call) from now on; the returned callable stops
-    counting and gives (all of them, those run by a recomputed region's replay in backward)."""
-    original, calls = faults.guard, [0, 0]
-
-    def counting(name, key, fn, *args, **kwargs):
-        calls[0] += 1
-        calls[1] += int(_in_recompute())
-        return original(name, key, fn, *args, **kwargs)
-
-    faults.guard = counting
-
-    def stop() -> tuple[int, int]:
-        faults.guard = original
-        return calls[0], calls[1]
-    return stop
-
-
-def _in_recompute() -> bool:
-    """Inside a backward pass with gradient recording on: only a checkpointed region's replay does that."""
-    return torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled()
-
-
-def _skip_collectives_in_replay() -> callable:
-    """Recomputed regions whose backward replay skips every collective (an all-reduce keeps its local
-    value, other outputs stay zero), on every rank alike: nothing hangs, the replayed activations are wrong."""
-    original = faults.guard
-
-    def guard(name, key, fn, *args, **kwargs):
-        if not _in_recompute():
-            return original(name, key, fn, *args, **kwargs)
-        if name != "all_reduce":
-            args[0].zero_()
-        return None
-
-    faults.guard = guard
-    return lambda: setattr(faults, "guard", original)
-
-
-def _sabotage_dispatch(kind: str) -> callable:
-    """All-to-all expert dispatch with a wrong permutation: "unpermute" puts each returned row at the next
-    assignment's place; "regroup" hands received rows to the local experts in reversed order."""
-    from autopar.runtime import expert_dispatch
-
-    name = "unpermute" if kind == "unpermute" else "_regroup"
-    original = getattr(expert_dispatch, name)
-    if kind == "unpermute":
-        def wrong(rows, order, *args):
-            return original(rows, order.roll(1), *args)
-    else:
-        def wrong(received_counts):
-            by_expert, _ = original(received_counts)
-            flipped = by_expert.flip(0)
-            restore = torch.empty_like(flipped)
-            restore[flipped] = torch.arange(flipped.numel())
-            return flipped, restore
-    setattr(expert_dispatch, name, wrong)
-    return lambda: setattr(expert_dispatch, name, original)
-
-
-def _sabotage(kind) -> callable:
-    from autopar.runtime import pipeline
-
-    if kind == "replay":
-        return _skip_collectives_in_replay()
-    if kind == "inductor":  # every graph inductor is given fails to compile: the modules must fall back to eager
-        from autopar.runtime import compiled
-
-        def failing(*_):
-            raise RuntimeError("inductor made to fail by the test")
-        original = compiled.inductor
-        compiled.inductor = failing
-        return lambda: setattr(compiled, "inductor", original)
-
-    if kind in (True, "all_reduce"):
-        original = collectives._all_reduce
-        collectives._all_reduce = lambda x, key: x.contiguous().clone()
-        return lambda: setattr(collectives, "_all_reduce", original)
-    if kind in ("unpermute", "regroup"):
-        return _sabotage_dispatch(kind)
-    if kind == "offsets":  # each piece read and written at the start of the local shards, not where it lies
-        from autopar.runtime import transfer
-
-        original = transfer.relative
-        transfer.relative = lambda region, within: tuple(slice(0, r.stop - r.start) for r in region)
-        return lambda: setattr(transfer, "relative", original)
-    if kind == "accumulate":  # each microbatch's backward overwrites the gradients instead of adding to them
-        original = pipeline.PipelineRunner._backward
-
-        def overwrite(self, *args):
-            for p in self.gm.parameters():
-                if p.grad is not None:
-                    p.grad.zero_()
-            return original(self, *args)
-        pipeline.PipelineRunner._backward = overwrite
-        return lambda: setattr(pipeline.PipelineRunner, "_backward", original)
-    if kind == "cp_swap":  # the zig-zag swap keeps its own half: each rank attends with its mirror's offsets
-        from autopar.runtime import context_parallel
-
-        original = context_parallel._exchange
-        context_parallel._exchange = lambda x, peer, group: x.clone()
-        return lambda: setattr(context_parallel, "_exchange", original)
-    if kind == "kv_grad":  # the reduce-scatter of gathered values' gradients keeps the local part unsummed
-        original = collectives._reduce_scatter
-        collectives._reduce_scatter = lambda x, dim, key: collectives._chunk(x, dim, key).contiguous()
-        return lambda: setattr(collectives, "_reduce_scatter", original)
-    if kind == "host_step":  # the host copies are stepped but never copied back into the parameters
-        from autopar.runtime import offload
-
-        original = offload.HostCopies.push_params
-        offload.HostCopies.push_params = lambda self: None
-        return lambda: setattr(offload.HostCopies, "push_params", original)
-    if kind == "host_acts":  # activations come back from host memory as zeros
-        from autopar.runtime import spmd
-
-        original = spmd.saved_on_host
-        spmd.saved_on_host = lambda active, device_type: torch.autograd.graph.saved_tensors_hooks(
-            lambda t: t.to("cpu", copy=True), torch.zeros_like) if active else original(active, device_type)
-        return lambda: setattr(spmd, "saved_on_host", original)
-    if kind == "transfer":
-        original = pipeline.send_backward
-        pipeline.send_backward = lambda grad, *a: original(None if grad is None else torch.zeros_like(grad), *a)
-        return lambda: setattr(pipeline, "send_backward", original)
-    return lambda: None

@@ -1,14 +1,17 @@
 """Faults end runs promptly and say why: a dead rank is named by every other rank, a stuck rank makes its
 peers time out instead of hanging, ranks refuse to run different plans, and a plan is deterministic.
 
-Three launches: 4 ranks train the GPT example and rank 2 calls ``os._exit(1)`` at step 2; 2 ranks where rank
-1 never joins a collective (2 s timeout); 2 ranks where rank 1 passes another plan to ``compile``. The
-heartbeat path (ranks on other hosts, where no pid can be probed) is checked in-process on a TCPStore.
+Four launches: a script that calls launch at import time (its ranks' error reaches the caller); 4 ranks
+train the GPT example and rank 2 calls ``os._exit(1)`` at step 2; 2 ranks where rank 1 never joins a
+collective (2 s timeout); 2 ranks where rank 1 passes another plan to ``compile``. The heartbeat path
+(ranks on other hosts, where no pid can be probed) is checked in-process on a TCPStore.
 """
 import datetime
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -90,6 +93,28 @@ def test_a_stuck_rank_makes_its_peers_time_out_instead_of_hanging():
     assert message.startswith("rank 1 was still running") and "killed by launch" in message, message
     assert "no peer is known to have died" in err.value.rank_errors[0], err.value.rank_errors
     assert elapsed < STUCK_S, f"{elapsed:.0f} s: launch waited for the stuck rank instead of stopping it"
+
+
+UNGUARDED_SCRIPT = """import autopar
+
+
+def rank_itself(rank):
+    return rank
+
+
+autopar.launch(rank_itself, 2)
+"""
+
+
+def test_a_script_calling_launch_at_import_time_is_told_to_add_the_main_guard(tmp_path):
+    """End to end: every starting rank imports the script and so calls launch again; the caller's error says
+    why (a rank's note through the launch's bootstrap directory), not only that ranks died."""
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert last.startswith("autopar.errors.UsageError") and 'if __name__ == "__main__":' in last, last
 
 
 def different_plan_on_rank_1(rank: int, plan_json: str) -> None:

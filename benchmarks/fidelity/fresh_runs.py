@@ -11,7 +11,9 @@ date-time>.txt``; an existing file is never overwritten), each with the UTC time
 before and after, then one summary line per run: the goal's figures as profiled (median |time error| <=
 10 %, Spearman >= 0.9, both signs of error present) and whether all runs met them, each followed by the same
 figures re-priced at the reference mm's speed during the benchmark (``cost_model_fidelity.reference_drift``:
-is the model right at the speed the machine ran at, whatever the profile sampled). Run it on an idle
+is the model right at the speed the machine ran at, whatever the profile sampled). ``--collective-share``
+appends, per run, ``collective_share.py`` on the same profile (after the benchmark, so the goal's pairs stay
+profile-then-benchmark). Run it on an idle
 machine: other jobs' load changes what is measured between the profile and the benchmark.
 """
 from __future__ import annotations
@@ -61,6 +63,10 @@ def one_run(i: int, args, log) -> tuple[str, dict, dict | None]:
     text.append(_run([sys.executable, "benchmarks/fidelity/cost_model_fidelity.py", "--nprocs", str(args.nprocs),
                       "--cluster", profile, "--repeats", "1", "--json", rows] + args.bench_args, log).rstrip())
     text.append(f"# benchmark took {time.perf_counter() - started:.0f} s; end {_stamp()}")
+    if args.collective_share:
+        share = [sys.executable, "benchmarks/fidelity/collective_share.py", "--cluster", profile]
+        text.append(_run(share, log).rstrip())
+        text.append(f"# collective_share end {_stamp()}")
     with open(rows) as f:
         data = json.load(f)
     by_reference = data.get("reference_corrected") or [None]
@@ -87,6 +93,8 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", default=None, help="where the cluster files, the benchmark's JSON rows and "
                         "the subprocesses' stderr go (default: a new temporary directory)")
     parser.add_argument("--quick", action="store_true", help="coarse profiles (a smoke test, not a figure)")
+    parser.add_argument("--collective-share", action="store_true", help="after each run's benchmark, also "
+                        "collective_share.py on its profile (the collectives' time inside a step vs alone vs priced)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="after --: extra arguments for cost_model_fidelity.py (e.g. -- --plans dp tp)")
     args = parser.parse_args(argv)

@@ -62,6 +62,7 @@ def _own_rule(target) -> RuleFn | None:
     return _RULES.get(str(target)) if isinstance(target, torch._ops.OpOverload) else None
 
 
+@functools.lru_cache(maxsize=None)
 def out_of_place_form(target) -> torch._ops.OpOverload | None:
     """``aten.div.Tensor`` for ``aten.div_.Tensor``: the op of the same overload without the trailing ``_``,
     for an ATen op that writes its first argument in place (None for anything else)."""
@@ -101,9 +102,20 @@ def _write_stays_local(node: fx.Node) -> bool:
         return False  # a graph input (parameter, buffer, user tensor): its own storage must change
     if _returns_alias(written) and not (out_of_place_form(written.target) is not None and _write_stays_local(written)):
         return False  # a view of another value, which would keep the old values (a chain of writes is fine)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
     others = [user for user in written.users if user is not node]
-    return all(order[user] < order[node] and not _returns_alias(user) for user in others)
+    before = _nodes_between(written, node)
+    return all(user in before and not _returns_alias(user) for user in others)
+
+
+def _nodes_between(first: fx.Node, last: fx.Node) -> set[fx.Node]:
+    """The nodes after ``first`` and before ``last`` in graph order (``first`` precedes ``last``: it is an
+    argument of it). A walk over that span, not an index of the whole graph: planning asks per in-place node
+    per mesh option, and the span from a value to its in-place write is a few nodes."""
+    span, cursor = set(), first.next
+    while cursor is not last:
+        span.add(cursor)
+        cursor = cursor.next
+    return span
 
 
 def _returns_alias(node: fx.Node) -> bool:
