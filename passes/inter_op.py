@@ -82,6 +82,20 @@ def mesh_options(cluster: Cluster) -> list[MeshOption]:
     return out
 
 
+def own_reference(option: MeshOption, smallest: int, batch: int) -> int | None:
+    """The reference microbatch a (data, tensor) mesh (a, t) is also solved at for ``restaged``: the smallest
+    multiple of the smallest reference that its data axis a divides, lcm(a, smallest); None where a divides the
+    smallest already (or is 1), or that size does not divide the batch. Why: a solution prices only the
+    microbatches its batch split divides, and at the smallest reference the data axis must shard something
+    other than the batch, while the largest reference's solution splits the batch widely; neither prices
+    Megatron's dp × tp stage at one sequence per replica."""
+    a = option.logical[0]
+    if a == 1 or smallest % a == 0:
+        return None
+    b0 = math.lcm(a, smallest)
+    return b0 if batch % b0 == 0 else None
+
+
 class StageCosts:
     """Per-mesh-option layer costs (with memory-saving variants), turned into DP tables for any B.
 
@@ -93,8 +107,11 @@ class StageCosts:
     """
 
     def __init__(self, graphs, layers, blocks, cluster: Cluster, training, batch_dims: dict, time_limit: float,
-                 strategies_for=generate_strategies, recompute_modes: list[str] | None = None, offload: bool = False):
+                 strategies_for=generate_strategies, recompute_modes: list[str] | None = None, offload: bool = False,
+                 rescaled=None):
         self._graphs = graphs
+        self.rescaled = rescaled  # b₀ -> the graph rescaled to microbatch b₀ (``add_own_references``)
+        self.own_solved: set[int] = set()
         self.layers, self.blocks, self.cluster = layers, blocks, cluster
         self.strategies_for = strategies_for
         self.training, self.batch_dims, self.time_limit = training, batch_dims, time_limit
@@ -141,7 +158,30 @@ class StageCosts:
         self.solves += sum(c.solved for m in todo for c in self.variants[m])
 
     def _solve_all(self, m: int) -> list[LayerCosts]:
-        return [c for b0 in self.graphs for c in self._solve(m, b0)]
+        return [c for b0 in self.graphs if b0 in self.shared for c in self._solve(m, b0)]
+
+    def add_own_references(self, options: list[int], global_batch: int) -> None:
+        """Solve each of ``options`` (indices) at its ``own_reference`` too, once, appending those solutions to
+        its variants (after the others, so the indices ``picks`` records stay valid). The stage DP prices
+        without them (a solve more per (data, tensor) mesh: +70 % pricing CPU on Llama-3-8B / 64 H100s), and
+        ``solves`` (the plan's "mesh_solves") counts the DP's only; ``restaged`` asks for the meshes of the
+        submeshes it re-chooses among."""
+        shared = self.shared
+        for m in options:
+            b0 = own_reference(self.options[m], min(shared), global_batch)
+            if b0 is None or m in self.own_solved or self.rescaled is None:
+                continue
+            self.own_solved.add(m)
+            self.costs(m)
+            if b0 not in self.graphs:
+                self.graphs[b0] = self.rescaled(b0)
+                self.cut_bytes[b0] = _cut_bytes(self.graphs[b0], self.layers) / b0
+            self.variants[m] += [c for c in self._solve(m, b0) if not c.last_resort]
+
+    @functools.cached_property
+    def shared(self) -> tuple[int, ...]:
+        """The reference microbatches every option is solved at (the ones ``graphs`` was given)."""
+        return tuple(self.graphs)
 
     def costs(self, m: int) -> list[LayerCosts]:
         """Option m's solutions at every reference microbatch (solved on first use): the unconstrained
@@ -379,3 +419,30 @@ def _cheapest(costs: StageCosts, global_batch: int, candidates: list[int], sched
         if found is not None and (best is None or found.cost <= bound):
             best = (found, B, table)
     return best
+
+
+def restaged(costs: StageCosts, choice: StageChoice, global_batch: int, microbatches: int,
+             schedule: str) -> StageChoice | None:
+    """The DP's (un-interleaved) stages at another B, each on the logical mesh of its own submesh that this B's
+    table prices cheapest (with that entry's recompute and offload), those meshes priced at their
+    ``own_reference`` too; None where some stage fits on none. The logical mesh is re-chosen because the best
+    one moves with the microbatch: a (data, tensor) mesh splits the batch only at microbatches its data axis
+    divides."""
+    L = costs.layers.count
+    max_f = microbatches if schedule == "gpipe" else min(L, microbatches)
+    physical = {stage.option.physical for stage in choice.stages}
+    costs.add_own_references([m for m, o in enumerate(costs.options) if o.physical in physical], global_batch)
+    table = costs.table(global_batch, microbatches, max_f)
+    live = [microbatches if schedule == "gpipe" else min(len(choice.stages) - s, microbatches)
+            for s in range(len(choice.stages))]
+    out = []
+    for stage, f in zip(choice.stages, live):
+        f = min(f, max_f)
+        same = [m for m, o in enumerate(costs.options) if o.physical == stage.option.physical]
+        m = min(same, key=lambda m: table[stage.first, stage.last, m, f - 1])
+        if not math.isfinite(table[stage.first, stage.last, m, f - 1]):
+            return None
+        cell = (microbatches, stage.first, stage.last, m, f)
+        out.append(ChosenStage(stage.first, stage.last, costs.options[m], f, costs.recompute_of(*cell),
+                               offload=costs.offload_of(*cell)))
+    return StageChoice(microbatches, out, choice.cost)

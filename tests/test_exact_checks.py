@@ -154,3 +154,28 @@ def test_the_search_finds_the_even_split_its_scaled_prices_rank_below_an_uneven_
     uneven = _llama_1_3b_on_two_l4s(stages=[{"layers": [0, 8], **stage}, {"layers": [9, 15], **stage}],
                                     microbatches=plan.microbatches, schedule="1f1b")
     assert uneven.predicted["step_time"] > plan.predicted["step_time"] * 1.01
+
+
+def test_twice_the_microbatches_replace_the_plan_only_where_predicted_faster():
+    """``more_microbatches``: the DP's stages at 2B (solved by the caller) replace the plan where faster, and
+    record the DP's B and step; a slower or infeasible one, a 2B that is no candidate, an interleaved or one-stage
+    choice, or a plan that ``fewer_microbatches`` already moved keeps the plan (controls)."""
+    import types
+
+    from autopar.planner.exact_checks import more_microbatches
+
+    def plan(step, b):
+        return types.SimpleNamespace(predicted={"step_time": step}, planner={}, microbatches=b)
+
+    choice = types.SimpleNamespace(microbatches=128, virtual=1, stages=[0] * 8)
+    dp, faster, asked = plan(40.5, 128), plan(39.3, 256), []
+    assert more_microbatches(dp, choice, [128, 256], lambda b: asked.append(b) or faster) is faster and asked == [256]
+    assert faster.planner == {"dp_microbatches": 128, "dp_choice_step_time": 40.5}
+    assert more_microbatches(dp, choice, [128, 256], lambda b: plan(41.0, b)) is dp
+    assert more_microbatches(dp, choice, [128, 256], lambda b: None) is dp
+    assert more_microbatches(dp, choice, [64, 128], lambda b: faster) is dp, "256 is no candidate"
+    interleaved = types.SimpleNamespace(microbatches=128, virtual=2, stages=[0] * 8)
+    assert more_microbatches(dp, interleaved, [128, 256], lambda b: faster) is dp
+    one_stage = types.SimpleNamespace(microbatches=128, virtual=1, stages=[0])
+    assert more_microbatches(dp, one_stage, [128, 256], lambda b: faster) is dp, "no bubble to shrink"
+    assert more_microbatches(plan(40.0, 64), choice, [64, 128, 256], lambda b: faster).microbatches == 64

@@ -33,7 +33,12 @@ from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend, raise_if_proven_over_budget
 from autopar.passes.ilp_reuse import solve_walks
-from autopar.passes.inter_op import StageChoice, StageCosts, choose_stages
+from autopar.passes.inter_op import (
+    StageChoice,
+    StageCosts,
+    choose_stages,
+    restaged,
+)
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
@@ -45,6 +50,7 @@ from autopar.planner import invariants
 from autopar.planner.exact_checks import (
     feasible,
     fewer_microbatches,
+    more_microbatches,
     or_even_split,
     or_single_stage,
     same_stages_at,
@@ -102,7 +108,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
                            strategies_for=lambda g, mesh: _strategies(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers),
-                           offload=per_stage_offload)
+                           offload=per_stage_offload,
+                           rescaled=lambda b0: rescale(graph, graph.input_signature[0][0][0] // b0))
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
@@ -214,11 +221,23 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                                       lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
             if ahead is not None:
                 ahead.cancel()  # already joined when it was asked for; stopped here when it was not
+        if fewer and not isinstance(options.stages, (list, tuple)):
+            plan = more_microbatches(plan, choice, candidates, lambda b: _restaged_plan(
+                graph, layers, blocks, cluster, options, model_name, costs, choice, b, at_microbatch))
         plan = or_even_split(plan, choice, layers, blocks, options, lambda even: _pipeline(
             graph, layers, blocks, cluster, options, model_name, even, at_microbatch, costs.modes))
         clock.lap("stage_ilps")
         plan.planner["dp_rejected_stages"] = len(rejected)
         return plan
+
+
+def _restaged_plan(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
+                   costs: StageCosts, choice: StageChoice, microbatches: int, at_microbatch) -> Plan | None:
+    """The DP's stages at ``microbatches``, each on its cheapest logical mesh there (``inter_op.restaged``),
+    solved exactly; None where they do not fit."""
+    staged = restaged(costs, choice, graph.input_signature[0][0][0], microbatches, dp_schedule(options.schedule))
+    return feasible(lambda: _pipeline(graph, layers, blocks, cluster, options, model_name, staged, at_microbatch,
+                                      costs.modes)) if staged is not None else None
 
 
 def _half_ahead(microbatches: int, candidates: list[int], solve_at) -> Beside | None:

@@ -19,6 +19,12 @@ they compare):
                           to more microbatches than pay (SC'21 GPT-3.6B on 64 A100s: one stage at B = 8,
                           1.774 s per step, where B = 1 runs 1.690 s); the exact prediction replays the
                           schedule, bubble included.
+  ``more_microbatches``   a pipeline's DP stages at 2B, each on the logical mesh of its submesh that the
+                          DP's table prices cheapest there: scaled down from a reference many times larger, a
+                          stage's price at B loses the per-op fixed costs, so the DP can also lean to fewer
+                          microbatches than pay (GPT-3 15B on 32 A100-40GB: 8 stages of 1 × 4 at B = 128,
+                          36.9 s by the DP's prices, 40.5 s exactly, where dp2 × tp2 stages at B = 256 run
+                          39.3 s exactly).
 """
 from __future__ import annotations
 
@@ -123,3 +129,22 @@ def even_choice(choice: StageChoice, ranges: list[tuple[int, int]] | None, sched
 
 def _ranges(choice: StageChoice) -> list[tuple[int, int]]:
     return [(s.first, s.last) for s in choice.stages]
+
+
+def more_microbatches(plan: Plan, choice: StageChoice, candidates: list[int],
+                      solve_at: Callable[[int], Plan | None]) -> Plan:
+    """``plan``, or ``solve_at(2B)`` (the DP's stages at twice the DP's B, ``inter_op.restaged``; None where they
+    do not fit) where 2B is a candidate and that is predicted faster by more than a relative ``TIE``. Not tried
+    where ``fewer_microbatches`` already moved the plan to fewer microbatches (the exact prices fell with B
+    there), the choice is interleaved (its chunks are no DP stages) or one stage (no bubble for more microbatches
+    to shrink: they add per-microbatch costs only)."""
+    more = 2 * choice.microbatches
+    if more not in candidates or choice.virtual > 1 or plan.microbatches != choice.microbatches \
+            or len(choice.stages) < 2:
+        return plan
+    candidate = solve_at(more)
+    if candidate is None or candidate.predicted["step_time"] * (1 + TIE) >= plan.predicted["step_time"]:
+        return plan
+    candidate.planner["dp_microbatches"] = choice.microbatches
+    candidate.planner["dp_choice_step_time"] = float(plan.predicted["step_time"])
+    return candidate

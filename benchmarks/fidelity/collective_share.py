@@ -13,7 +13,9 @@ Ratios are read under any load; seconds only on an idle machine. In process CPU 
 the kernel's loopback copies included; other jobs' time slices not): the step's, the same step's with the
 collectives replaced by local copies (``cost_model_fidelity --split``), their difference (the collectives'
 CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute and optimizer the cost
-model prices for the plan, to set beside the compute-only CPU.
+model prices for the plan, to set beside the compute-only CPU. ``cold / alone``: the replay again with a
+64 MiB buffer overwritten before each call (the calls' tensors out of cache, as after the compute that
+wrote them): what cold buffers alone add to a collective, against what ``last / alone`` shows in the step.
 
 The calls are timed by wrapping torch.distributed's functions and the runtime's module-level references to
 them (as ``cost_model_fidelity --split`` replaces them), on every rank at once, in one ``autopar.launch``.
@@ -91,16 +93,25 @@ def recording(recorder: _Recorder):
             setattr(m, k, f)
 
 
-def replay_alone(calls) -> tuple[float, float]:
+EVICT_BYTES = 64 * 2 ** 20  # larger than this machine's caches: writing it pushes the step's buffers out
+
+
+def replay_alone(calls, evict: torch.Tensor | None = None) -> tuple[float, float]:
     """(wall, process CPU) seconds of the recorded calls again, one after another, nothing else running (async
-    ones waited at once)."""
+    ones waited at once). With ``evict``, that buffer is overwritten before each call (outside the timing), so
+    each call finds its tensors out of cache, as after the compute that wrote them."""
     dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
+    wall = cpu = 0.0
     for fn, args, kwargs in calls:
+        if evict is not None:
+            evict.add_(1.0)
+            dist.barrier()  # both ranks start the call together: the timing holds no wait for the other's eviction
+        start, cpu_start = time.perf_counter(), time.process_time()
         work = fn(*args, **kwargs)
         if work is not None and hasattr(work, "wait"):
             work.wait()
-    return time.perf_counter() - start, time.process_time() - cpu
+        wall, cpu = wall + time.perf_counter() - start, cpu + time.process_time() - cpu_start
+    return wall, cpu
 
 
 def _compute_only_cpu(pm, opt, batch) -> float:
@@ -120,6 +131,7 @@ def _over_ranks(x: float, op) -> float:
 
 def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: int) -> dict:
     model, batch = make_gpt(CONFIG, batch_size=BATCH)
+    evict = torch.zeros(EVICT_BYTES // 4)
     out = {}
     for name, text in plans:
         plan = autopar.Plan.from_json(text)
@@ -127,7 +139,8 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
             continue  # sends between stages wait on the other stage's compute: not a collective's own time
         pm = autopar.compile(model, autopar.Cluster.from_dict(plan.cluster), batch, plan=plan, compile=False)
         opt = pm.optimizer(torch.optim.AdamW, lr=1e-4)
-        rows = {k: [] for k in ("step", "cpu", "in_step", "in_step_last", "alone", "alone_cpu", "compute_cpu")}
+        rows = {k: [] for k in ("step", "cpu", "in_step", "in_step_last", "alone", "alone_cpu", "compute_cpu",
+                                "cold")}
         for i in range(warmup + steps):
             recorder = _Recorder()
             dist.barrier()
@@ -137,10 +150,11 @@ def _measure_rank(rank: int, plans: list[tuple[str, str]], warmup: int, steps: i
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             dist.barrier()
             alone, alone_cpu = replay_alone(recorder.calls)
+            cold = replay_alone(recorder.calls, evict)[0]
             compute_cpu = _compute_only_cpu(pm, opt, batch)
             if i >= warmup:
                 for key, value in (("step", wall), ("cpu", cpu), ("in_step", recorder.seconds), ("alone", alone),
-                                   ("alone_cpu", alone_cpu), ("compute_cpu", compute_cpu)):
+                                   ("alone_cpu", alone_cpu), ("compute_cpu", compute_cpu), ("cold", cold)):
                     rows[key].append(_over_ranks(value, dist.ReduceOp.MAX))
                 rows["in_step_last"].append(_over_ranks(recorder.seconds, dist.ReduceOp.MIN))
         out[name] = {k: statistics.median(v) for k, v in rows.items()}
@@ -166,7 +180,7 @@ def main(argv=None) -> int:
     print(f"# collectives in the step vs priced; cluster {args.cluster}; load average {load} -> {os.getloadavg()}")
     print(f"{'plan':8} {'step ms':>8} {'cpu ms':>8} {'in-step':>8} {'last':>8} {'alone':>8} {'priced':>8} "
           f"{'last/alone':>10} {'alone/pr':>8} {'in/pr':>8} {'comp cpu':>8} {'pr comp':>8} {'comm cpu':>8} "
-          f"{'alone cpu':>9}")
+          f"{'alone cpu':>9} {'cold/alone':>10}")
     for name, m in measured.items():
         p = plans[name].predicted
         priced = float(p["comm"] - p["grad_sync"] + p["grad_sync_exposed"])
@@ -175,7 +189,8 @@ def main(argv=None) -> int:
               f"{ratio(m['in_step_last'], m['alone']):>10} "
               f"{ratio(m['alone'], priced)} {ratio(m['in_step'], priced)} {m['compute_cpu'] * 1e3:8.1f} "
               f"{float(p['compute'] + p['optimizer']) * 1e3:8.1f} "
-              f"{(m['cpu'] - m['compute_cpu']) * 1e3:8.1f} {m['alone_cpu'] * 1e3:9.1f}")
+              f"{(m['cpu'] - m['compute_cpu']) * 1e3:8.1f} {m['alone_cpu'] * 1e3:9.1f} "
+              f"{ratio(m['cold'], m['alone']):>10}")
     return 0
 
 
