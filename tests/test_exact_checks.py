@@ -138,22 +138,23 @@ def _llama_1_3b_on_two_l4s(**options) -> autopar.Plan:
 
 
 @pytest.mark.slow
-def test_the_search_finds_the_even_split_its_scaled_prices_rank_below_an_uneven_one():
-    """Llama-style 1.3B (24 blocks) on 2 L4s, Mist's point: the DP's prices put 13 blocks before 11 (and the
-    schedule simulator interleaves them), which run slower exactly than the even 12/12 split Megatron-LM's
-    hand layout uses. The search now returns the even split, at the step time of those stages given by hand;
-    negative control: given the DP's uneven 1F1B stages by hand, the plan is slower."""
+def test_the_search_keeps_the_faster_of_the_even_split_and_the_dps_uneven_one():
+    """Llama-style 1.3B (24 blocks) on 2 L4s, Mist's point: the DP's scaled prices put 13 blocks before 11;
+    the planner also solves the even 12/12 split (Megatron-LM's hand layout) exactly and keeps it only when
+    faster, so the plan is never slower than either split given by hand at its microbatches. Negative
+    control: the two splits by hand differ by more than 1 %, so keeping the slower one fails the check.
+    (Which one is faster is the cost model's answer: once a stage-input value priced with its interior
+    twin's op time was priced 0, the uneven split is.)"""
     plan = _llama_1_3b_on_two_l4s()
-    assert plan.planner.get("even_split") is True
-    assert [s.layers for s in plan.stages] == [(0, 7), (8, 15)]
-    assert plan.predicted["step_time"] < plan.planner["dp_choice_step_time"]
-    stage = {"submesh": [1, 1]}
-    by_hand = _llama_1_3b_on_two_l4s(stages=[{"layers": [0, 7], **stage}, {"layers": [8, 15], **stage}],
-                                     microbatches=plan.microbatches, schedule="1f1b")
-    assert plan.predicted["step_time"] == pytest.approx(by_hand.predicted["step_time"], rel=1e-9)
-    uneven = _llama_1_3b_on_two_l4s(stages=[{"layers": [0, 8], **stage}, {"layers": [9, 15], **stage}],
-                                    microbatches=plan.microbatches, schedule="1f1b")
-    assert uneven.predicted["step_time"] > plan.predicted["step_time"] * 1.01
+    stage, fixed = {"submesh": [1, 1]}, {"microbatches": plan.microbatches, "schedule": "1f1b"}
+    even = _llama_1_3b_on_two_l4s(stages=[{"layers": [0, 7], **stage}, {"layers": [8, 15], **stage}], **fixed)
+    uneven = _llama_1_3b_on_two_l4s(stages=[{"layers": [0, 8], **stage}, {"layers": [9, 15], **stage}], **fixed)
+    faster, slower = sorted([even, uneven], key=lambda p: p.predicted["step_time"])
+    assert slower.predicted["step_time"] > faster.predicted["step_time"] * 1.01
+    assert plan.predicted["step_time"] <= faster.predicted["step_time"] * (1 + 1e-9)
+    if plan.planner.get("even_split"):
+        assert [s.layers for s in plan.stages] == [(0, 7), (8, 15)]
+        assert plan.predicted["step_time"] < plan.planner["dp_choice_step_time"]
 
 
 def test_twice_the_microbatches_replace_the_plan_only_where_predicted_faster():
