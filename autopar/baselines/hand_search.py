@@ -12,7 +12,7 @@ shares between configs, and why each shortcut leaves every score as a fresh ``au
 * captures: ``capture_once`` captures the model once at the global batch and once per microbatch count,
   and every config that plans at that count reuses the graph. A capture is a pure function of the model,
   the microbatch's shapes and the precision policy, and planning only adds caches to a graph (node
-  signatures, the batch-dim analysis, strategies per (mesh, pins) in ``driver._strategies``), each a pure
+  signatures, the batch-dim analysis, strategies per (mesh, pins) in ``single_stage.strategies_for``), each a pure
   function of the graph;
 * cores: layouts (``layout_of``) are searched independently, each in a forked worker
   (``passes.forked.parallel_map``), and their results merged in the grid's order with the serial search's

@@ -31,7 +31,7 @@ from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
-from autopar.passes.ilp import backend, raise_if_proven_over_budget
+from autopar.passes.ilp import backend
 from autopar.passes.ilp_reuse import solve_walks
 from autopar.passes.inter_op import (
     StageChoice,
@@ -42,8 +42,7 @@ from autopar.passes.inter_op import (
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
-from autopar.passes.pins import pinned_strategies
-from autopar.passes.recompute import layer_modes, recompute_seconds, recomputed_ops, stage_modes
+from autopar.passes.recompute import layer_modes, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
 from autopar.plan import Plan
 from autopar.planner import invariants
@@ -71,8 +70,14 @@ from autopar.planner.options import (
     training_spec,
 )
 from autopar.planner.plan_builder import assemble_plan, make_stage, place_chunks, transfers_between
-
-MEMORY_BINDS = 0.8  # a single-stage solution above this share of the budget also tries recompute="auto" layers
+from autopar.planner.single_stage import (  # noqa: F401 - memory_bounds: callers import it from here
+    floor_hint,
+    memory_bounds,
+    record_recompute,
+    single_stage,
+    strategies_for,
+    uniform_recompute,
+)
 
 
 def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options: PlanOptions) -> Plan:
@@ -100,20 +105,20 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
     blocks = find_repeated_blocks(graph)
     at_microbatch = functools.cache(lambda b: _at_microbatch(graph, b, recapture))  # a retry reuses its capture
     if options.stages == 1:
-        plan = _single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
+        plan = single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
     else:
         layers = _enough_layers(graph, blocks, options)
         _check(options, lambda: invariants.check_layers(graph, layers))
         costs = StageCosts(lambda: _reference_graphs(graph, candidates), layers, blocks, cluster,
                            training_spec(graph, options), batch_dims(graph), options.time_limit,
-                           strategies_for=lambda g, mesh: _strategies(g, mesh, options),
+                           strategies_for=lambda g, mesh: strategies_for(g, mesh, options),
                            recompute_modes=layer_modes(options.recompute, graph, layers),
                            offload=per_stage_offload,
                            rescaled=lambda b0: rescale(graph, graph.input_signature[0][0][0] // b0))
         clock.lap("layers")
         single = None
         if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
-            single = Beside(lambda: feasible(lambda: _single_stage(graph, blocks, cluster, options, model_name, 1,
+            single = Beside(lambda: feasible(lambda: single_stage(graph, blocks, cluster, options, model_name, 1,
                                                                     at_microbatch)))
         try:
             plan = _plan_stages(graph, layers, blocks, cluster, options, model_name, costs, candidates,
@@ -287,11 +292,6 @@ def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGrap
     return rescale(graph, microbatches)
 
 
-def _strategies(graph: ModelGraph, mesh, options: PlanOptions) -> dict:
-    check = (lambda generated: invariants.check_strategies(graph, generated)) if options.debug else None
-    return pinned_strategies(graph, mesh, options.pin or {}, check)
-
-
 def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
     """{microbatch size: graph rescaled to it} for two references: the smallest candidate microbatch
     (where tensor parallelism and pipelines live) and batch / min(8, max B) (where data parallelism does).
@@ -301,45 +301,6 @@ def _reference_graphs(graph: ModelGraph, candidates: list[int]) -> dict:
     batch = graph.input_signature[0][0][0]
     parts = {max(candidates), max((b for b in candidates if b <= 8), default=min(candidates))}
     return {batch // b: rescale(graph, b) for b in sorted(parts)}
-
-
-def _single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_name: str, microbatches: int,
-                  at_microbatch) -> Plan:
-    mesh = tuple(cluster.mesh_shape)
-    scaled = at_microbatch(microbatches)
-    strategies = _strategies(scaled, mesh, options)
-    layers = cluster_layers(graph, blocks, options.layers, is_light) if options.recompute != "none" else None
-    modes = layer_modes(options.recompute, graph, layers) if layers is not None else []
-    attempts = [{n: m for n, m in enumerate(modes) if m in ("full", "selective")}]
-    if "auto" in modes:  # the "auto" layers all recompute, tried where memory binds without
-        attempts.append({**attempts[0], **{n: "full" for n, m in enumerate(modes) if m == "auto"}})
-    tried, error = [], None
-    for attempt, recompute in enumerate(attempts):
-        env = CostEnv(cluster, mesh, training_spec(graph, options), microbatches=microbatches,
-                      recomputed=recomputed_ops(layers, recompute, scaled) if recompute else {})
-        try:
-            built = build_problem(scaled, strategies, blocks, env, cluster.memory_per_device)
-            if attempt + 1 < len(attempts):  # a recompute attempt follows: skip a solve proven infeasible
-                raise_if_proven_over_budget(built.problem)
-            solution = solve_built(built, env, options.time_limit)
-        except InfeasibleError as e:
-            error = e
-            continue
-        stage = make_stage(scaled, solution, env, index=0, ranks=list(range(cluster.num_devices)),
-                           submesh=(cluster.nodes, cluster.devices_per_node))
-        _record_recompute(stage, solution, scaled, layers, blocks, recompute, microbatches)
-        step = stage.predicted["latency"] * microbatches + stage.predicted["grad_sync"]
-        tried.append((step, stage, solution, recompute))
-        if solution.memory <= MEMORY_BINDS * cluster.memory_per_device:
-            break
-    if not tried:
-        raise error
-    _, stage, solution, recompute = min(tried, key=lambda t: t[0])
-    return assemble_plan(graph, cluster, [stage], options, model_name, blocks, microbatches=microbatches,
-                         schedule=recorded_schedule(options.schedule, 1) if microbatches > 1 else "none",
-                         sharded_graph=scaled,
-                         layers=layers if recompute else None,
-                         planner={"ilp_variables": solution.ilp.n_variables, "ilp_status": solution.ilp.status})
 
 
 def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], options: PlanOptions,
@@ -362,21 +323,10 @@ def _stage_dp(costs: StageCosts, graph: ModelGraph, candidates: list[int], optio
             else:
                 choice = keep_uninterleaved(choice, "the interleaved chunks did not fit when solved exactly")
     except InfeasibleError as e:
-        raise InfeasibleError(f"{e}.{_floor_hint(graph, cluster, options)}"
+        raise InfeasibleError(f"{e}.{floor_hint(graph, cluster, options)}"
                               + budget_unit_hint(cluster.memory_per_device)) from None
     _check(options, lambda: invariants.check_stage_choice(choice, costs.layers.count, cluster.num_devices))
     return choice
-
-
-def _floor_hint(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> str:
-    """' For scale: the most sharded single-stage plan needs ...', or '' when the user's pins are written
-    for their own stage meshes and are no sharding of the whole-cluster mesh (that plan does not exist)."""
-    try:
-        floor = memory_bounds(graph, cluster, options)[0]
-    except PlanError:
-        return ""
-    return (f" For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} per device "
-            f"({floor:.0f} bytes); a memory_per_device that large fits it.")
 
 
 def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, model_name: str,
@@ -400,11 +350,11 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
                       recomputed=recomputed_ops(layers, recompute, scaled))
         try:
             if chosen.option.logical not in strategies:
-                strategies[chosen.option.logical] = _strategies(scaled, chosen.option.logical, options)
+                strategies[chosen.option.logical] = strategies_for(scaled, chosen.option.logical, options)
             budget = cluster.memory_per_device if chosen.budget is None else chosen.budget
             built.append((s, chosen, env, recompute, build_problem(
                 scaled, strategies[chosen.option.logical], blocks, env, budget, subset=subsets[s],
-                truncate=_uniform(recompute, layers, chosen.first, chosen.last))))
+                truncate=uniform_recompute(recompute, layers, chosen.first, chosen.last))))
         except InfeasibleError as e:  # raised in turn, after the stages before it are solved
             built.append((s, chosen, env, recompute, e))
             break
@@ -422,7 +372,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         solution = solve_built(problem, env, options.time_limit, result=result)
         stage = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=chosen.option.physical,
                            layers=(chosen.first, chosen.last))
-        _record_recompute(stage, solution, scaled, layers, blocks, recompute, B)
+        record_recompute(stage, solution, scaled, layers, blocks, recompute, B)
         solved[s] = stage, solution.ilp.n_variables
     stages = [solved[s][0] for s in range(len(solved))]
     variables = sum(n for _, n in solved.values())
@@ -433,58 +383,6 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
                          planner={"ilp_variables": variables, "ilp_status": "Optimal", "layers": layers.count,
                                   "dp_cost": choice.cost, "stage_solves_reused": reused, **choice.notes,
                                   **offloaded_stages(choice.stages)})
-
-
-def _uniform(recompute: dict[int, str], layers, k: int, i: int) -> bool:
-    """Whether identical layers k..i all recompute alike, so the ILP may keep one instance for the rest
-    (``intra_op_groups`` truncation); a mixed stage is solved whole."""
-    return len({recompute.get(n) for n in range(k, i + 1)}) <= 1 if layers is not None else True
-
-
-def _record_recompute(stage, solution, graph, layers, blocks, recompute: dict[int, str], microbatches: int) -> None:
-    """Stage.recompute and the predicted seconds of the extra forward (in backward, per microbatch)."""
-    stage.recompute = dict(sorted(recompute.items()))
-    if not recompute:
-        return
-    extra = recompute_seconds(solution, graph, layers, blocks, stage.mesh_shape, recompute) / microbatches
-    p = stage.predicted
-    p["recompute"] = extra
-    p["latency"] += extra
-    p["backward"] += extra
-
-
-def memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
-    """(least memory any plan needs, memory of the fully replicated plan) per device, in bytes, with the
-    layers that ``options.recompute`` forces to recompute ("full", "selective") recomputing. Kept on the
-    graph for its module per (cluster, pins, recompute, layers, training spec), all it depends on: an
-    infeasible plan's error message quotes it, and a grid of plans on one graph fails that way often."""
-    key = (cluster.to_json(), tuple((options.pin or {}).items()), repr(options.recompute), options.layers,
-           training_spec(graph, options))
-    owner, cache = getattr(graph, "_memory_bounds", (None, None))
-    if owner is not graph.gm:
-        cache = {}
-        graph._memory_bounds = (graph.gm, cache)
-    if key not in cache:
-        cache[key] = _memory_bounds(graph, cluster, options)
-    return cache[key]
-
-
-def _memory_bounds(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> tuple[float, float]:
-    from autopar.passes.ilp import memory_of, min_memory
-    from autopar.passes.intra_op import build_problem
-
-    mesh = tuple(cluster.mesh_shape)
-    strategies = _strategies(graph, mesh, options)
-    blocks = find_repeated_blocks(graph)
-    recomputed = {}
-    if options.recompute not in ("auto", "none"):
-        layers = cluster_layers(graph, blocks, options.layers, is_light)
-        modes = layer_modes(options.recompute, graph, layers)
-        forced = {n: m for n, m in enumerate(modes) if m in ("full", "selective")}
-        recomputed = recomputed_ops(layers, forced, graph)
-    env = CostEnv(cluster, mesh, training_spec(graph, options), recomputed=recomputed)
-    problem = build_problem(graph, strategies, blocks, env, None).problem
-    return min_memory(problem), memory_of(problem, [0] * problem.n_classes)
 
 
 def _check(options: PlanOptions, fn) -> None:
