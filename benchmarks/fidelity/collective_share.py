@@ -102,15 +102,16 @@ def replay_alone(calls, evict: torch.Tensor | None = None) -> tuple[float, float
     each call finds its tensors out of cache, as after the compute that wrote them."""
     dist.barrier()
     wall = cpu = 0.0
-    for fn, args, kwargs in calls:
-        if evict is not None:
-            evict.add_(1.0)
-            dist.barrier()  # both ranks start the call together: the timing holds no wait for the other's eviction
-        start, cpu_start = time.perf_counter(), time.process_time()
-        work = fn(*args, **kwargs)
-        if work is not None and hasattr(work, "wait"):
-            work.wait()
-        wall, cpu = wall + time.perf_counter() - start, cpu + time.process_time() - cpu_start
+    with torch.no_grad():  # outputs recorded inside autograd (views made under no_grad) may be written again
+        for fn, args, kwargs in calls:
+            if evict is not None:
+                evict.add_(1.0)
+                dist.barrier()  # both ranks start the call together: no wait for the other's eviction is timed
+            start, cpu_start = time.perf_counter(), time.process_time()
+            work = fn(*args, **kwargs)
+            if work is not None and hasattr(work, "wait"):
+                work.wait()
+            wall, cpu = wall + time.perf_counter() - start, cpu + time.process_time() - cpu_start
     return wall, cpu
 
 
