@@ -11,6 +11,7 @@ from autopar.passes.capture import capture
 from autopar.passes.intra_op import CostEnv, solve_intra_op
 from autopar.passes.intra_op_groups import GroupBuilder, is_light
 from autopar.passes.strategies import generate_strategies, strategy_signature
+from tests.test_in_place_rules import WriteThroughView
 
 aten = torch.ops.aten
 MESH = (2, 2)
@@ -31,20 +32,6 @@ class ScaledInPlace(nn.Module):
         w.div_(self.scale)
         w.mul_(3.0)
         return self.head(w).pow(2).mean()
-
-
-class WriteThroughView(nn.Module):
-    """``u`` is written in place after a view of it was taken: the view's reader must see the write."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(256, 256)
-
-    def forward(self, x):
-        u = self.lin(x) * 2.0
-        first = u[:, :8]
-        u.mul_(3.0)
-        return (first.sum() + u.sum()).pow(2)
 
 
 def _built(model):
@@ -87,7 +74,7 @@ def test_in_place_op_joins_its_producers_group_and_plans_alike(monkeypatch):
 
 
 def test_in_place_write_through_a_view_stays_a_replicated_group_of_its_own():
-    _, strategies, _, b, writes = _built(WriteThroughView())
+    _, strategies, _, b, writes = _built(WriteThroughView(256, 256))
     (node,) = writes
     assert is_light(node), "light by its op; what keeps it alone is its single (replicated) strategy"
     assert len(strategies[node.name]) == 1 and all(p.is_replicate() for p in strategies[node.name][0].out_spec)

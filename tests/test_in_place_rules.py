@@ -34,9 +34,9 @@ class InPlaceChain(nn.Module):
 class WriteThroughView(nn.Module):
     """``u`` is written in place after a view of it was taken: the view's reader must see the write."""
 
-    def __init__(self):
+    def __init__(self, d_in: int = 8, d_out: int = 16):
         super().__init__()
-        self.lin = nn.Linear(8, 16)
+        self.lin = nn.Linear(d_in, d_out)
 
     def forward(self, x):
         u = self.lin(x) * 2.0
