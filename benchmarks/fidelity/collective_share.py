@@ -12,8 +12,8 @@ rank's compute on the shared cores, cold buffers), alone / priced the profile's 
 Ratios are read under any load; seconds only on an idle machine. In process CPU seconds (gloo's threads and
 the kernel's loopback copies included; other jobs' time slices not): the step's, the same step's with the
 collectives replaced by local copies (``cost_model_fidelity --split``), their difference (the collectives'
-CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute (with recompute's replay) and optimizer the cost
-model prices for the plan, to set beside the compute-only CPU. ``cold / alone``: the replay again with a
+CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute (recompute's replay
+included) and optimizer the cost model prices for the plan, to set beside the compute-only CPU. ``cold / alone``: the replay again with a
 64 MiB buffer overwritten before each call (the calls' tensors out of cache, as after the compute that
 wrote them): what cold buffers alone add to a collective, against what ``last / alone`` shows in the step.
 
