@@ -14,8 +14,9 @@ the kernel's loopback copies included; other jobs' time slices not): the step's,
 collectives replaced by local copies (``cost_model_fidelity --split``), their difference (the collectives'
 CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute (recompute's replay
 included) and optimizer the cost model prices for the plan, to set beside the compute-only CPU.
-``cold / alone``: the replay again with a 64 MiB buffer overwritten before each call (the calls' tensors out of cache, as after the compute that
-wrote them): what cold buffers alone add to a collective, against what ``last / alone`` shows in the step.
+``cold / alone``: the replay again with a 64 MiB buffer overwritten before each call (the calls' tensors
+out of cache, as after the compute that wrote them): what cold buffers alone add to a collective, against
+what ``last / alone`` shows in the step.
 
 The calls are timed by wrapping torch.distributed's functions and the runtime's module-level references to
 them (as ``cost_model_fidelity --split`` replaces them), on every rank at once, in one ``autopar.launch``.
