@@ -160,4 +160,3 @@ def priced_compute(plan) -> float:
     "compute" field leaves out (``predicted["recompute"]`` is per microbatch)."""
     return max(float(s.predicted.get("compute", 0.0)) + plan.microbatches * float(s.predicted.get("recompute", 0.0))
                for s in plan.stages)
-
