@@ -97,6 +97,17 @@ class AxisLink:
         return self.time(kind, nbytes) - self.startup_time(kind)
 
 
+def zero_pair_time(link: AxisLink, nbytes: float) -> float:
+    """Seconds of one ZeRO 1-2 gradient bucket's reduce-scatter + all-gather over ``link`` (m = the full flat
+    buffer, as ``all_reduce``'s): the profile's "zero_pair/<n>@step" fit where a CPU profile measured the pair
+    as ``runtime.gradsync`` issues it after a step's compute (on gloo it cost 2-4× one all-reduce of the same
+    buffer), else the reduce-scatter's and the all-gather's own prices."""
+    fit = link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 and nbytes > 0 else None
+    if fit is not None:
+        return fit.time(nbytes)
+    return link.time("reduce_scatter", nbytes) + link.time("all_gather", nbytes)
+
+
 def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],
                devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
     """Links for each axis of a logical mesh laid row-major on nodes of ``devices_per_node`` devices.
