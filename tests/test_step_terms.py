@@ -26,6 +26,9 @@ def test_an_in_step_fit_prices_the_collective_and_a_mesh_fit_still_comes_first()
     axis = AxisLink(2, link.latency, link.bandwidth, link)
     assert axis.time("all_reduce", 13 * MiB) == pytest.approx(in_step.time(13 * MiB))
     assert axis.bandwidth_time("all_reduce", MiB) == pytest.approx(2e-9 * MiB)  # bucketed syncs use it too
+    # an in-step fit below the isolated one (noise of a difference) never makes a collective cheaper
+    low = _link(**{"all_reduce/2@step": CollectiveFit(alpha=1e-4, beta=5e-10)})
+    assert AxisLink(2, 0, 1e9, low).time("all_reduce", MiB) == pytest.approx(ISOLATED.time(MiB))
     # control: without the in-step fit the isolated one prices it
     plain = AxisLink(2, link.latency, link.bandwidth, _link())
     assert plain.time("all_reduce", 13 * MiB) == pytest.approx(ISOLATED.time(13 * MiB))
