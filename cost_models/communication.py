@@ -27,6 +27,11 @@ takes precedence on that mesh. (On an oversubscribed CPU the two axes' groups sh
 collective waits for ranks busy in the other axis's groups: on 4 gloo ranks of 2 cores an all_reduce/2
 interleaved across the axes of a 2×2 mesh took 3.6 ms against 2.0 ms alone.)
 
+A fit keyed "<collective>/<n>@step" was measured right after a burst of compute on every rank
+(``autopar.profiling.profiler_in_step``: the wait for a rank still computing, buffers the compute evicted),
+as a training step meets its collectives; CPU profiles carry it, and it takes precedence over the isolated
+fit (a mesh's own fit still comes first). GPU clusters have none, so their prices do not move.
+
 Axis links: the logical mesh's devices are numbered row-major over (nodes × devices per node). An axis
 whose groups stay inside a node uses the intra-node link; one whose groups span nodes uses the
 inter-node link, whose per-node bandwidth is shared by the c groups that cross the same node's NIC at
@@ -75,7 +80,7 @@ class AxisLink:
             return 0.0
         key = f"{kind}/{self.size}"
         fit = self.link.fits.get(f"{key}@{self.mesh}") if self.mesh else None
-        fit = fit or self.link.fits.get(key)
+        fit = fit or self.link.fits.get(f"{key}@step") or self.link.fits.get(key)
         if fit is not None:
             return fit.time(nbytes)
         alpha = self.latency + self.link.hop_latency * algorithm_steps(kind, self.size)
