@@ -4,22 +4,21 @@ Invariant: ``choose_stages`` returns the cheapest DP answer over the candidate m
 smallest B among costs equal within a relative ``TIE``, exactly as an unbounded search in any order would;
 ``restaged`` keeps the DP's stages (layers and submeshes) and re-chooses only each stage's logical mesh at
 another B. The tables themselves (per-layer prices, memory, recompute and offload picks) are
-``inter_op``'s; this module only reads them.
+``inter_op``'s; this module only reads them (``costs`` is an ``inter_op.StageCosts``, left unannotated:
+``inter_op`` imports this module).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.units import fmt_bytes
+from autopar.passes.inter_op_meshes import MeshOption
 from autopar.passes.stage_dp import DPResult, option_for, stage_dp
-
-if TYPE_CHECKING:  # inter_op imports this module
-    from autopar.passes.inter_op import MeshOption, StageCosts
 
 INF = float("inf")
 TIE = 1e-9  # DP costs this close (relative) are equal: the smaller B wins (``choose_stages``)
@@ -51,7 +50,7 @@ class StageChoice:
     notes: dict = dataclasses.field(default_factory=dict)  # what the interleave pass priced
 
 
-def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
+def choose_stages(costs, global_batch: int, candidates: list[int], schedule: str,
                   stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
     """Run the DP for every candidate B and keep the cheapest, the smallest B among costs equal within a
     relative ``TIE`` (rounding: a single stage costs B·t = (N/b₀)·t₀ + sync at every B, so the linear prices
@@ -89,7 +88,7 @@ def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], s
     return StageChoice(B, out, found.cost)
 
 
-def _cheapest(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str, stages: int | None,
+def _cheapest(costs, global_batch: int, candidates: list[int], schedule: str, stages: int | None,
               excluded: set[tuple]) -> tuple[DPResult, int, np.ndarray] | None:
     """(DP result, B, its table) of the cheapest B (``choose_stages``), or None when nothing fits."""
     best: tuple[DPResult, int, np.ndarray] | None = None
@@ -108,7 +107,7 @@ def _cheapest(costs: StageCosts, global_batch: int, candidates: list[int], sched
     return best
 
 
-def restaged(costs: StageCosts, choice: StageChoice, global_batch: int, microbatches: int,
+def restaged(costs, choice: StageChoice, global_batch: int, microbatches: int,
              schedule: str) -> StageChoice | None:
     """The DP's (un-interleaved) stages at another B, each on the logical mesh of its own submesh that this B's
     table prices cheapest (with that entry's recompute and offload), those meshes priced at their
