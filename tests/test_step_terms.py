@@ -5,7 +5,7 @@ import json
 import pytest
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autopar.cost_models.communication import AxisLink, axis_links
+from autopar.cost_models.communication import AxisLink, axis_links, zero_pair_time
 from autopar.cost_models.compute import optimizer_host_calls, optimizer_step_time
 from autopar.cost_models.optimizer_calls import optimizer_calls_per_tensor
 from autopar.errors import ClusterError
@@ -26,6 +26,9 @@ def test_an_in_step_fit_prices_the_collective_and_a_mesh_fit_still_comes_first()
     axis = AxisLink(2, link.latency, link.bandwidth, link)
     assert axis.time("all_reduce", 13 * MiB) == pytest.approx(in_step.time(13 * MiB))
     assert axis.bandwidth_time("all_reduce", MiB) == pytest.approx(2e-9 * MiB)  # bucketed syncs use it too
+    # an in-step fit below the isolated one (noise of a difference) never makes a collective cheaper
+    low = _link(**{"all_reduce/2@step": CollectiveFit(alpha=1e-4, beta=5e-10)})
+    assert AxisLink(2, 0, 1e9, low).time("all_reduce", MiB) == pytest.approx(ISOLATED.time(MiB))
     # control: without the in-step fit the isolated one prices it
     plain = AxisLink(2, link.latency, link.bandwidth, _link())
     assert plain.time("all_reduce", 13 * MiB) == pytest.approx(ISOLATED.time(13 * MiB))
@@ -96,3 +99,12 @@ def test_optimizer_host_time_moves_with_the_count_and_op_overhead_on_cpus_only()
     faster = Cluster(**{**cpu.__dict__, "op_overhead": 1e-5})  # control: a measured op_overhead moves it
     assert optimizer_step_time(4e6, 65, 4, "adamw", faster) == pytest.approx(traffic + 65 * 11 * 1e-5)
     assert optimizer_step_time(4e6, 65, 4, "adamw", gpu) == pytest.approx(traffic)  # GPUs: foreach, no per-tensor
+
+
+def test_the_zero_pair_is_priced_from_its_own_fit_where_profiled():
+    pair = CollectiveFit(alpha=1e-3, beta=5e-9)
+    link = _link(**{"zero_pair/2@step": pair, "reduce_scatter/2": ISOLATED, "all_gather/2": ISOLATED})
+    assert zero_pair_time(AxisLink(2, 0, 1e9, link), 16 * MiB) == pytest.approx(pair.time(16 * MiB))
+    # control: without the profiled pair, the reduce-scatter's and the all-gather's own prices
+    plain = AxisLink(2, 0, 1e9, _link(**{"reduce_scatter/2": ISOLATED, "all_gather/2": ISOLATED}))
+    assert zero_pair_time(plain, 16 * MiB) == pytest.approx(2 * ISOLATED.time(16 * MiB))

@@ -27,6 +27,9 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
   factor training-shaped linears run at against the square-mm curve (the curve is scaled by it), and, with
   2 or more ranks, the pipeline runtime's host time per (chunk, microbatch) (``microbatch_overhead``,
   ``autopar.profiling.profiler_pipeline``).
+* collectives as a step meets them (``autopar.profiling.profiler_in_step``, CPU ranks): each collective kind, and
+  ZeRO's reduce-scatter + all-gather pair, timed right after a burst of compute on every rank; fits keyed
+  "<kind>/<g>@step", which the cost model prefers to the isolated ones.
 
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
 ``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
