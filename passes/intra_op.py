@@ -75,7 +75,7 @@ class CostEnv:
 
 
 _RESHARD_CACHES: dict[tuple, tuple[tuple, dict]] = {}
-_RESHARD_ENTRIES_KEPT = 2_000_000  # past this many prices in all, the caches start again (memory, not speed)
+_RESHARD_ENTRIES_KEPT = 400_000  # past this many prices in all (~120 MB), the caches start again
 
 
 def _reshard_cache(mesh_shape: tuple[int, int], links: tuple) -> dict:

@@ -16,6 +16,8 @@ Prices per group and leader strategy (seconds per training step, B = env.microba
     cost = B · (op time + activation resharding) + sync,   sync = gradient synchronization of parameters
     mem_param = parameter, gradient and optimizer bytes;    mem_act = saved activations × in-flight count
     peak = the largest transient (an op's output and its gradient)
+The per-node and per-edge prices, and the caches that let identical layers share them, are
+``intra_op_groups_prices.NodePrices`` (a base of ``GroupBuilder``); the group vectors are ``intra_op_prices``.
 """
 from __future__ import annotations
 
