@@ -62,6 +62,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from autopar.cost_models.compute import optimizer_step_time
+from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import bucket_numel, group_exposed, unit_bytes
 from autopar.passes.ilp import memory_of
 from autopar.placement import local_shape
@@ -175,27 +177,102 @@ def _append_twins(group, twins: list[tuple[int, int, float, float, float]], micr
 
 def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) -> list[int]:
     """``choice`` with every ZeRO twin reverted to its base column (or a level-3 twin to its level-2 sibling)
-    where that keeps the memory within the budget (to the base, without a budget); see the module docstring."""
+    where that is priced no higher and keeps the memory within the budget (to the base, without a budget),
+    then every base column moved to its cheapest strictly cheaper twin that fits; see the module docstring."""
     twins_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for g, group in enumerate(groups):
         if group.zero_base is not None:
             twins_of.setdefault(class_of[g], (group.zero_base, group.zero_level))
-    choice = list(choice)
+    choice = _revert_twins(problem, list(choice), twins_of)
+    return _take_cheaper_twins(problem, choice, twins_of)
+
+
+def _fits(problem, trial: list[int]) -> bool:
+    return problem.budget is None or memory_of(problem, trial) <= problem.budget
+
+
+def _revert_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
     chosen = [c for c, (base, _) in twins_of.items() if base[choice[c]] != choice[c]]
     chosen.sort(key=lambda c: problem.mem[c][twins_of[c][0][choice[c]]] - problem.mem[c][choice[c]])
     for c in chosen:
         base, level = twins_of[c]
-        fallbacks = [int(base[choice[c]])]
+        fallbacks = [int(base[choice[c]])] if problem.cost[c][base[choice[c]]] <= problem.cost[c][choice[c]] else []
         if level[choice[c]] == 3:
             fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2
                           and problem.cost[c][j] <= problem.cost[c][choice[c]]]
         for column in fallbacks:
             trial = list(choice)
             trial[c] = column
-            if problem.budget is None or memory_of(problem, trial) <= problem.budget:
+            if _fits(problem, trial):
                 choice = trial
                 break
     return choice
+
+
+def _take_cheaper_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
+    """Each class still at a base column moved to the cheapest of its twins priced strictly below it that
+    fits, largest saving first. A twin keeps its base's picks and edges, so the objective falls by exactly
+    the price difference: this only settles what a relative MIP gap leaves open (a twin cheaper through the
+    optimizer step alone saves a small share of the step)."""
+    gains = []
+    for c, (base, _) in twins_of.items():
+        if base[choice[c]] != choice[c]:
+            continue
+        twins = [j for j in np.flatnonzero(base == choice[c]) if j != choice[c]]
+        cheaper = sorted((float(problem.cost[c][j]), int(j)) for j in twins
+                         if problem.cost[c][j] < problem.cost[c][choice[c]])
+        if cheaper:
+            gains.append((cheaper[0][0] - float(problem.cost[c][choice[c]]), c, [j for _, j in cheaper]))
+    for _, c, columns in sorted(gains):
+        for column in columns:
+            trial = list(choice)
+            trial[c] = column
+            if _fits(problem, trial):
+                choice = trial
+                break
+    return choice
+
+
+def price_optimizer_step(b) -> None:
+    """Add to every column of a group that holds parameters the seconds of one optimizer step over them
+    (``group.optimizer``, also in ``group.cost``; after ``add_zero_columns``), so the ILP weighs what
+    ``plan_builder`` predicts: per parameter p stored as spec s at ZeRO level z,
+
+        t_p = optimizer_step_time(local elements of p / (n_p if z >= 1 else 1), 1 tensor)
+
+    (``host_optimizer_seconds`` when the stage steps on the host), n_p = ∏ sizes of the axes s replicates p
+    on. A level-2 or -3 twin thus prices the shorter step beside its all-gather. ``CostEnv.price_optimizer``
+    False leaves every price as it was."""
+    if not b.env.price_optimizer:
+        return
+    cache: dict = {}
+    for group in b.groups:
+        params = [m for m in group.members if m in b.params and m not in b.boundary]
+        if not params:
+            continue
+        levels = group.zero_level if group.zero_level is not None else np.zeros(len(group.pick), dtype=int)
+        seconds = np.array([sum(_step_seconds(b, name, b.strategies[name][pick[name]].out_spec,
+                                              int(level) or b.env.training.zero_level(name), cache)
+                                for name in params) for pick, level in zip(group.pick, levels)])
+        group.optimizer = seconds
+        group.cost = group.cost + seconds
+
+
+def _step_seconds(b, name: str, spec, level: int, cache: dict) -> float:
+    """Seconds of the optimizer step over parameter ``name``'s local shard stored as ``spec`` at ZeRO ``level``
+    (``plan_builder._optimizer_seconds``'s price of one tensor)."""
+    val = b.nodes[name].meta["val"]
+    key = (tuple(val.shape), val.dtype, spec, level >= 1)
+    if key not in cache:
+        mesh, training = b.env.mesh_shape, b.env.training
+        numel = float(math.prod(local_shape(tuple(val.shape), spec, mesh)))
+        if level >= 1:
+            numel /= math.prod(size for size, p in zip(mesh, spec) if not p.is_shard())
+        if training.host_optimizer:
+            cache[key] = host_optimizer_seconds(numel, val.element_size(), training.optimizer, b.env.cluster, 1)
+        else:
+            cache[key] = optimizer_step_time(numel, 1, val.element_size(), training.optimizer, b.env.cluster)
+    return cache[key]
 
 
 def chosen_levels(b, group, column: int) -> dict[str, int]:
