@@ -80,6 +80,7 @@ class Group:
     zero3_gather: np.ndarray = None     # seconds per step of level 3's all-gathers compute does not hide
     zero3_unit: np.ndarray = None       # bytes of gathered level-3 units a column adds to its peak
     optimizer: np.ndarray = None        # seconds of the optimizer step over its parameters (in cost only)
+    zero3_first: np.ndarray = None      # seconds per step of a level-3 column's first unit's gathers (not in cost)
 
     @property
     def mem(self) -> np.ndarray:

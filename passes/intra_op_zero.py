@@ -97,9 +97,9 @@ def add_zero_columns(b) -> None:
         for i, pick in enumerate(group.pick):
             found = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in params]
             if sum(e.saved2 for e in found) > 0:
-                twins.append((i, 2, sum(e.saved2 for e in found), sum(e.gather for e in found), 0.0))
+                twins.append((i, 2, sum(e.saved2 for e in found), sum(e.gather for e in found), 0.0, 0.0))
                 twins.append((i, 3, sum(e.saved3 for e in found), sum(e.gather3 for e in found),
-                              _units(found, unit_floor)))
+                              _units(found, unit_floor), _first_unit(found, unit_floor)))
         if twins:
             _append_twins(group, twins, b.env.microbatches)
 
@@ -114,6 +114,13 @@ def _units(found: list[_Effect], unit_floor: float) -> float:
     """Bytes of the two units a level-3 column keeps gathered (module docstring)."""
     largest = max(found, key=lambda e: e.numel)
     return unit_bytes(largest.numel, unit_floor, largest.itemsize)
+
+
+def _first_unit(found: list[_Effect], unit_floor: float) -> float:
+    """Seconds of one all-gather of the largest unit a level-3 column gathers (its largest parameter's
+    per-element gather time, over max(its elements, a bucket's))."""
+    largest = max(found, key=lambda e: e.numel)
+    return largest.gather3 * max(largest.numel, unit_floor) / largest.numel
 
 
 def _charge_forced_units(b, group, params: list[str], unit_floor: float, effects: dict) -> None:
@@ -150,8 +157,9 @@ def _effect(b, name: str, spec, cache: dict) -> _Effect:
     return cache[key]
 
 
-def _append_twins(group, twins: list[tuple[int, int, float, float, float]], microbatches: int) -> None:
-    """twins: (base column, level, bytes saved, all-gather seconds g, unit bytes) each; see module docstring."""
+def _append_twins(group, twins: list[tuple[int, int, float, float, float, float]], microbatches: int) -> None:
+    """twins: (base column, level, bytes saved, all-gather seconds g, unit bytes, one unit's all-gather
+    seconds) each; see module docstring."""
     n = len(group.pick)
     base = [t[0] for t in twins]
     level = np.array([t[1] for t in twins])
@@ -173,6 +181,7 @@ def _append_twins(group, twins: list[tuple[int, int, float, float, float]], micr
     group.zero_level = np.concatenate([np.zeros(n), level]).astype(int)
     group.zero_gather = np.concatenate([np.zeros(n), after_step])
     group.zero3_gather = np.concatenate([np.zeros(n), per_microbatch])
+    group.zero3_first = np.concatenate([np.zeros(n), 2 * microbatches * np.array([t[5] for t in twins])])
 
 
 def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) -> list[int]:
@@ -180,24 +189,29 @@ def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) ->
     where that is priced no higher and keeps the memory within the budget (to the base, without a budget),
     then every base column moved to its cheapest strictly cheaper twin that fits; see the module docstring."""
     twins_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    first: dict[int, np.ndarray] = {}
     for g, group in enumerate(groups):
         if group.zero_base is not None:
             twins_of.setdefault(class_of[g], (group.zero_base, group.zero_level))
-    choice = _revert_twins(problem, list(choice), twins_of)
-    return _take_cheaper_twins(problem, choice, twins_of)
+            c = class_of[g]
+            first[c] = group.zero3_first if c not in first else np.maximum(first[c], group.zero3_first)
+    priced = {c: problem.cost[c] + first[c] for c in twins_of}  # level 3 with its first unit's gathers
+    choice = _revert_twins(problem, list(choice), twins_of, priced)
+    return _take_cheaper_twins(problem, choice, twins_of, priced)
 
 
 def _fits(problem, trial: list[int]) -> bool:
     return problem.budget is None or memory_of(problem, trial) <= problem.budget
 
 
-def _revert_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
+def _revert_twins(problem, choice: list[int], twins_of: dict, priced: dict) -> list[int]:
     chosen = [c for c, (base, _) in twins_of.items() if base[choice[c]] != choice[c]]
     chosen.sort(key=lambda c: problem.mem[c][twins_of[c][0][choice[c]]] - problem.mem[c][choice[c]])
     for c in chosen:
         base, level = twins_of[c]
-        fallbacks = [int(base[choice[c]])] if problem.cost[c][base[choice[c]]] <= problem.cost[c][choice[c]] else []
-        if level[choice[c]] == 3:
+        cost = priced[c]
+        fallbacks = [int(base[choice[c]])] if cost[base[choice[c]]] <= cost[choice[c]] else []
+        if level[choice[c]] == 3:  # between levels 2 and 3 the ILP's prices (its first unit is no reason)
             fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2
                           and problem.cost[c][j] <= problem.cost[c][choice[c]]]
         for column in fallbacks:
@@ -209,7 +223,7 @@ def _revert_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
     return choice
 
 
-def _take_cheaper_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
+def _take_cheaper_twins(problem, choice: list[int], twins_of: dict, priced: dict) -> list[int]:
     """Each class still at a base column moved to the cheapest of its twins priced strictly below it that
     fits, largest saving first. A twin keeps its base's picks and edges, so the objective falls by exactly
     the price difference: this only settles what a relative MIP gap leaves open (a twin cheaper through the
@@ -219,10 +233,10 @@ def _take_cheaper_twins(problem, choice: list[int], twins_of: dict) -> list[int]
         if base[choice[c]] != choice[c]:
             continue
         twins = [j for j in np.flatnonzero(base == choice[c]) if j != choice[c]]
-        cheaper = sorted((float(problem.cost[c][j]), int(j)) for j in twins
-                         if problem.cost[c][j] < problem.cost[c][choice[c]])
+        cost = priced[c]
+        cheaper = sorted((float(cost[j]), int(j)) for j in twins if cost[j] < cost[choice[c]])
         if cheaper:
-            gains.append((cheaper[0][0] - float(problem.cost[c][choice[c]]), c, [j for _, j in cheaper]))
+            gains.append((cheaper[0][0] - float(cost[choice[c]]), c, [j for _, j in cheaper]))
     for _, c, columns in sorted(gains):
         for column in columns:
             trial = list(choice)
