@@ -34,14 +34,26 @@ Invariants and formulas:
     replicated, so the memory row holds the gathered unit whether the level was chosen or forced.
   * Level 1 is not offered: it moves the same bytes as 2 and keeps more (the whole gradient), so level 2
     dominates it. A forced ``zero=1`` is honoured as before.
+  * The optimizer step is in every parameter column's price (``price_optimizer_step``, after the twins):
+    at levels 2 and 3 each rank steps 1/n of the state, so with memory loose a twin can be priced below its
+    base (level 2: g − t_opt·(1 − 1/n) < 0 where the gather link is faster than memory_bandwidth / traffic
+    per byte, e.g. NVLink beside HBM), and then it is kept. ``plan_builder`` predicts the step with the same
+    function, so the two agree on which level is faster. Level 3 is compared with its base with its first
+    unit's gathers added (2·B·one unit's all-gather, ``zero3_first``: what ``plan_builder.charge_zero3``
+    charges however well compute hides the rest, and the per-group price leaves out, being once per stage);
+    between levels 2 and 3 the prices alone decide, as before.
+  * The stage DP's per-layer latency leaves the optimizer step out (``layer_costs``), as before: stage
+    boundaries do not change how many elements a stage steps in total, only which ILP shards them.
   * No new constraint family: a twin is one more strategy of the group's ILP class. Identical layers share
     a class (``intra_op._share_classes``), so they get one level. Column 0 stays level 0, so "the fully
     replicated plan" (``choice 0``) still means no ZeRO.
   * Groups with a single strategy are fixed (their edges were priced into their readers) and get no twins.
   * ``keep_needed_zero``: with a relative MIP gap the solver may return a twin whose price is within the gap;
-    every twin whose base column also fits the budget is reverted (cheaper, same edges), smallest memory
-    increase first, and a level-3 twin whose base does not fit falls back to its level-2 sibling where that
-    fits and is priced no higher, so a plan shards weight updates only as far as memory asks, and between
+    every twin whose base column also fits the budget and is priced no higher is reverted (same edges),
+    smallest memory increase first, and a level-3 twin whose base does not fit falls back to its level-2
+    sibling where that fits and is priced no higher; then every base column moves to its cheapest strictly
+    cheaper twin that fits (a saving through the optimizer step is a small share of the objective, within
+    the gap). So a plan shards weight updates as far as memory asks or the step gets faster, and between
     levels 2 and 3 takes the one the cost model prices faster: level 3 where compute hides its prefetched
     gathers better than level 2 hides nothing of its after-step all-gather.
   * The stage DP (``inter_op``) sees the twins only through its per-option memory points: the unconstrained
