@@ -38,10 +38,11 @@ Invariants and formulas:
     at levels 2 and 3 each rank steps 1/n of the state, so with memory loose a twin can be priced below its
     base (level 2: g − t_opt·(1 − 1/n) < 0 where the gather link is faster than memory_bandwidth / traffic
     per byte, e.g. NVLink beside HBM), and then it is kept. ``plan_builder`` predicts the step with the same
-    function, so the two agree on which level is faster. Level 3 is compared with its base with its first
-    unit's gathers added (2·B·one unit's all-gather, ``zero3_first``: what ``plan_builder.charge_zero3``
-    charges however well compute hides the rest, and the per-group price leaves out, being once per stage);
-    between levels 2 and 3 the prices alone decide, as before.
+    function, so the two agree on which level is faster. A stage's first level-3 unit costs more than its
+    per-group prices say (``plan_builder.charge_zero3`` charges at least one unit's gathers per microbatch
+    and direction, however well compute hides the rest: once per stage, so no group's price can hold it),
+    so ``keep_needed_zero`` gives level 3 up altogether where the stage fits without it and the prices gain
+    less than F = 2·B·the largest chosen unit's all-gather (``zero3_first``).
   * The stage DP's per-layer latency leaves the optimizer step out (``layer_costs``), as before: stage
     boundaries do not change how many elements a stage steps in total, only which ILP shards them.
   * No new constraint family: a twin is one more strategy of the group's ILP class. Identical layers share
@@ -199,43 +200,48 @@ def _append_twins(group, twins: list[tuple[int, int, float, float, float, float]
 def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) -> list[int]:
     """``choice`` with every ZeRO twin reverted to its base column (or a level-3 twin to its level-2 sibling)
     where that is priced no higher and keeps the memory within the budget (to the base, without a budget),
-    then every base column moved to its cheapest strictly cheaper twin that fits; see the module docstring."""
+    every base column moved to its cheapest strictly cheaper twin that fits, and level 3 given up where the
+    stage fits without it for less than its first unit's gathers; see the module docstring."""
     twins_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     first: dict[int, np.ndarray] = {}
     for g, group in enumerate(groups):
         if group.zero_base is not None:
-            twins_of.setdefault(class_of[g], (group.zero_base, group.zero_level))
             c = class_of[g]
+            twins_of.setdefault(c, (group.zero_base, group.zero_level))
             first[c] = group.zero3_first if c not in first else np.maximum(first[c], group.zero3_first)
-    priced = {c: problem.cost[c] + first[c] for c in twins_of}  # level 3 with its first unit's gathers
-    choice = _revert_twins(problem, list(choice), twins_of, priced)
-    return _take_cheaper_twins(problem, choice, twins_of, priced)
+    choice = _revert_twins(problem, list(choice), twins_of)
+    choice = _take_cheaper_twins(problem, choice, twins_of)
+    return _without_level3_if_cheaper(problem, choice, twins_of, first)
 
 
 def _fits(problem, trial: list[int]) -> bool:
     return problem.budget is None or memory_of(problem, trial) <= problem.budget
 
 
-def _revert_twins(problem, choice: list[int], twins_of: dict, priced: dict) -> list[int]:
+def _revert_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
     chosen = [c for c, (base, _) in twins_of.items() if base[choice[c]] != choice[c]]
     chosen.sort(key=lambda c: problem.mem[c][twins_of[c][0][choice[c]]] - problem.mem[c][choice[c]])
     for c in chosen:
         base, level = twins_of[c]
-        cost = priced[c]
+        cost = problem.cost[c]
         fallbacks = [int(base[choice[c]])] if cost[base[choice[c]]] <= cost[choice[c]] else []
-        if level[choice[c]] == 3:  # between levels 2 and 3 the ILP's prices (its first unit is no reason)
+        if level[choice[c]] == 3:
             fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2
-                          and problem.cost[c][j] <= problem.cost[c][choice[c]]]
-        for column in fallbacks:
-            trial = list(choice)
-            trial[c] = column
-            if _fits(problem, trial):
-                choice = trial
-                break
+                          and cost[j] <= cost[choice[c]]]
+        choice = _first_that_fits(problem, choice, c, fallbacks)
     return choice
 
 
-def _take_cheaper_twins(problem, choice: list[int], twins_of: dict, priced: dict) -> list[int]:
+def _first_that_fits(problem, choice: list[int], c: int, columns) -> list[int]:
+    for column in columns:
+        trial = list(choice)
+        trial[c] = int(column)
+        if _fits(problem, trial):
+            return trial
+    return choice
+
+
+def _take_cheaper_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
     """Each class still at a base column moved to the cheapest of its twins priced strictly below it that
     fits, largest saving first. A twin keeps its base's picks and edges, so the objective falls by exactly
     the price difference: this only settles what a relative MIP gap leaves open (a twin cheaper through the
@@ -244,19 +250,35 @@ def _take_cheaper_twins(problem, choice: list[int], twins_of: dict, priced: dict
     for c, (base, _) in twins_of.items():
         if base[choice[c]] != choice[c]:
             continue
-        twins = [j for j in np.flatnonzero(base == choice[c]) if j != choice[c]]
-        cost = priced[c]
-        cheaper = sorted((float(cost[j]), int(j)) for j in twins if cost[j] < cost[choice[c]])
+        cost = problem.cost[c]
+        cheaper = sorted((float(cost[j]), int(j)) for j in np.flatnonzero(base == choice[c])
+                         if cost[j] < cost[choice[c]])
         if cheaper:
             gains.append((cheaper[0][0] - float(cost[choice[c]]), c, [j for _, j in cheaper]))
     for _, c, columns in sorted(gains):
-        for column in columns:
-            trial = list(choice)
-            trial[c] = column
-            if _fits(problem, trial):
-                choice = trial
-                break
+        choice = _first_that_fits(problem, choice, c, columns)
     return choice
+
+
+def _without_level3_if_cheaper(problem, choice: list[int], twins_of: dict, first: dict) -> list[int]:
+    """``choice`` with every level-3 class moved to the cheapest of its base and level-2 sibling, where all
+    of them fit so and the objective grows by less than F = the largest first-unit charge among them
+    (``zero3_first``: 2·B·one unit's all-gather, which ``plan_builder`` charges once per stage with any
+    level 3, however well compute hides the rest, and the per-group prices leave out)."""
+    at3 = [c for c, (_, level) in twins_of.items() if level[choice[c]] == 3]
+    if not at3:
+        return choice
+    floor = max(float(first[c][choice[c]]) for c in at3)
+    trial, grown = list(choice), 0.0
+    for c in at3:
+        base, level = twins_of[c]
+        family = [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] < 3]
+        moved = _first_that_fits(problem, trial, c, sorted(family, key=lambda j: (problem.cost[c][j], j)))
+        if moved is trial:
+            return choice  # memory needs level 3 here
+        grown += float(problem.cost[c][moved[c]] - problem.cost[c][choice[c]])
+        trial = moved
+    return trial if grown < floor else choice
 
 
 def price_optimizer_step(b) -> None:
