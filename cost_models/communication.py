@@ -27,6 +27,13 @@ takes precedence on that mesh. (On an oversubscribed CPU the two axes' groups sh
 collective waits for ranks busy in the other axis's groups: on 4 gloo ranks of 2 cores an all_reduce/2
 interleaved across the axes of a 2×2 mesh took 3.6 ms against 2.0 ms alone.)
 
+A fit keyed "<collective>/<n>@step" was measured right after a burst of compute on every rank
+(``autopar.profiling.profiler_in_step``: the wait for a rank still computing, buffers the compute evicted),
+as a training step meets its collectives; CPU profiles carry it, and where the cluster has one a collective
+costs max(in-step fit, isolated fit): the wait and the cold buffers only add to a call, so an in-step fit
+below the isolated one at some size is the noise of its difference of two windows (a mesh's own fit still
+comes first). GPU clusters have none, so their prices do not move.
+
 Axis links: the logical mesh's devices are numbered row-major over (nodes × devices per node). An axis
 whose groups stay inside a node uses the intra-node link; one whose groups span nodes uses the
 inter-node link, whose per-node bandwidth is shared by the c groups that cross the same node's NIC at
@@ -75,7 +82,10 @@ class AxisLink:
             return 0.0
         key = f"{kind}/{self.size}"
         fit = self.link.fits.get(f"{key}@{self.mesh}") if self.mesh else None
-        fit = fit or self.link.fits.get(key)
+        in_step, isolated = self.link.fits.get(f"{key}@step"), self.link.fits.get(key)
+        if fit is None and in_step is not None:  # a step only adds to the call: below alone is the fit's noise
+            return max(in_step.time(nbytes), isolated.time(nbytes) if isolated else 0.0)
+        fit = fit or isolated
         if fit is not None:
             return fit.time(nbytes)
         alpha = self.latency + self.link.hop_latency * algorithm_steps(kind, self.size)
@@ -90,6 +100,17 @@ class AxisLink:
         if self.size <= 1 or nbytes <= 0:
             return 0.0
         return self.time(kind, nbytes) - self.startup_time(kind)
+
+
+def zero_pair_time(link: AxisLink, nbytes: float) -> float:
+    """Seconds of one ZeRO 1-2 gradient bucket's reduce-scatter + all-gather over ``link`` (m = the full flat
+    buffer, as ``all_reduce``'s): the profile's "zero_pair/<n>@step" fit where a CPU profile measured the pair
+    as ``runtime.gradsync`` issues it after a step's compute (on gloo it cost 2-4× one all-reduce of the same
+    buffer), else the reduce-scatter's and the all-gather's own prices."""
+    fit = link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 and nbytes > 0 else None
+    if fit is not None:
+        return fit.time(nbytes)
+    return link.time("reduce_scatter", nbytes) + link.time("all_gather", nbytes)
 
 
 def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],

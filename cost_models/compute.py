@@ -57,6 +57,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.cost_models.experts import MOE_OP, moe_flops
+from autopar.cost_models.optimizer_calls import ZERO_GRAD_CALLS_PER_TENSOR, optimizer_calls_per_tensor
 from autopar.ir.ops import is_free_view, node_signature
 from autopar.placement import local_shape
 
@@ -287,16 +288,25 @@ def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_sh
 # adamw/adam read p, g, exp_avg, exp_avg_sq and write p, exp_avg, exp_avg_sq (7); sgd with momentum
 # reads p, g, buf and writes p, buf (5); plain sgd reads p, g and writes p (3).
 OPTIMIZER_TRAFFIC = {"adamw": 7, "adam": 7, "sgd_momentum": 5, "sgd": 3}
-OPTIMIZER_CALLS_PER_TENSOR = 3  # torch's foreach AdamW, 65 fp32 tensors: ~75 µs per tensor at ~25 µs per op call
+
+
+def optimizer_host_calls(optimizer: str) -> int:
+    """Op calls per parameter tensor of one step and zero_grad on CPU ranks, counted from torch's optimizer
+    (``cost_models.optimizer_calls``: AdamW 10 + 1 on torch 2.13)."""
+    return optimizer_calls_per_tensor(optimizer) + ZERO_GRAD_CALLS_PER_TENSOR
 
 
 def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: str, cluster) -> float:
-    """Seconds of one ``optimizer.step()`` over ``n_tensors`` local parameter tensors of ``numel`` elements:
+    """Seconds of one ``optimizer.step()`` and ``zero_grad()`` over ``n_tensors`` local parameter tensors of
+    ``numel`` elements:
 
         t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
-            + n_tensors · OPTIMIZER_CALLS_PER_TENSOR · op_overhead       (CPU ranks only)
+            + n_tensors · optimizer_host_calls(optimizer) · op_overhead       (CPU ranks only)
 
-    On GPUs the foreach kernels take many tensors per launch, so the per-tensor host charge is left out.
+    On CPU ranks torch steps one tensor at a time, so each tensor pays the ATen calls of the optimizer's
+    per-tensor update (counted, ``cost_models.optimizer_calls``) and zero_grad's per-tensor host work, at the
+    profile's measured op_overhead. On GPUs the foreach kernels take many tensors per launch, so the per-tensor
+    host charge is left out.
 
     Part of a plan's predicted step time (``plan_builder.predict``) and, per parameter at its local shard and
     ZeRO level, of the intra-op ILP's objective (``passes.intra_op_zero.price_optimizer_step``).
@@ -304,4 +314,4 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
     if host_overlaps_kernels(cluster):
         return traffic
-    return traffic + n_tensors * OPTIMIZER_CALLS_PER_TENSOR * getattr(cluster, "op_overhead", 0.0)
+    return traffic + n_tensors * optimizer_host_calls(optimizer) * getattr(cluster, "op_overhead", 0.0)

@@ -19,11 +19,12 @@ different objectives never answer each other, so ``solve_walks`` solves them in 
 from __future__ import annotations
 
 import hashlib
+import os
 
 import numpy as np
 
 from autopar.errors import InfeasibleError
-from autopar.passes.forked import parallel_map
+from autopar.passes.forked import can_fork, parallel_map
 from autopar.passes.ilp import IlpProblem, IlpResult, memory_of, solve_ilp
 
 
@@ -71,47 +72,82 @@ class SolutionMemo:
         self._entries: dict[str, list[tuple[IlpProblem, IlpResult]]] = {}
         self.hits = 0
 
-    def lookup(self, problem: IlpProblem) -> IlpResult | None:
-        for old, result in reversed(self._entries.get(objective_key(problem), [])):
+    def lookup(self, problem: IlpProblem, key: str | None = None) -> IlpResult | None:
+        """``key``: the problem's ``objective_key``, when the caller has it already."""
+        for old, result in reversed(self._entries.get(key or objective_key(problem), [])):
             fits = problem.budget is None or memory_of(problem, result.choice) <= problem.budget
             if fits and _tighter_or_equal(problem, old):
                 self.hits += 1
                 return IlpResult(list(result.choice), result.objective, result.status, 0.0, result.n_variables)
         return None
 
-    def store(self, problem: IlpProblem, result: IlpResult) -> None:
+    def store(self, problem: IlpProblem, result: IlpResult, key: str | None = None) -> None:
         if result.status == "Optimal":
-            self._entries.setdefault(objective_key(problem), []).append((problem, result))
+            self._entries.setdefault(key or objective_key(problem), []).append((problem, result))
 
 
 def solve_walks(problems: list[IlpProblem], time_limit: float) -> tuple[list[IlpResult | str], int]:
-    """Each problem answered exactly as one ``SolutionMemo`` walk over ``problems`` in order answers it,
-    with the walks of different objectives on every core (``forked.parallel_map``): a memo only ever
-    answers a problem from an earlier one of the same objective, so splitting the walk by objective key
-    changes no answer. Returns (per problem its result, or the InfeasibleError message of its solve; how
-    many were answered from the memo). The largest objectives are handed out first."""
+    """Each problem answered exactly as one ``SolutionMemo`` walk over ``problems`` in order answers it.
+    Returns (per problem its result, or the InfeasibleError message of its solve; how many were answered
+    from the memo).
+
+    The solves run on every core (``forked.parallel_map``) in rounds. A memo only ever answers a problem
+    from an earlier one of the same objective, so the walk splits by objective key; each round replays every
+    walk with the solves known so far (``_replay``: memo look-ups, no solve) and solves, side by side, the
+    first problem each walk cannot answer, plus, while cores are left, the walks' next problems that the
+    memo as it stands cannot answer either (solved ahead: a long walk of one objective at tightening memory,
+    a pipeline's identical middle stages, is otherwise one core's work). A problem solved ahead whose walk
+    turns out to answer it from the memo keeps the memo's answer, so the answers and the reuse count are
+    the serial walk's whatever the cores; only the work spent ahead can be lost."""
+    keys = [objective_key(problem) for problem in problems]
     walks: dict[str, list[int]] = {}
-    for j, problem in enumerate(problems):
-        walks.setdefault(objective_key(problem), []).append(j)
+    for j, key in enumerate(keys):
+        walks.setdefault(key, []).append(j)
     order = sorted(walks.values(), key=lambda walk: -sum(len(c) for c in problems[walk[0]].cost))
-    answers = parallel_map(lambda walk: _walk([problems[j] for j in walk], time_limit), order)
-    results: list[IlpResult | str] = [""] * len(problems)
-    for walk, (answered, _) in zip(order, answers):
-        for j, result in zip(walk, answered):
-            results[j] = result
-    return results, sum(hits for _, hits in answers)
+    cores = (os.cpu_count() or 1) if can_fork() else 1
+    solved: dict[int, IlpResult | str] = {}
+    while True:
+        answers, hits, pending = _replay(problems, keys, order, solved)
+        if not any(pending):
+            return answers, hits
+        batch = [walk[0] for walk in pending if walk]
+        ahead = [j for walk in pending for j in walk[1:]] if cores > 1 else []
+        batch += ahead[:max(0, cores - len(batch))]
+        batch.sort(key=lambda j: -sum(len(c) for c in problems[j].cost))
+        for j, result in zip(batch, parallel_map(lambda j: _solve(problems[j], time_limit), batch)):
+            solved[j] = result
 
 
-def _walk(problems: list[IlpProblem], time_limit: float) -> tuple[list[IlpResult | str], int]:
-    memo, out = SolutionMemo(), []
-    for problem in problems:
-        result = memo.lookup(problem)
-        if result is None:
-            try:
-                result = solve_ilp(problem, time_limit)
-            except InfeasibleError as e:  # a message travels back from a worker; the caller raises it
-                out.append(str(e))
-                continue
-            memo.store(problem, result)
-        out.append(result)
-    return out, memo.hits
+def _solve(problem: IlpProblem, time_limit: float) -> IlpResult | str:
+    try:
+        return solve_ilp(problem, time_limit)
+    except InfeasibleError as e:  # a message travels back from a worker; the caller raises it
+        return str(e)
+
+
+def _replay(problems: list[IlpProblem], keys: list[str], order: list[list[int]],
+            solved: dict[int, IlpResult | str]) -> tuple[list[IlpResult | str], int, list[list[int]]]:
+    """The serial memo walks with the solves in ``solved``: (answers so far, memo hits, per walk the
+    problems still to solve: the first one the walk needs, then those after it that its memo as it stands
+    cannot answer and that are not the same problem as one before them)."""
+    answers: list[IlpResult | str] = [""] * len(problems)
+    memo, pending = SolutionMemo(), []
+    for walk in order:
+        todo: list[int] = []
+        for j in walk:
+            result = memo.lookup(problems[j], keys[j])
+            if result is not None and not todo:
+                answers[j] = result
+            elif result is None and not todo and j in solved:
+                answers[j] = solved[j]
+                if not isinstance(solved[j], str):
+                    memo.store(problems[j], solved[j], keys[j])
+            elif result is None and j not in solved and not any(_same(problems[j], problems[i]) for i in todo):
+                todo.append(j)
+        pending.append(todo)
+    return answers, memo.hits, pending
+
+
+def _same(a: IlpProblem, b: IlpProblem) -> bool:
+    """Same objective (the caller's walk) and each feasible set inside the other: one solve answers both."""
+    return _tighter_or_equal(a, b) and _tighter_or_equal(b, a)

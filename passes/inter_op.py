@@ -22,78 +22,30 @@ is unlikely to fit, the same layouts at ZeRO level 2 (``layer_costs.zero2_varian
 (``layer_costs.zero3_variant``), which the DP is offered only where nothing fits without them (why:
 ``intra_op_zero``'s docstring). With ``offload`` every entry may also take its stage's
 optimizer state to host memory (``stage_offload``: less memory, the host step's time), chosen per stage.
-The chosen stages are then re-solved exactly, stage by stage, by the driver. Being prices, not plans,
-the whole-model solves here skip the solver's presolve (``ilp_highs.solve``: half the solver time, a
-solution within the same relative gap).
+The DP's answer is read off the tables by ``inter_op_choice`` (``choose_stages``, ``restaged``,
+re-exported here). The chosen stages are then re-solved exactly, stage by stage, by the driver. Being
+prices, not plans, the whole-model solves here skip the solver's presolve (``ilp_highs.solve``: half the
+solver time, a solution within the same relative gap).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import NamedTuple
 
 import numpy as np
 
-from autopar.errors import InfeasibleError, PlanError
+from autopar.errors import InfeasibleError
 from autopar.hardware.cluster import Cluster
-from autopar.ir.units import fmt_bytes
 from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
+from autopar.passes.inter_op_meshes import MeshOption, mesh_options, own_reference
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant, zero3_variant
 from autopar.passes.recompute import LayerRecompute, forward_share
-from autopar.passes.stage_dp import DPResult, option_for, stage_dp
 from autopar.passes.stage_offload import offload_layers, offloaded_tables
 from autopar.passes.strategies import generate_strategies, strategy_signature
 
 INF = float("inf")
 LEAN_MARGIN = 1.25  # a lean solution may use this much more than the least memory any plan needs
-TIE = 1e-9  # DP costs this close (relative) are equal: the smaller B wins (``choose_stages``)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshOption:
-    """A submesh (nodes, devices per node) viewed as a logical 2-D mesh."""
-
-    physical: tuple[int, int]
-    logical: tuple[int, int]
-
-    @property
-    def size(self) -> int:
-        return self.physical[0] * self.physical[1]
-
-
-def mesh_options(cluster: Cluster) -> list[MeshOption]:
-    """Alpa's submeshes — (1, 2^k) inside a node, (n, M) whole nodes — each as a few logical meshes:
-    one axis over all its devices (any mix of data and tensor parallelism per op), and (D/t, t) for
-    t = 2, 4, 8 devices of one node on the inner axis (data × t-way tensor parallel; t = M is the
-    physical shape). These include every layout of Megatron's grid (tensor parallelism inside a node)."""
-    M, N = cluster.devices_per_node, cluster.nodes
-    physical = [(1, 2 ** k) for k in range(int(math.log2(M)) + 1) if 2 ** k <= M]
-    if M not in [p[1] for p in physical]:
-        physical.append((1, M))
-    physical += [(n, M) for n in sorted({2 ** k for k in range(1, int(math.log2(N)) + 1)} | {N}) if 1 < n <= N]
-    out = []
-    for nodes, width in physical:
-        D = nodes * width
-        logical = [(1, D)] + [(D // t, t) for t in (2, 4, 8) if t < D and t <= width and D % t == 0]
-        out += [MeshOption((nodes, width), shape) for shape in dict.fromkeys(logical)]
-    return out
-
-
-def own_reference(option: MeshOption, smallest: int, batch: int) -> int | None:
-    """The reference microbatch a (data, tensor) mesh (a, t) is also solved at for ``restaged``: the smallest
-    multiple of the smallest reference that its data axis a divides, lcm(a, smallest); None where a divides the
-    smallest already (or is 1), or that size does not divide the batch. Why: a solution prices only the
-    microbatches its batch split divides, and at the smallest reference the data axis must shard something
-    other than the batch, while the largest reference's solution splits the batch widely; neither prices
-    Megatron's dp × tp stage at one sequence per replica."""
-    a = option.logical[0]
-    if a == 1 or smallest % a == 0:
-        return None
-    b0 = math.lcm(a, smallest)
-    return b0 if batch % b0 == 0 else None
 
 
 class StageCosts:
@@ -338,111 +290,13 @@ def _cut_bytes(graph, layers) -> np.ndarray:
     return out
 
 
-class ChosenStage(NamedTuple):
-    """One stage of the DP's answer: layers first..last (inclusive) on ``option``, keeping ``inflight``
-    microbatches alive (1F1B: min(stages from here to the end, B); GPipe: B), recomputing ``recompute``,
-    stepping its optimizer on the host when ``offload``."""
+from autopar.passes.inter_op_choice import (  # noqa: E402 - re-exported: the DP's answer, read off these tables
+    TIE,
+    ChosenStage,
+    StageChoice,
+    choose_stages,
+    restaged,
+)
 
-    first: int
-    last: int
-    option: MeshOption
-    inflight: int
-    recompute: tuple[int, ...] = ()  # the layers whose activations backward recomputes (``recompute``)
-    budget: float | None = None  # bytes its exact solve may use (None: the device's); interleaved chunks share one
-    offload: bool = False  # its optimizer state and master weights in host memory (``stage_offload``)
-
-
-@dataclasses.dataclass(frozen=True)
-class StageChoice:
-    """The DP's answer: microbatches B, the stages in pipeline order (each with the layers it recomputes),
-    and the DP's objective."""
-
-    microbatches: int
-    stages: list[ChosenStage]
-    cost: float
-    virtual: int = 1  # interleaved 1F1B: model chunks per device (``passes.interleave``)
-    notes: dict = dataclasses.field(default_factory=dict)  # what the interleave pass priced
-
-
-def choose_stages(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str,
-                  stages: int | None, excluded: set[tuple] = frozenset()) -> StageChoice:
-    """Run the DP for every candidate B and keep the cheapest, the smallest B among costs equal within a
-    relative ``TIE`` (rounding: a single stage costs B·t = (N/b₀)·t₀ + sync at every B, so the linear prices
-    tie, and the larger microbatch is the one whose matmuls run faster); InfeasibleError when nothing fits.
-
-    The largest B is tried first and each DP gets the best cost so far as its ``bound`` (``stage_dp``): a
-    pipeline's cost grows with (B − 1) times its slowest stage, so a good plan found at a large B cuts
-    short the search at every other B. The answer is the one the unbounded search in any order returns.
-
-    excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
-    did not fit); the DP treats them as not fitting. Where nothing fits, the DP runs once more with the
-    ZeRO-3 variants offered (``StageCosts.offer_zero3``)."""
-    L, D = costs.layers.count, costs.cluster.num_devices
-    if stages is not None and stages > min(L, D):  # no budget would make these fit: say what would
-        raise PlanError(f"stages={stages} needs at least {stages} layers and {stages} devices, and the plan "
-                              f"has {L} layers over {D} devices; plan at most {min(L, D)} stages"
-                              + (f", or pass layers={stages}" if L < stages else ""))
-    costs.prepare()
-    best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
-    if best is None and costs.offer_zero3():
-        best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
-    if best is None:
-        budget = costs.cluster.memory_per_device
-        raise InfeasibleError(f"no pipeline of the {L} layers over {costs.cluster.num_devices} devices fits "
-                              f"{fmt_bytes(budget)} per device with microbatches {candidates}; use more devices "
-                              f"or memory, or more microbatches")
-    sizes = [o.size for o in costs.options]
-    found, B, table = best
-    out = []
-    for s, (k, i, j) in enumerate(found.stages):  # DPStage(first, last, size_index)
-        f = min(len(found.stages) - s, B) if schedule != "gpipe" else B
-        m = option_for(table, sizes, k, i, j, min(f, table.shape[3]))
-        cell = (B, k, i, m, min(f, table.shape[3]))
-        out.append(ChosenStage(k, i, costs.options[m], f, costs.recompute_of(*cell), offload=costs.offload_of(*cell)))
-    return StageChoice(B, out, found.cost)
-
-
-def _cheapest(costs: StageCosts, global_batch: int, candidates: list[int], schedule: str, stages: int | None,
-              excluded: set[tuple]) -> tuple[DPResult, int, np.ndarray] | None:
-    """(DP result, B, its table) of the cheapest B (``choose_stages``), or None when nothing fits."""
-    best: tuple[DPResult, int, np.ndarray] | None = None
-    L, sizes = costs.layers.count, [o.size for o in costs.options]
-    for B in sorted(candidates, reverse=True):
-        max_f = min(L, B) if schedule != "gpipe" else B
-        table = costs.table(global_batch, B, max_f)
-        for b, k, i, option, f in excluded:
-            if b == B:
-                table[k, i, costs.options.index(option), min(f, max_f) - 1] = INF
-        bound = best[0].cost * (1 + TIE) if best is not None else INF
-        found = stage_dp(table, sizes, costs.cluster.num_devices, B, schedule=schedule, stages=stages, bucket=0.01,
-                         hops=costs.hops_at(global_batch // B), bound=bound)
-        if found is not None and (best is None or found.cost <= bound):
-            best = (found, B, table)
-    return best
-
-
-def restaged(costs: StageCosts, choice: StageChoice, global_batch: int, microbatches: int,
-             schedule: str) -> StageChoice | None:
-    """The DP's (un-interleaved) stages at another B, each on the logical mesh of its own submesh that this B's
-    table prices cheapest (with that entry's recompute and offload), those meshes priced at their
-    ``own_reference`` too; None where some stage fits on none. The logical mesh is re-chosen because the best
-    one moves with the microbatch: a (data, tensor) mesh splits the batch only at microbatches its data axis
-    divides."""
-    L = costs.layers.count
-    max_f = microbatches if schedule == "gpipe" else min(L, microbatches)
-    physical = {stage.option.physical for stage in choice.stages}
-    costs.add_own_references([m for m, o in enumerate(costs.options) if o.physical in physical], global_batch)
-    table = costs.table(global_batch, microbatches, max_f)
-    live = [microbatches if schedule == "gpipe" else min(len(choice.stages) - s, microbatches)
-            for s in range(len(choice.stages))]
-    out = []
-    for stage, f in zip(choice.stages, live):
-        f = min(f, max_f)
-        same = [m for m, o in enumerate(costs.options) if o.physical == stage.option.physical]
-        m = min(same, key=lambda m: table[stage.first, stage.last, m, f - 1])
-        if not math.isfinite(table[stage.first, stage.last, m, f - 1]):
-            return None
-        cell = (microbatches, stage.first, stage.last, m, f)
-        out.append(ChosenStage(stage.first, stage.last, costs.options[m], f, costs.recompute_of(*cell),
-                               offload=costs.offload_of(*cell)))
-    return StageChoice(microbatches, out, choice.cost)
+__all__ = ["INF", "LEAN_MARGIN", "TIE", "ChosenStage", "MeshOption", "StageChoice", "StageCosts", "choose_stages",
+           "mesh_options", "own_reference", "restaged"]

@@ -13,7 +13,8 @@ from autopar.plan import Plan, Stage
 from autopar.planner.plan_builder import exposed_sync
 from autopar.profiling.probe_step import ProbeShape, end_to_end_factor, probe_step_ops, probe_step_prediction
 from benchmarks.calibration.published_schedule import op_sac_share, published_prediction
-from benchmarks.fidelity.cost_model_fidelity import drift_corrected, figures, median_rows
+from benchmarks.fidelity.cost_model_fidelity import drift_corrected
+from benchmarks.fidelity.fidelity_report import figures, median_rows
 
 
 def _one_stage_plan(**predicted) -> Plan:

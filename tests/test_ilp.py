@@ -159,6 +159,64 @@ def test_walks_by_objective_answer_as_the_serial_memo_walk():
     assert sum(alone) == 0 < reused, "negative control: no walk of one problem reuses anything"
 
 
+def _tightening_walk(rng):
+    """One objective at budgets that each rule out the last budget's optimum (each needs its own solve), with
+    an exact copy of the second problem and of the first one after them (the memo answers both)."""
+    from dataclasses import replace
+
+    first = random_problem(rng, classes=7)
+    floor = min_memory(first)
+    first.budget = memory_of(first, [0] * first.n_classes)
+    walk = [first]
+    while True:
+        used = memory_of(walk[-1], solve_ilp(walk[-1], 30).choice)
+        budget = used - 0.05 * (used - floor)
+        if budget <= floor or len(walk) == 4:
+            break
+        walk.append(replace(first, budget=budget))
+    assert len(walk) >= 3, "the walk needs several fresh solves"
+    return walk + [replace(walk[1]), replace(first)]
+
+
+def _serial_walk(problems):
+    from autopar.passes.ilp_reuse import SolutionMemo
+
+    memo, out = SolutionMemo(), []
+    for p in problems:
+        found = memo.lookup(p)
+        if found is None:
+            found = solve_ilp(p, 30)
+            memo.store(p, found)
+        out.append(found)
+    return out, memo.hits
+
+
+def test_solving_ahead_gives_the_serial_walks_answers():
+    """A walk whose every problem tightens memory past the last one's optimum is solved ahead, on both
+    cores, and still answers each problem (and counts reuse) exactly as the serial memo walk does."""
+    from autopar.passes.ilp_reuse import solve_walks
+
+    problems = _tightening_walk(np.random.default_rng(11))
+    want, hits = _serial_walk(problems)
+    results, reused = solve_walks(problems, 30)
+    assert reused == hits == 2
+    for got, expected in zip(results, want):
+        assert (got.choice, got.objective, got.status) == (expected.choice, expected.objective, expected.status)
+
+
+def test_problems_solved_ahead_are_those_the_memo_cannot_answer():
+    """``_replay``'s to-solve list: every tightened problem (a changed budget misses the memo), never an
+    exact copy of one already listed; once the first is solved, its copy is answered and leaves the list."""
+    from autopar.passes.ilp_reuse import _replay, objective_key
+
+    problems = _tightening_walk(np.random.default_rng(11))
+    keys, walk = [objective_key(p) for p in problems], list(range(len(problems)))
+    fresh = list(range(len(problems) - 2))
+    assert _replay(problems, keys, [walk], {})[2] == [fresh]
+    _, _, pending = _replay(problems, keys, [walk], {0: solve_ilp(problems[0], 30)})
+    assert pending == [fresh[1:]], "the first problem's copy is answered by its solve; the tighter ones are not"
+
+
 def _point(model, problem, choice):
     """The column vector of a choice: x one-hot, y on the matching (row group, column group), T the transient."""
     from autopar.passes.ilp_model import MS

@@ -263,11 +263,12 @@ def _check_positive(cluster: str, field: str, value, allow_zero: bool = False) -
 
 
 def _valid_fit_key(key: str) -> bool:
-    """"<collective>/<n>" with n >= 2, optionally "@<R>x<C>" (a mesh with both sizes >= 2)."""
+    """"<collective>/<n>" with n >= 2, optionally "@<R>x<C>" (a mesh with both sizes >= 2) or "@step"
+    (timed after a burst of compute, ``autopar.profiling.profiler_in_step``)."""
     kind, _, rest = key.partition("/")
     size, _, mesh = rest.partition("@")
     rows, _, cols = mesh.partition("x")
-    mesh_ok = not mesh or (rows.isdigit() and cols.isdigit() and min(int(rows), int(cols)) >= 2)
+    mesh_ok = not mesh or mesh == "step" or (rows.isdigit() and cols.isdigit() and min(int(rows), int(cols)) >= 2)
     return bool(kind) and size.isdigit() and int(size) >= 2 and mesh_ok
 
 
@@ -289,7 +290,8 @@ def _check_link(cluster: str, link_name: str, link: Link) -> None:
         if not _valid_fit_key(key):
             raise ClusterError(f"cluster {cluster!r}: {link_name}.fits key {key!r} must read "
                                f"'<collective>/<group size>', e.g. 'all_reduce/4', or "
-                               f"'<collective>/<group size>@<rows>x<cols>', e.g. 'all_reduce/2@2x2'{_FIX}")
+                               f"'<collective>/<group size>@<rows>x<cols>', e.g. 'all_reduce/2@2x2', or "
+                               f"'<collective>/<group size>@step'{_FIX}")
         _check_positive(cluster, f"{link_name}.fits[{key!r}].alpha", fit.alpha, allow_zero=True)
         _check_positive(cluster, f"{link_name}.fits[{key!r}].beta", fit.beta)
 

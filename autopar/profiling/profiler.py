@@ -27,6 +27,9 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
   factor training-shaped linears run at against the square-mm curve (the curve is scaled by it), and, with
   2 or more ranks, the pipeline runtime's host time per (chunk, microbatch) (``microbatch_overhead``,
   ``autopar.profiling.profiler_pipeline``).
+* collectives as a step meets them (``autopar.profiling.profiler_in_step``, CPU ranks): each collective kind, and
+  ZeRO's reduce-scatter + all-gather pair, timed right after a burst of compute on every rank; fits keyed
+  "<kind>/<g>@step", which the cost model prefers to the isolated ones.
 
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
 ``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
@@ -68,6 +71,7 @@ from autopar.profiling.probes import (
 )
 from autopar.profiling.profiler_device import KINDS as DEVICE_KINDS
 from autopar.profiling.profiler_device import ProbeDevice
+from autopar.profiling.profiler_in_step import measure_in_step, with_in_step_fits
 from autopar.profiling.profiler_training import apply_training_measurements, measure_rank, training_seconds
 
 KiB, MiB = 2**10, 2**20
@@ -182,6 +186,8 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
             "collectives": _measure_collectives(world, settings, bar, probe), "threads": torch.get_num_threads()}
     bar.set_postfix_str("in-mesh collectives, op overhead, training matmuls, pipeline host time")
     mine["training"] = measure_rank(settings, probe, reference)
+    bar.set_postfix_str("collectives after a compute burst")
+    mine["in_step"] = measure_in_step(settings, probe, group_sizes(world))
     bar.close()
     level = reference.level()  # compute figures so far in reference units: now seconds at the profile's speed
     mine["matmul"] = {name: [(flops, ratio * level) for flops, ratio in points]
@@ -323,8 +329,9 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
     if "training" not in per_rank[0]:
         return dataclasses.replace(isolated, source=_source_line(n, per_rank[0]["threads"], quick, probe))
     cluster, note = apply_training_measurements(isolated, [r["training"] for r in per_rank], probe)
+    cluster, in_step = with_in_step_fits(cluster, per_rank)
     return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note
-                               + _reference_note(per_rank))
+                               + _reference_note(per_rank) + (f"; {in_step}" if in_step else ""))
 
 
 def _reference_note(per_rank: list[dict]) -> str:

@@ -12,10 +12,11 @@ rank's compute on the shared cores, cold buffers), alone / priced the profile's 
 Ratios are read under any load; seconds only on an idle machine. In process CPU seconds (gloo's threads and
 the kernel's loopback copies included; other jobs' time slices not): the step's, the same step's with the
 collectives replaced by local copies (``cost_model_fidelity --split``), their difference (the collectives'
-CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute and optimizer the cost
-model prices for the plan, to set beside the compute-only CPU. ``cold / alone``: the replay again with a
-64 MiB buffer overwritten before each call (the calls' tensors out of cache, as after the compute that
-wrote them): what cold buffers alone add to a collective, against what ``last / alone`` shows in the step.
+CPU inside the step) and the replay's CPU (theirs alone); ``pr comp`` is the compute (recompute's replay
+included) and optimizer the cost model prices for the plan, to set beside the compute-only CPU.
+``cold / alone``: the replay again with a 64 MiB buffer overwritten before each call (the calls' tensors
+out of cache, as after the compute that wrote them): what cold buffers alone add to a collective, against
+what ``last / alone`` shows in the step.
 
 The calls are timed by wrapping torch.distributed's functions and the runtime's module-level references to
 them (as ``cost_model_fidelity --split`` replaces them), on every rank at once, in one ``autopar.launch``.
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import autopar  # noqa: E402
 from benchmarks.fidelity.cost_model_fidelity import _local_collectives, _step  # noqa: E402
-from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, make_plans  # noqa: E402
+from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, make_plans, priced_compute  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 NAMES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_gather_single",
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
               f"{m['in_step_last'] * 1e3:8.1f} {m['alone'] * 1e3:8.1f} {priced * 1e3:8.1f} "
               f"{ratio(m['in_step_last'], m['alone']):>10} "
               f"{ratio(m['alone'], priced)} {ratio(m['in_step'], priced)} {m['compute_cpu'] * 1e3:8.1f} "
-              f"{float(p['compute'] + p['optimizer']) * 1e3:8.1f} "
+              f"{(priced_compute(plans[name]) + float(p['optimizer'])) * 1e3:8.1f} "
               f"{(m['cpu'] - m['compute_cpu']) * 1e3:8.1f} {m['alone_cpu'] * 1e3:9.1f} "
               f"{ratio(m['cold'], m['alone']):>10}")
     return 0

@@ -152,3 +152,11 @@ def make_plans(cluster: autopar.Cluster, names: list[str] | None = None) -> dict
             options["stages"] = spec.stages
         plans[spec.name] = autopar.plan(model, cluster.with_mesh(spec.mesh), batch, **options)
     return plans
+
+
+def priced_compute(plan) -> float:
+    """The busiest stage's predicted compute (kernels and host overhead) with the recompute replay: the extra
+    forward of recomputed layers over all microbatches, which the plan's step time includes and its stages'
+    "compute" field leaves out (``predicted["recompute"]`` is per microbatch)."""
+    return max(float(s.predicted.get("compute", 0.0)) + plan.microbatches * float(s.predicted.get("recompute", 0.0))
+               for s in plan.stages)

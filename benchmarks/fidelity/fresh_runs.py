@@ -30,7 +30,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.fidelity.cost_model_fidelity import GOALS, figures  # noqa: E402
+from benchmarks.fidelity.fidelity_report import GOALS, figures  # noqa: E402
 
 
 def _stamp() -> str:

@@ -41,7 +41,7 @@ def model_of(name: str, batch: int):
 
 
 PHASES = {"price submeshes": ("autopar.passes.inter_op", "StageCosts", "prepare"),
-          "stage DP": ("autopar.passes.inter_op", None, "stage_dp"),
+          "stage DP": ("autopar.passes.inter_op_choice", None, "stage_dp"),
           "DP tables": ("autopar.passes.inter_op", "StageCosts", "table"),
           "stage ILPs": ("autopar.planner.driver", None, "_pipeline"),
           "capture": ("autopar.planner.driver", None, "capture")}
