@@ -322,8 +322,8 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     profile's measured op_overhead. On GPUs the foreach kernels take many tensors per launch, so the per-tensor
     host charge is left out.
 
-    Part of a plan's predicted step time (``plan_builder.predict``): it shrinks as parameters are sharded, so
-    it belongs in the cost of a parameter's strategy.
+    Part of a plan's predicted step time (``plan_builder.predict``) and, per parameter at its local shard and
+    ZeRO level, of the intra-op ILP's objective (``passes.intra_op_zero.price_optimizer_step``).
     """
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
     if host_overlaps_kernels(cluster):

@@ -79,6 +79,8 @@ class Group:
     zero_level: np.ndarray = None       # the ZeRO level each column puts its searched parameters at (0: base)
     zero3_gather: np.ndarray = None     # seconds per step of level 3's all-gathers compute does not hide
     zero3_unit: np.ndarray = None       # bytes of gathered level-3 units a column adds to its peak
+    optimizer: np.ndarray = None        # seconds of the optimizer step over its parameters (in cost only)
+    zero3_first: np.ndarray = None      # seconds per step of a level-3 column's first unit's gathers (not in cost)
 
     @property
     def mem(self) -> np.ndarray:
