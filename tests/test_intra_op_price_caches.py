@@ -3,7 +3,8 @@
 Caches under test: ``spec_number`` (one number per distinct spec, process-wide), ``CostEnv.reshard`` keyed by
 those numbers and shared by every env whose axes price alike, ``redistribute_cost``'s message plan per spec
 pair, ``GroupBuilder.strategy_reads`` (each strategy list's read specs and Partial-gradient axes), the
-builder's edge prices, and ``compute.moves_no_data`` kept in ``node.meta``. Controls: a changed input gives a different key (or a recomputed answer).
+builder's edge prices, and ``compute.moves_no_data`` kept in ``node.meta``. Controls: a changed input gives
+a different key (or a recomputed answer).
 """
 import dataclasses
 import functools
