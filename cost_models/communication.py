@@ -113,6 +113,27 @@ def zero_pair_time(link: AxisLink, nbytes: float) -> float:
     return link.time("reduce_scatter", nbytes) + link.time("all_gather", nbytes)
 
 
+def zero_pair_excess(link: AxisLink, nbytes: float) -> float:
+    """Seconds a ZeRO 1-2 bucket of ``nbytes`` costs beyond the one all-reduce of it the planner charges
+    (half reduce, half gather): zero_pair_time − all_reduce time, where the profile measured the pair
+    ("zero_pair/<n>@step"); 0 without that fit (GPU presets carry none, so their plans do not move)."""
+    if link.size <= 1 or nbytes <= 0 or f"zero_pair/{link.size}@step" not in link.link.fits:
+        return 0.0
+    return max(0.0, zero_pair_time(link, nbytes) - link.time("all_reduce", nbytes))
+
+
+def zero_gather_time(link: AxisLink, nbytes: float) -> float:
+    """What ZeRO 1-2 adds to one parameter's bucketed gradient all-reduce (bandwidth terms only, as
+    ``bandwidth_time``): the after-step all-gather's, or, where the profile measured the pair, the larger of
+    that and what the pair's fit costs per byte beyond the all-reduce's."""
+    gather = link.bandwidth_time("all_gather", nbytes)
+    fit = link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 and nbytes > 0 else None
+    if fit is None:
+        return gather
+    pair = fit.time(nbytes) - fit.time(1e-30)
+    return max(gather, pair - link.bandwidth_time("all_reduce", nbytes))
+
+
 def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],
                devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
     """Links for each axis of a logical mesh laid row-major on nodes of ``devices_per_node`` devices.
@@ -185,6 +206,21 @@ def _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad):
         if back:
             yield back, step.axis, elems * itemsize, "backward", step.kind
         spec[step.axis] = _after(step, spec[step.axis], dst)
+
+
+_SPEC_NUMBERS: dict = {}
+
+
+def spec_number(spec: Spec) -> int:
+    """A number per distinct spec, the same in every caller of this process: equal specs, equal numbers.
+
+    Price caches are probed millions of times per plan; keyed by these numbers they hash ints, where a
+    spec key would hash each of its DTensor Placements in Python (``Placement.__hash__``). The table only
+    grows by the distinct specs of the meshes planned (a few hundred)."""
+    number = _SPEC_NUMBERS.get(spec)
+    if number is None:
+        number = _SPEC_NUMBERS[spec] = len(_SPEC_NUMBERS)
+    return number
 
 
 def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,

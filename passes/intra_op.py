@@ -26,7 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from autopar.cost_models.communication import axis_links, redistribute_cost
+from autopar.cost_models.communication import axis_links, redistribute_cost, spec_number
 from autopar.cost_models.memory import TrainingSpec
 from autopar.hardware.cluster import Cluster
 from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp, units_of
@@ -60,19 +60,39 @@ class CostEnv:
 
     def __post_init__(self):
         self.links = axis_links(self.cluster, self.mesh_shape, self.devices_per_node)
-        self._reshard_cache: dict = {}
+        self._reshard_cache = _reshard_cache(self.mesh_shape, self.links)
 
     def reshard(self, val: torch.Tensor, src, dst, grad_axes, needs_grad: bool,
-                bucketed_sync: bool = False) -> tuple[float, float]:
+                bucketed_sync: bool = False, numbers: tuple[int, int] | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of one redistribution; ``bucketed_sync`` for a parameter, whose
-        gradient all-reduce the runtime flattens with the others (``redistribute_cost``)."""
-        key = (tuple(val.shape), val.dtype, src, dst, grad_axes, needs_grad, bucketed_sync)
+        gradient all-reduce the runtime flattens with the others (``redistribute_cost``). Cached by the specs'
+        ``spec_number``s (``numbers``: the caller's, when it has them), never by hashing the specs."""
+        src_id, dst_id = numbers if numbers is not None else (spec_number(src), spec_number(dst))
+        key = (tuple(val.shape), val.dtype, src_id, dst_id, grad_axes, needs_grad, bucketed_sync)
         hit = self._reshard_cache.get(key)
         if hit is None:
             hit = redistribute_cost(tuple(val.shape), val.element_size(), src, dst, self.mesh_shape, self.links,
                                     grad_axes, needs_grad, bucketed_sync=bucketed_sync)
             self._reshard_cache[key] = hit
         return hit
+
+
+_RESHARD_CACHES: dict[tuple, tuple[tuple, dict]] = {}
+_RESHARD_ENTRIES_KEPT = 400_000  # past this many prices in all (~120 MB), the caches start again
+
+
+def _reshard_cache(mesh_shape: tuple[int, int], links: tuple) -> dict:
+    """The redistribution prices of every ``CostEnv`` whose axes price alike (same mesh, same links), shared:
+    a price depends only on the shapes, specs and flags in its key and on the axis links, and the planner
+    prices the same mesh at many microbatch counts and stage scopes. Links are told apart by their numbers
+    and by the identity of their (frozen) ``Link``, which the entry keeps alive so the identity stays unique."""
+    key = (tuple(mesh_shape), tuple((a.size, a.latency, a.bandwidth, a.mesh, id(a.link)) for a in links))
+    hit = _RESHARD_CACHES.get(key)
+    if hit is None:
+        if sum(len(cache) for _, cache in _RESHARD_CACHES.values()) > _RESHARD_ENTRIES_KEPT:
+            _RESHARD_CACHES.clear()
+        hit = _RESHARD_CACHES[key] = (links, {})
+    return hit[1]
 
 
 @dataclasses.dataclass
