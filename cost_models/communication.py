@@ -187,6 +187,21 @@ def _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad):
         spec[step.axis] = _after(step, spec[step.axis], dst)
 
 
+_SPEC_NUMBERS: dict = {}
+
+
+def spec_number(spec: Spec) -> int:
+    """A number per distinct spec, the same in every caller of this process: equal specs, equal numbers.
+
+    Price caches are probed millions of times per plan; keyed by these numbers they hash ints, where a
+    spec key would hash each of its DTensor Placements in Python (``Placement.__hash__``). The table only
+    grows by the distinct specs of the meshes planned (a few hundred)."""
+    number = _SPEC_NUMBERS.get(spec)
+    if number is None:
+        number = _SPEC_NUMBERS[spec] = len(_SPEC_NUMBERS)
+    return number
+
+
 def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
                       links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True,
                       bucketed_sync: bool = False) -> tuple[float, float]:

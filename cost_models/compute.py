@@ -246,13 +246,27 @@ def memory_bound_bandwidth(node: fx.Node, cluster) -> float:
     return cluster.memory_bandwidth
 
 
+_MOVES_NO_DATA = "autopar_moves_no_data"  # node.meta key: (what the answer was computed from, the answer)
+
+
 def moves_no_data(node: fx.Node) -> bool:
-    """A view, or an op whose output shares an input's storage (measured on fake tensors, cached)."""
+    """A view, or an op whose output shares an input's storage (measured on fake tensors, cached).
+
+    Kept in ``node.meta`` while the node's target, arguments and values (its own and its inputs') are the
+    very same objects (compared by identity): the saved-tensor rule's own cache key flattens the arguments
+    and hashes the op's signature, and intra-op pricing asks once per signature, strategy and mesh."""
     if is_free_view(node):
         return True
+    stamp = (node.target, node.args, node.kwargs, node.meta.get("val"),
+             *(a.meta.get("val") for a in node.all_input_nodes))
+    hit = node.meta.get(_MOVES_NO_DATA)
+    if hit is not None and len(hit[0]) == len(stamp) and all(x is y for x, y in zip(hit[0], stamp)):
+        return hit[1]
     from autopar.cost_models.saved_tensors import saved_rule  # saved_tensors imports this module
 
-    return saved_rule(node, set()).alias_of is not None
+    answer = saved_rule(node, set()).alias_of is not None
+    node.meta[_MOVES_NO_DATA] = (stamp, answer)
+    return answer
 
 
 def compute_time(node: fx.Node, strategy, in_vals: list, out_vals: list, mesh_shape, cluster,
@@ -308,8 +322,8 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     profile's measured op_overhead. On GPUs the foreach kernels take many tensors per launch, so the per-tensor
     host charge is left out.
 
-    Part of a plan's predicted step time (``plan_builder.predict``): it shrinks as parameters are sharded, so
-    it belongs in the cost of a parameter's strategy.
+    Part of a plan's predicted step time (``plan_builder.predict``) and, per parameter at its local shard and
+    ZeRO level, of the intra-op ILP's objective (``passes.intra_op_zero.price_optimizer_step``).
     """
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
     if host_overlaps_kernels(cluster):

@@ -14,7 +14,9 @@ How the ILP stays small (invariants):
   * groups with a single strategy (factories, the output) are fixed and get no variables.
 
 Objective (seconds per training step, B = microbatches): B · (compute + activation communication) +
-gradient synchronization of parameters (once per step, as the runtime does it after backward).
+gradient synchronization of parameters (once per step, as the runtime does it after backward) + the
+optimizer step over each parameter's local shard at its ZeRO level (``intra_op_zero.price_optimizer_step``;
+kept out of ``step_time``, which ``plan_builder`` adds the stage's optimizer step to itself).
 """
 from __future__ import annotations
 
@@ -24,14 +26,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from autopar.cost_models.communication import axis_links, redistribute_cost
+from autopar.cost_models.communication import axis_links, redistribute_cost, spec_number
 from autopar.cost_models.memory import TrainingSpec
 from autopar.hardware.cluster import Cluster
 from autopar.passes.ilp import IlpProblem, IlpResult, evaluate, memory_of, solve_ilp, units_of
 from autopar.passes.ilp_reuse import SolutionMemo
 from autopar.passes.intra_op_groups import Group, GroupBuilder
 from autopar.passes.intra_op_prices import edge_matrices, price_groups, shared_sync_rebates
-from autopar.passes.intra_op_zero import add_zero_columns, chosen_levels, keep_needed_zero
+from autopar.passes.intra_op_zero import add_zero_columns, chosen_levels, keep_needed_zero, price_optimizer_step
 from autopar.passes.strategies.base import Strategy
 
 
@@ -54,10 +56,11 @@ class CostEnv:
     inflight: int = 1
     devices_per_node: int | None = None
     recomputed: dict[str, object] = dataclasses.field(default_factory=dict)
+    price_optimizer: bool = True  # the optimizer step in the objective (``intra_op_zero.price_optimizer_step``)
 
     def __post_init__(self):
         self.links = axis_links(self.cluster, self.mesh_shape, self.devices_per_node)
-        self._reshard_cache: dict = {}
+        self._reshard_cache = _reshard_cache(self.mesh_shape, self.links)
 
     def share_reshard_prices(self, other: CostEnv) -> None:
         """Price redistributions from ``other``'s cache too (and add to it), where the two price them alike:
@@ -68,16 +71,36 @@ class CostEnv:
             self._reshard_cache = other._reshard_cache
 
     def reshard(self, val: torch.Tensor, src, dst, grad_axes, needs_grad: bool,
-                bucketed_sync: bool = False) -> tuple[float, float]:
+                bucketed_sync: bool = False, numbers: tuple[int, int] | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of one redistribution; ``bucketed_sync`` for a parameter, whose
-        gradient all-reduce the runtime flattens with the others (``redistribute_cost``)."""
-        key = (tuple(val.shape), val.dtype, src, dst, grad_axes, needs_grad, bucketed_sync)
+        gradient all-reduce the runtime flattens with the others (``redistribute_cost``). Cached by the specs'
+        ``spec_number``s (``numbers``: the caller's, when it has them), never by hashing the specs."""
+        src_id, dst_id = numbers if numbers is not None else (spec_number(src), spec_number(dst))
+        key = (tuple(val.shape), val.dtype, src_id, dst_id, grad_axes, needs_grad, bucketed_sync)
         hit = self._reshard_cache.get(key)
         if hit is None:
             hit = redistribute_cost(tuple(val.shape), val.element_size(), src, dst, self.mesh_shape, self.links,
                                     grad_axes, needs_grad, bucketed_sync=bucketed_sync)
             self._reshard_cache[key] = hit
         return hit
+
+
+_RESHARD_CACHES: dict[tuple, tuple[tuple, dict]] = {}
+_RESHARD_ENTRIES_KEPT = 400_000  # past this many prices in all (~120 MB), the caches start again
+
+
+def _reshard_cache(mesh_shape: tuple[int, int], links: tuple) -> dict:
+    """The redistribution prices of every ``CostEnv`` whose axes price alike (same mesh, same links), shared:
+    a price depends only on the shapes, specs and flags in its key and on the axis links, and the planner
+    prices the same mesh at many microbatch counts and stage scopes. Links are told apart by their numbers
+    and by the identity of their (frozen) ``Link``, which the entry keeps alive so the identity stays unique."""
+    key = (tuple(mesh_shape), tuple((a.size, a.latency, a.bandwidth, a.mesh, id(a.link)) for a in links))
+    hit = _RESHARD_CACHES.get(key)
+    if hit is None:
+        if sum(len(cache) for _, cache in _RESHARD_CACHES.values()) > _RESHARD_ENTRIES_KEPT:
+            _RESHARD_CACHES.clear()
+        hit = _RESHARD_CACHES[key] = (links, {})
+    return hit[1]
 
 
 @dataclasses.dataclass
@@ -106,6 +129,7 @@ class IntraOpSolution:
     zero_gather: float = 0.0                                            # seconds of level 2's after-step gathers
     zero3_gather: float = 0.0       # seconds per step of level 3's gathers compute does not hide (in comm_time)
     zero3_unit: float = 0.0         # bytes of gathered level-3 units the ILP's memory row estimated (in memory)
+    optimizer_time: float = 0.0     # seconds of the optimizer step the objective priced (not in step_time)
 
 
 class BuiltProblem(NamedTuple):
@@ -129,6 +153,7 @@ def build_problem(graph, strategies, blocks, env: CostEnv, budget: float | None,
     b.build_groups()
     price_groups(b)
     add_zero_columns(b)
+    price_optimizer_step(b)
     edges = edge_matrices(b)
     for key, m in shared_sync_rebates(b).items():
         edges[key] = edges.get(key, 0) + m
@@ -261,7 +286,7 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
     choice = [result.choice[class_of[g]] for g in range(len(b.groups))]
     chosen: dict[str, Strategy] = {}
     inputs: dict[str, tuple] = {}
-    compute = comm = sync = gather = gather3 = 0.0
+    compute = comm = sync = gather = gather3 = optimizer = 0.0
     zero: dict[str, int] = {}
     for g, (group, i) in enumerate(zip(b.groups, choice)):
         for name in group.members:
@@ -271,7 +296,9 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
             else:
                 chosen[name] = strategy
         w = b.weight(g)
-        compute += w * (group.cost[i] - group.comm[i])
+        step = w * group.optimizer[i] if group.optimizer is not None else 0.0
+        optimizer += step
+        compute += w * (group.cost[i] - group.comm[i]) - step
         comm += w * group.comm[i]
         sync += w * group.sync[i]
         zero.update(chosen_levels(b, group, i))
@@ -283,10 +310,10 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
             zero[dropped] = zero[twin]
     edge_costs = {key: b.weight(key[1]) * float(m[choice[key[0]], choice[key[1]]]) for key, m in edges.items()}
     comm += sum(edge_costs.values())
-    assert abs(compute + comm - evaluate(problem, result.choice)) <= 1e-6 * max(1.0, compute + comm)
+    assert abs(compute + comm + optimizer - evaluate(problem, result.choice)) <= 1e-6 * max(1.0, compute + comm)
     bucket = _bucket_startup(env) if sync > 0 else 0.0
     comm, sync = comm + bucket, sync + bucket
     return IntraOpSolution(env.mesh_shape, chosen, compute + comm, compute, comm, sync,
                            memory_of(problem, result.choice), result, b.groups, choice, edge_costs, inputs,
                            set(b.sends_real), [b.weight(g) for g in range(len(b.groups))], zero, gather, gather3,
-                           units_of(problem, result.choice))
+                           units_of(problem, result.choice), optimizer)

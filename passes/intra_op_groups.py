@@ -16,6 +16,8 @@ Prices per group and leader strategy (seconds per training step, B = env.microba
     cost = B · (op time + activation resharding) + sync,   sync = gradient synchronization of parameters
     mem_param = parameter, gradient and optimizer bytes;    mem_act = saved activations × in-flight count
     peak = the largest transient (an op's output and its gradient)
+The per-node and per-edge prices, and the caches that let identical layers share them, are
+``intra_op_groups_prices.NodePrices`` (a base of ``GroupBuilder``); the group vectors are ``intra_op_prices``.
 """
 from __future__ import annotations
 
@@ -27,16 +29,14 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from autopar.cost_models.compute import cast_time, compute_time, local_bytes
-from autopar.cost_models.experts import dispatch_seconds, kernel_saved_bytes, with_expert_load
 from autopar.cost_models.memory import cast_inputs, saved_nodes
 from autopar.ir.ops import OpView, is_free_view, requires_grad_nodes
 from autopar.passes.block_truncation import truncation
+from autopar.passes.intra_op_groups_prices import NodePrices
 from autopar.passes.strategies import placeholder_strategies, strategy_signature
 from autopar.passes.strategies.base import Strategy
 from autopar.passes.strategies.registry import out_of_place_form
-from autopar.placement import R, local_shape
-from autopar.redistribute import grad_partial_axes
+from autopar.placement import R
 
 aten = torch.ops.aten
 
@@ -79,6 +79,8 @@ class Group:
     zero_level: np.ndarray = None       # the ZeRO level each column puts its searched parameters at (0: base)
     zero3_gather: np.ndarray = None     # seconds per step of level 3's all-gathers compute does not hide
     zero3_unit: np.ndarray = None       # bytes of gathered level-3 units a column adds to its peak
+    optimizer: np.ndarray = None        # seconds of the optimizer step over its parameters (in cost only)
+    zero3_first: np.ndarray = None      # seconds per step of a level-3 column's first unit's gathers (not in cost)
 
     @property
     def mem(self) -> np.ndarray:
@@ -97,7 +99,7 @@ def recompute_saved(graph, saved: dict[str, float], recomputed: frozenset[str]) 
     return out
 
 
-class GroupBuilder:
+class GroupBuilder(NodePrices):
     """Builds groups, their prices and the inter-group resharding matrices for one scope and mesh."""
 
     def __init__(self, graph, strategies: dict[str, list[Strategy]], env, subset: set[str] | None = None,
@@ -136,10 +138,8 @@ class GroupBuilder:
         self._edge_time: dict[tuple, tuple[float, float]] = {}
         self._follow: dict[tuple, int] = {}
         self._op_time_lists: dict[tuple, tuple[list[float], list[int]]] = {}
-        # Cache keys hold specs by number (``spec_id``): hashing a spec hashes each of its DTensor Placements
-        # in Python (``Placement.__hash__``), and the price caches are probed millions of times per plan.
-        self._spec_number: dict = {}
-        self._spec_ids: dict[int, tuple[list[Strategy], list[tuple[tuple[int, ...], int]]]] = {}
+        # Cache keys hold specs by number (``spec_id``; see ``intra_op_groups_prices``)
+        self._spec_ids: dict[int, tuple] = {}
 
     def _in(self, node: fx.Node) -> bool:
         if node.name in self.alias:
@@ -231,10 +231,10 @@ class GroupBuilder:
     def _join(self, g: int, node: fx.Node, absorbed) -> None:
         group = self.groups[g]
         view = self.views[node.name]
+        sig, flags = self.sig[node.name], self._grad_flags(node, view)
+        read = [None if self.absorbed.get(a.name) == node.name else a.name for a in view.tensor_args]
         for pick in group.pick:
-            src_ids = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_id_in_pick(a.name, pick)
-                            for a in view.tensor_args)
-            key = (self.sig[node.name], src_ids, self._grad_flags(node, view))
+            key = (sig, tuple(None if name is None else self._spec_id_in_pick(name, pick) for name in read), flags)
             if key not in self._follow:
                 srcs = tuple(None if self.absorbed.get(a.name) == node.name else self._spec_in_pick(a.name, pick)
                              for a in view.tensor_args)
@@ -273,23 +273,6 @@ class GroupBuilder:
         g = self.groups[self.group_of[name]]
         assert len(g.pick) == 1, f"{name} is outside the group and not fixed"
         return self.strategy_spec_ids(name)[g.pick[0][name]][1]
-
-    def spec_id(self, spec) -> int:
-        """A number per distinct spec in this builder: equal specs, equal numbers (price-cache keys use it)."""
-        number = self._spec_number.get(spec)
-        if number is None:
-            number = self._spec_number[spec] = len(self._spec_number)
-        return number
-
-    def strategy_spec_ids(self, name: str) -> list[tuple[tuple[int, ...], int]]:
-        """Per strategy of ``name``: (``spec_id`` of each input spec, of the output spec); numbered once per
-        strategy list (nodes of one signature share theirs)."""
-        strategies = self.strategies[name]
-        hit = self._spec_ids.get(id(strategies))
-        if hit is None:  # the list is kept in the entry, so its id cannot be reused while the entry lives
-            ids = [(tuple(self.spec_id(spec) for spec in s.in_specs), self.spec_id(s.out_spec)) for s in strategies]
-            hit = self._spec_ids[id(strategies)] = (strategies, ids)
-        return hit[1]
 
     def _cheapest(self, node: fx.Node, view: OpView, srcs: tuple) -> int:
         """argmin_k local cost. Fast path: a strategy reading every input as it comes costs only its own
@@ -335,93 +318,3 @@ class GroupBuilder:
     def _grad_flags(self, node, view) -> tuple:
         return (node.name in self.requires_grad,) + tuple(
             (a.name in self.requires_grad, a.name in self.params) for a in view.tensor_args)
-
-    # ---- prices ----------------------------------------------------------------------------------
-    def node_time_k(self, name: str, k: int) -> tuple[float, float]:
-        """(seconds per step, of which communication) of the op itself under its k-th strategy."""
-        # a boundary value runs in an earlier stage (0 here) and indexes placeholder strategies, so it never
-        # shares an entry with an interior node of its signature
-        key = (self.sig[name], k, name in self.requires_grad, name in self.boundary)
-        if key not in self._node_time:
-            view = self.views.get(name)
-            self._node_time[key] = self._node_time_of(self.nodes[name], view, self.strategies[name][k]) \
-                if view is not None and self.nodes[name].op == "call_function" else (0.0, 0.0)
-        return self._node_time[key]
-
-    def _node_time_of(self, node: fx.Node, view: OpView, strat: Strategy) -> tuple[float, float]:
-        env = self.env
-        grad = node.name in self.requires_grad
-        routing = env.training.expert_routing
-        loaded = with_expert_load(view, strat, env.mesh_shape, routing, grad)  # busiest expert shard, recompute
-        t = compute_time(node, loaded, view.in_vals, view.out_vals, env.mesh_shape, env.cluster, grad)
-        t += cast_time(self.casts.get(node.name, ()), view.in_vals, strat.in_specs, env.mesh_shape, env.cluster, grad)
-        comm = sum(self._kernel_comm(view, axis, tag, strat) for axis, tag in strat.kernels)
-        return env.microbatches * (t + comm), env.microbatches * comm
-
-    def _kernel_comm(self, view: OpView, axis: int, tag: str, strat: Strategy) -> float:
-        link = self.env.links[axis]
-        if tag == "ce_class":  # max, sum-exp and target logit of the local rows
-            return 3 * link.time("all_reduce", view.in_shapes[0][0] * 4)
-        if tag == "ce_batch":
-            return link.time("all_reduce", 8)
-        if tag == "causal_context":  # zig-zag balance: half a local query block out and back, forward and backward
-            half = local_bytes(view.in_vals[0], strat.in_specs[0], self.env.mesh_shape) / 2
-            return 4 * link.time("send", half)
-        if tag == "expert_all_to_all":  # token rows to their experts' devices and back (cost_models.experts)
-            return dispatch_seconds(view, axis, strat, self.env.mesh_shape, link, self.env.training.expert_routing)
-        return 0.0
-
-    def edge_time_k(self, arg: fx.Node, node: fx.Node, idx: int, src, k: int) -> tuple[float, float]:
-        """``edge_time`` for the node's k-th strategy, cached by structure (signature, input, specs, flags)."""
-        return self.edge_time_id(arg, node, idx, src, self.spec_id(src), k)
-
-    def edge_time_id(self, arg: fx.Node, node: fx.Node, idx: int, src, src_id: int, k: int) -> tuple[float, float]:
-        """``edge_time_k`` with the source spec's ``spec_id`` given (the cache key holds the number)."""
-        key = (self.sig[node.name], idx, src_id, k, arg.name in self.requires_grad, node.name in self.requires_grad,
-               arg.name in self.params)
-        hit = self._edge_time.get(key)
-        if hit is None:
-            hit = self._edge_time[key] = self.edge_time(arg, node, idx, src, self.strategies[node.name][k])
-        return hit
-
-    def edge_time(self, arg: fx.Node, node: fx.Node, idx: int, src, strat: Strategy) -> tuple[float, float]:
-        """(per-step seconds of per-microbatch traffic, per-step seconds of gradient sync) of one input."""
-        dst = strat.in_specs[idx]
-        arg_grad = arg.name in self.requires_grad
-        axes = grad_partial_axes(dst, strat.out_spec) if arg_grad else ()
-        if src == dst and not axes:
-            return 0.0, 0.0
-        val = self.views[node.name].in_vals[idx]
-        needs_grad = arg_grad and node.name in self.requires_grad
-        param = arg.name in self.params
-        fwd, bwd = self.env.reshard(val, src, dst, axes if needs_grad else (), needs_grad, bucketed_sync=param)
-        if param:
-            return self.env.microbatches * fwd, bwd
-        return self.env.microbatches * (fwd + bwd), 0.0
-
-    def replay_bytes(self, name: str, strat: Strategy) -> float:
-        """Bytes a recomputed op's replay re-creates: what it would save of one microbatch without recompute."""
-        share = self.saved_without_recompute.get(name, 0.0)
-        if not share:
-            return 0.0
-        val = self.nodes[name].meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        return share * sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in vals)
-
-    def node_memory(self, name: str, strat: Strategy) -> tuple[float, float]:
-        """(parameter-state bytes, saved-activation bytes × in-flight microbatches) of one node."""
-        node = self.nodes[name]
-        val = node.meta.get("val")
-        if node.op == "placeholder" and name in self.params:
-            numel = np.prod(local_shape(tuple(val.shape), strat.out_spec, self.env.mesh_shape))
-            ways = int(np.prod([size for size, p in zip(self.env.mesh_shape, strat.out_spec) if not p.is_shard()]))
-            return self.env.training.param_bytes(name, float(numel), val.dtype, ways), 0.0
-        share = self.saved.get(name, 0.0)
-        view = self.views.get(name)
-        kernel = 0.0 if view is None or name in self.env.recomputed else \
-            kernel_saved_bytes(view, strat, self.env.mesh_shape, self.env.training.expert_routing)
-        if (not share and not kernel) or name in self.boundary:
-            return 0.0, 0.0
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        act = share * self.env.inflight * sum(local_bytes(v, strat.out_spec, self.env.mesh_shape) for v in vals)
-        return 0.0, act + self.env.inflight * kernel

@@ -34,14 +34,27 @@ Invariants and formulas:
     replicated, so the memory row holds the gathered unit whether the level was chosen or forced.
   * Level 1 is not offered: it moves the same bytes as 2 and keeps more (the whole gradient), so level 2
     dominates it. A forced ``zero=1`` is honoured as before.
+  * The optimizer step is in every parameter column's price (``price_optimizer_step``, after the twins):
+    at levels 2 and 3 each rank steps 1/n of the state, so with memory loose a twin can be priced below its
+    base (level 2: g − t_opt·(1 − 1/n) < 0 where the gather link is faster than memory_bandwidth / traffic
+    per byte, e.g. NVLink beside HBM), and then it is kept. ``plan_builder`` predicts the step with the same
+    function, so the two agree on which level is faster. A stage's first level-3 unit costs more than its
+    per-group prices say (``plan_builder.charge_zero3`` charges at least one unit's gathers per microbatch
+    and direction, however well compute hides the rest: once per stage, so no group's price can hold it),
+    so ``keep_needed_zero`` gives level 3 up altogether where the stage fits without it and the prices gain
+    less than F = 2·B·the largest chosen unit's all-gather (``zero3_first``).
+  * The stage DP's per-layer latency leaves the optimizer step out (``layer_costs``), as before: stage
+    boundaries do not change how many elements a stage steps in total, only which ILP shards them.
   * No new constraint family: a twin is one more strategy of the group's ILP class. Identical layers share
     a class (``intra_op._share_classes``), so they get one level. Column 0 stays level 0, so "the fully
     replicated plan" (``choice 0``) still means no ZeRO.
   * Groups with a single strategy are fixed (their edges were priced into their readers) and get no twins.
   * ``keep_needed_zero``: with a relative MIP gap the solver may return a twin whose price is within the gap;
-    every twin whose base column also fits the budget is reverted (cheaper, same edges), smallest memory
-    increase first, and a level-3 twin whose base does not fit falls back to its level-2 sibling where that
-    fits and is priced no higher, so a plan shards weight updates only as far as memory asks, and between
+    every twin whose base column also fits the budget and is priced no higher is reverted (same edges),
+    smallest memory increase first, and a level-3 twin whose base does not fit falls back to its level-2
+    sibling where that fits and is priced no higher; then every base column moves to its cheapest strictly
+    cheaper twin that fits (a saving through the optimizer step is a small share of the objective, within
+    the gap). So a plan shards weight updates as far as memory asks or the step gets faster, and between
     levels 2 and 3 takes the one the cost model prices faster: level 3 where compute hides its prefetched
     gathers better than level 2 hides nothing of its after-step all-gather.
   * The stage DP (``inter_op``) sees the twins only through its per-option memory points: the unconstrained
@@ -62,6 +75,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from autopar.cost_models.compute import optimizer_step_time
+from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import bucket_numel, group_exposed, unit_bytes
 from autopar.passes.ilp import memory_of
 from autopar.placement import local_shape
@@ -95,9 +110,9 @@ def add_zero_columns(b) -> None:
         for i, pick in enumerate(group.pick):
             found = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in params]
             if sum(e.saved2 for e in found) > 0:
-                twins.append((i, 2, sum(e.saved2 for e in found), sum(e.gather for e in found), 0.0))
+                twins.append((i, 2, sum(e.saved2 for e in found), sum(e.gather for e in found), 0.0, 0.0))
                 twins.append((i, 3, sum(e.saved3 for e in found), sum(e.gather3 for e in found),
-                              _units(found, unit_floor)))
+                              _units(found, unit_floor), _first_unit(found, unit_floor)))
         if twins:
             _append_twins(group, twins, b.env.microbatches)
 
@@ -112,6 +127,13 @@ def _units(found: list[_Effect], unit_floor: float) -> float:
     """Bytes of the two units a level-3 column keeps gathered (module docstring)."""
     largest = max(found, key=lambda e: e.numel)
     return unit_bytes(largest.numel, unit_floor, largest.itemsize)
+
+
+def _first_unit(found: list[_Effect], unit_floor: float) -> float:
+    """Seconds of one all-gather of the largest unit a level-3 column gathers (its largest parameter's
+    per-element gather time, over max(its elements, a bucket's))."""
+    largest = max(found, key=lambda e: e.numel)
+    return largest.gather3 * max(largest.numel, unit_floor) / largest.numel
 
 
 def _charge_forced_units(b, group, params: list[str], unit_floor: float, effects: dict) -> None:
@@ -148,8 +170,9 @@ def _effect(b, name: str, spec, cache: dict) -> _Effect:
     return cache[key]
 
 
-def _append_twins(group, twins: list[tuple[int, int, float, float, float]], microbatches: int) -> None:
-    """twins: (base column, level, bytes saved, all-gather seconds g, unit bytes) each; see module docstring."""
+def _append_twins(group, twins: list[tuple[int, int, float, float, float, float]], microbatches: int) -> None:
+    """twins: (base column, level, bytes saved, all-gather seconds g, unit bytes, one unit's all-gather
+    seconds) each; see module docstring."""
     n = len(group.pick)
     base = [t[0] for t in twins]
     level = np.array([t[1] for t in twins])
@@ -171,31 +194,133 @@ def _append_twins(group, twins: list[tuple[int, int, float, float, float]], micr
     group.zero_level = np.concatenate([np.zeros(n), level]).astype(int)
     group.zero_gather = np.concatenate([np.zeros(n), after_step])
     group.zero3_gather = np.concatenate([np.zeros(n), per_microbatch])
+    group.zero3_first = np.concatenate([np.zeros(n), 2 * microbatches * np.array([t[5] for t in twins])])
 
 
 def keep_needed_zero(problem, choice: list[int], groups, class_of: list[int]) -> list[int]:
     """``choice`` with every ZeRO twin reverted to its base column (or a level-3 twin to its level-2 sibling)
-    where that keeps the memory within the budget (to the base, without a budget); see the module docstring."""
+    where that is priced no higher and keeps the memory within the budget (to the base, without a budget),
+    every base column moved to its cheapest strictly cheaper twin that fits, and level 3 given up where the
+    stage fits without it for less than its first unit's gathers; see the module docstring."""
     twins_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    first: dict[int, np.ndarray] = {}
     for g, group in enumerate(groups):
         if group.zero_base is not None:
-            twins_of.setdefault(class_of[g], (group.zero_base, group.zero_level))
-    choice = list(choice)
+            c = class_of[g]
+            twins_of.setdefault(c, (group.zero_base, group.zero_level))
+            first[c] = group.zero3_first if c not in first else np.maximum(first[c], group.zero3_first)
+    choice = _revert_twins(problem, list(choice), twins_of)
+    choice = _take_cheaper_twins(problem, choice, twins_of)
+    return _without_level3_if_cheaper(problem, choice, twins_of, first)
+
+
+def _fits(problem, trial: list[int]) -> bool:
+    return problem.budget is None or memory_of(problem, trial) <= problem.budget
+
+
+def _revert_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
     chosen = [c for c, (base, _) in twins_of.items() if base[choice[c]] != choice[c]]
     chosen.sort(key=lambda c: problem.mem[c][twins_of[c][0][choice[c]]] - problem.mem[c][choice[c]])
     for c in chosen:
         base, level = twins_of[c]
-        fallbacks = [int(base[choice[c]])]
+        cost = problem.cost[c]
+        fallbacks = [int(base[choice[c]])] if cost[base[choice[c]]] <= cost[choice[c]] else []
         if level[choice[c]] == 3:
             fallbacks += [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] == 2
-                          and problem.cost[c][j] <= problem.cost[c][choice[c]]]
-        for column in fallbacks:
-            trial = list(choice)
-            trial[c] = column
-            if problem.budget is None or memory_of(problem, trial) <= problem.budget:
-                choice = trial
-                break
+                          and cost[j] <= cost[choice[c]]]
+        choice = _first_that_fits(problem, choice, c, fallbacks)
     return choice
+
+
+def _first_that_fits(problem, choice: list[int], c: int, columns) -> list[int]:
+    for column in columns:
+        trial = list(choice)
+        trial[c] = int(column)
+        if _fits(problem, trial):
+            return trial
+    return choice
+
+
+def _take_cheaper_twins(problem, choice: list[int], twins_of: dict) -> list[int]:
+    """Each class still at a base column moved to the cheapest of its twins priced strictly below it that
+    fits, largest saving first. A twin keeps its base's picks and edges, so the objective falls by exactly
+    the price difference: this only settles what a relative MIP gap leaves open (a twin cheaper through the
+    optimizer step alone saves a small share of the step)."""
+    gains = []
+    for c, (base, _) in twins_of.items():
+        if base[choice[c]] != choice[c]:
+            continue
+        cost = problem.cost[c]
+        cheaper = sorted((float(cost[j]), int(j)) for j in np.flatnonzero(base == choice[c])
+                         if cost[j] < cost[choice[c]])
+        if cheaper:
+            gains.append((cheaper[0][0] - float(cost[choice[c]]), c, [j for _, j in cheaper]))
+    for _, c, columns in sorted(gains):
+        choice = _first_that_fits(problem, choice, c, columns)
+    return choice
+
+
+def _without_level3_if_cheaper(problem, choice: list[int], twins_of: dict, first: dict) -> list[int]:
+    """``choice`` with every level-3 class moved to the cheapest of its base and level-2 sibling, where all
+    of them fit so and the objective grows by less than F = the largest first-unit charge among them
+    (``zero3_first``: 2·B·one unit's all-gather, which ``plan_builder`` charges once per stage with any
+    level 3, however well compute hides the rest, and the per-group prices leave out)."""
+    at3 = [c for c, (_, level) in twins_of.items() if level[choice[c]] == 3]
+    if not at3:
+        return choice
+    floor = max(float(first[c][choice[c]]) for c in at3)
+    trial, grown = list(choice), 0.0
+    for c in at3:
+        base, level = twins_of[c]
+        family = [j for j in range(len(base)) if base[j] == base[choice[c]] and level[j] < 3]
+        moved = _first_that_fits(problem, trial, c, sorted(family, key=lambda j: (problem.cost[c][j], j)))
+        if moved is trial:
+            return choice  # memory needs level 3 here
+        grown += float(problem.cost[c][moved[c]] - problem.cost[c][choice[c]])
+        trial = moved
+    return trial if grown < floor else choice
+
+
+def price_optimizer_step(b) -> None:
+    """Add to every column of a group that holds parameters the seconds of one optimizer step over them
+    (``group.optimizer``, also in ``group.cost``; after ``add_zero_columns``), so the ILP weighs what
+    ``plan_builder`` predicts: per parameter p stored as spec s at ZeRO level z,
+
+        t_p = optimizer_step_time(local elements of p / (n_p if z >= 1 else 1), 1 tensor)
+
+    (``host_optimizer_seconds`` when the stage steps on the host), n_p = ∏ sizes of the axes s replicates p
+    on. A level-2 or -3 twin thus prices the shorter step beside its all-gather. ``CostEnv.price_optimizer``
+    False leaves every price as it was."""
+    if not b.env.price_optimizer:
+        return
+    cache: dict = {}
+    for group in b.groups:
+        params = [m for m in group.members if m in b.params and m not in b.boundary]
+        if not params:
+            continue
+        levels = group.zero_level if group.zero_level is not None else np.zeros(len(group.pick), dtype=int)
+        seconds = np.array([sum(_step_seconds(b, name, b.strategies[name][pick[name]].out_spec,
+                                              int(level) or b.env.training.zero_level(name), cache)
+                                for name in params) for pick, level in zip(group.pick, levels)])
+        group.optimizer = seconds
+        group.cost = group.cost + seconds
+
+
+def _step_seconds(b, name: str, spec, level: int, cache: dict) -> float:
+    """Seconds of the optimizer step over parameter ``name``'s local shard stored as ``spec`` at ZeRO ``level``
+    (``plan_builder._optimizer_seconds``'s price of one tensor)."""
+    val = b.nodes[name].meta["val"]
+    key = (tuple(val.shape), val.dtype, spec, level >= 1)
+    if key not in cache:
+        mesh, training = b.env.mesh_shape, b.env.training
+        numel = float(math.prod(local_shape(tuple(val.shape), spec, mesh)))
+        if level >= 1:
+            numel /= math.prod(size for size, p in zip(mesh, spec) if not p.is_shard())
+        if training.host_optimizer:
+            cache[key] = host_optimizer_seconds(numel, val.element_size(), training.optimizer, b.env.cluster, 1)
+        else:
+            cache[key] = optimizer_step_time(numel, 1, val.element_size(), training.optimizer, b.env.cluster)
+    return cache[key]
 
 
 def chosen_levels(b, group, column: int) -> dict[str, int]:

@@ -87,7 +87,7 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
               for group, weight in zip(solution.groups, solution.weights)]
     for group, i, where in zip(solution.groups, solution.choice, spread):
         for layer in where:
-            t[layer] += group.cost[i] - group.sync[i]
+            t[layer] += group.cost[i] - group.sync[i] - (group.optimizer[i] if group.optimizer is not None else 0.0)
             sync[layer] += group.sync[i]
             comm[layer] += group.comm[i]
             param[layer] += group.mem_param[i]

@@ -8,8 +8,8 @@ and that order, reshaped to the logical mesh, is the stage's mesh.
 Predicted step time: the schedule (``autopar.ir.schedule.simulate_schedule``) replayed with each stage's
 forward and backward time per microbatch (backward ≈ 2 × forward) and the cross-stage transfer time,
 plus the slowest stage's gradient synchronization, plus the slowest stage's optimizer step over its
-local parameter shards (``cost_models.compute.optimizer_step_time``). The optimizer step is predicted
-but not part of the ILP's or the DP's objective.
+local parameter shards (``cost_models.compute.optimizer_step_time``). The intra-op ILP prices the same
+step per parameter (``passes.intra_op_zero.price_optimizer_step``); the stage DP leaves it out.
 
 The pipeline runtime's host time per (model chunk, microbatch), c = ``Cluster.microbatch_overhead``, is
 part of each stage's forward and backward (``charge_microbatch_overhead``): forward_s += c, backward_s += c,

@@ -26,6 +26,7 @@ collectives run on their own stream beside the compute, and GPU-cluster prices m
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import statistics
 import time
@@ -112,10 +113,11 @@ def measure_in_step(settings, probe, group_sizes) -> dict[str, list[tuple[int, f
     if probe.kind == "cuda" or world < 2:
         return {}
     burst, points = _burst(settings, probe), {}
+    timeout = datetime.timedelta(seconds=settings.timeout_s)  # a rank that died makes the others fail, not hang
     for g in group_sizes:
         mine = None
         for first in range(0, world, g):  # new_group is collective over the world
-            group = dist.new_group(list(range(first, first + g)))
+            group = dist.new_group(list(range(first, first + g)), timeout=timeout)
             mine = group if first <= dist.get_rank() < first + g else mine
         for kind in IN_STEP_KINDS:
             for nbytes in in_step_sizes(settings.message_bytes):

@@ -2,6 +2,7 @@
 
     python benchmarks/experts/mixtral_plan.py                    (2 and 4 nodes, global batch 256)
     python benchmarks/experts/mixtral_plan.py --nodes 8 --batch 512 --layers 32
+    python benchmarks/experts/mixtral_plan.py --nodes 4 --json OUT_DIR   (also each plan's to_json())
 
 Mixtral-8x7B's published config: hidden 4096, intermediate 14336, 32 layers, 8 experts top-2, GQA 32/8
 heads, vocabulary 32000, sequence 4096 here, bf16. Prints, per point, the layout (stages, submeshes, how
@@ -68,7 +69,7 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def run(nodes: int, layers: int, batch: int) -> str:
+def run(nodes: int, layers: int, batch: int, json_dir: str | None = None) -> str:
     model, inputs, n_params = mixtral(layers, batch)
     cluster = autopar.Cluster.preset("dgx-h100", nodes)
     wall, cpu = time.perf_counter(), cpu_seconds()
@@ -79,6 +80,9 @@ def run(nodes: int, layers: int, batch: int) -> str:
     except InfeasibleError as e:
         return f"| {nodes} | {layers} | {batch} | no plan fits: {e} |"
     wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+    if json_dir:  # two trees plan alike exactly when these files are byte-identical
+        with open(os.path.join(json_dir, f"mixtral_{nodes}n_{layers}l_{batch}.json"), "w") as f:
+            f.write(plan.to_json())
     shape = "+".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in plan.stages)
     p = plan.predicted
     return (f"| {nodes} ({8 * nodes} GPUs) | {layers} ({n_params / 1e9:.1f}B) | {batch} | {len(plan.stages)} ({shape}) "
@@ -91,14 +95,17 @@ def main(argv=None) -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batch", type=int, default=256, help="global batch (sequences of 4096 tokens)")
+    parser.add_argument("--json", metavar="DIR", help="write each plan's to_json() into DIR (compare trees)")
     args = parser.parse_args(argv)
+    if args.json:
+        os.makedirs(args.json, exist_ok=True)
     print(f"# Mixtral-8x7B-sized plans on DGX-H100 — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}, load {os.getloadavg()[0]:.0f} at start")
     print("| nodes | layers (params) | batch | stages (submeshes) | B | expert weights; MoE dispatch "
           "| predicted step s | peak GiB | plan s wall / CPU | load |")
     print("|" + "---|" * 10)
     for nodes in args.nodes:
-        print(run(nodes, args.layers, args.batch), flush=True)
+        print(run(nodes, args.layers, args.batch, args.json), flush=True)
     return 0
 
 
