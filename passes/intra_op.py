@@ -62,14 +62,6 @@ class CostEnv:
         self.links = axis_links(self.cluster, self.mesh_shape, self.devices_per_node)
         self._reshard_cache = _reshard_cache(self.mesh_shape, self.links)
 
-    def share_reshard_prices(self, other: CostEnv) -> None:
-        """Price redistributions from ``other``'s cache too (and add to it), where the two price them alike:
-        ``reshard`` reads only the mesh, its links and the arguments of the key (not the microbatches, in-flight
-        count or recompute), so stages on one cluster, logical mesh and node width share every price."""
-        if (other.cluster is self.cluster and other.mesh_shape == self.mesh_shape
-                and other.devices_per_node == self.devices_per_node):
-            self._reshard_cache = other._reshard_cache
-
     def reshard(self, val: torch.Tensor, src, dst, grad_axes, needs_grad: bool,
                 bucketed_sync: bool = False, numbers: tuple[int, int] | None = None) -> tuple[float, float]:
         """(forward, backward) seconds of one redistribution; ``bucketed_sync`` for a parameter, whose

@@ -339,7 +339,6 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     scaled = at_microbatch(B)
     ranks = place_chunks(cluster, [stage.option.physical for stage in choice.stages], choice.virtual)
     strategies = {}  # per logical mesh: stages on one share them
-    envs = {}  # per mesh option: the first stage's CostEnv, whose redistribution prices the others share
     subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
     subsets[-1].add("output")
     subsets = subsets_on(graph.gm, scaled.gm, subsets)
@@ -349,7 +348,6 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
         env = CostEnv(cluster, chosen.option.logical, stage_training(training_spec(graph, options), chosen),
                       microbatches=B, inflight=chosen.inflight, devices_per_node=chosen.option.physical[1],
                       recomputed=recomputed_ops(layers, recompute, scaled))
-        env.share_reshard_prices(envs.setdefault(chosen.option, env))
         try:
             if chosen.option.logical not in strategies:
                 strategies[chosen.option.logical] = strategies_for(scaled, chosen.option.logical, options)
