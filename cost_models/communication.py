@@ -113,6 +113,27 @@ def zero_pair_time(link: AxisLink, nbytes: float) -> float:
     return link.time("reduce_scatter", nbytes) + link.time("all_gather", nbytes)
 
 
+def zero_pair_excess(link: AxisLink, nbytes: float) -> float:
+    """Seconds a ZeRO 1-2 bucket of ``nbytes`` costs beyond the one all-reduce of it the planner charges
+    (half reduce, half gather): zero_pair_time − all_reduce time, where the profile measured the pair
+    ("zero_pair/<n>@step"); 0 without that fit (GPU presets carry none, so their plans do not move)."""
+    if link.size <= 1 or nbytes <= 0 or f"zero_pair/{link.size}@step" not in link.link.fits:
+        return 0.0
+    return max(0.0, zero_pair_time(link, nbytes) - link.time("all_reduce", nbytes))
+
+
+def zero_gather_time(link: AxisLink, nbytes: float) -> float:
+    """What ZeRO 1-2 adds to one parameter's bucketed gradient all-reduce (bandwidth terms only, as
+    ``bandwidth_time``): the after-step all-gather's, or, where the profile measured the pair, the larger of
+    that and what the pair's fit costs per byte beyond the all-reduce's."""
+    gather = link.bandwidth_time("all_gather", nbytes)
+    fit = link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 and nbytes > 0 else None
+    if fit is None:
+        return gather
+    pair = fit.time(nbytes) - fit.time(1e-30)
+    return max(gather, pair - link.bandwidth_time("all_reduce", nbytes))
+
+
 def axis_links(cluster: Cluster, mesh_shape: tuple[int, int],
                devices_per_node: int | None = None) -> tuple[AxisLink, ...]:
     """Links for each axis of a logical mesh laid row-major on nodes of ``devices_per_node`` devices.

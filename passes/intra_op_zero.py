@@ -75,6 +75,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from autopar.cost_models.communication import zero_gather_time
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import bucket_numel, group_exposed, unit_bytes
@@ -85,7 +86,7 @@ from autopar.placement import local_shape
 class _Effect(NamedTuple):
     saved2: float     # bytes a level-2 twin saves
     saved3: float     # bytes a level-3 twin saves
-    gather: float     # seconds of one all-gather of the parameter's local tensor over its replicated axes
+    gather: float     # seconds level 2 adds: the after-step all-gather (``communication.zero_gather_time``)
     gather3: float    # the same at the gather dtype (what a level-3 unit moves)
     numel: float      # local elements of the parameter (what a level-3 unit gathers of it)
     itemsize: int     # bytes per element a level-3 unit gathers
@@ -163,10 +164,11 @@ def _effect(b, name: str, spec, cache: dict) -> _Effect:
             price = b.env.training.param_bytes
             level0 = price(name, numel, val.dtype, ways, level=0)
             item = b.env.training.compute_itemsize or val.element_size()  # the gather dtype's
-            gather = [sum(b.env.links[a].bandwidth_time("all_gather", numel * size) for a in axes)
-                      for size in (val.element_size(), item)]
+            after_step = sum(zero_gather_time(b.env.links[a], numel * val.element_size()) for a in axes)
+            gather3 = sum(b.env.links[a].bandwidth_time("all_gather", numel * item) for a in axes)
             cache[key] = _Effect(level0 - price(name, numel, val.dtype, ways, level=2),
-                                 level0 - price(name, numel, val.dtype, ways, level=3), *gather, numel, item)
+                                 level0 - price(name, numel, val.dtype, ways, level=3), after_step, gather3,
+                                 numel, item)
     return cache[key]
 
 

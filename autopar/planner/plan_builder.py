@@ -26,14 +26,14 @@ import math
 
 import numpy as np
 
-from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
+from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages, zero_pair_excess
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.experts import dispatch_messages
 from autopar.cost_models.memory import held_state_bytes, single_step_release
 from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import exposed_gather, zero3_units
 from autopar.hardware.cluster import Cluster
-from autopar.ir.buckets import deferrable_syncs, sync_buckets
+from autopar.ir.buckets import deferrable_syncs, padded_numel, sync_buckets
 from autopar.ir.ops import OpView, requires_grad_nodes
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
@@ -204,11 +204,27 @@ def charge_zero3(stage) -> None:
         p[key] = p.get(key, 0.0) + p.get("zero3_transient", 0.0)
 
 
+def charge_zero_pair(graph, stage, cluster: Cluster, bucket_bytes: float) -> None:
+    """Where the profile measured ZeRO's reduce-scatter + all-gather pair after a step's compute
+    ("zero_pair/<n>@step", CPU profiles), add to ``stage.predicted["zero_pair_excess"]`` what the stage's
+    level 1-2 buckets (fp32 flat buffers, padded) cost beyond the all-reduce ``exposed_sync`` prices them as
+    (``cost_models.communication.zero_pair_excess``, per bucket and axis); nothing is added, and no key, where
+    no such fit exists, so plans on clusters without one stay as they were."""
+    links = axis_links(cluster, tuple(stage.mesh_shape), stage.submesh[1])
+    if not any(f"zero_pair/{link.size}@step" in link.link.fits for link in links):
+        return
+    excess = sum(zero_pair_excess(links[a], 4.0 * padded_numel(b["numel"], b["ways"], b["level"]))
+                 for b in stage_sync_buckets(graph, stage, bucket_bytes) if b["level"] in (1, 2) for a in b["axes"])
+    if excess > 0:
+        stage.predicted["zero_pair_excess"] = excess
+
+
 def _is_read(graph, name: str) -> bool:
     return bool(graph.gm.graph.find_nodes(op="placeholder", target=name)[0].users)
 
 
-def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float, zero3_share: float = 0.0) -> float:
+def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float, zero3_share: float = 0.0,
+                 pair_excess: float = 0.0) -> float:
     """Seconds of gradient sync the backward does not hide. Buckets of equal size become ready at
     b/K, 2b/K, ..., b (b: the last microbatch's backward, K buckets) and go out one after another, so the
     last finishes at max(b/K + s, b + s/K) (s: the sync's reduce part); what lies past b is exposed:
@@ -218,11 +234,12 @@ def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float
     With ZeRO 1 or 2 a share f of the gradients is reduce-scattered (half a ring all-reduce) and the updated
     shards all-gathered after the step (the other half, g = f·sync/2), which nothing hides. At ZeRO 3 a
     share f3 is only reduce-scattered here (s loses f3·sync/2); its all-gathers are in forward and backward
-    (``charge_zero3``)."""
+    (``charge_zero3``). ``pair_excess``: what the measured pair costs beyond that all-reduce
+    (``charge_zero_pair``), exposed with the gathers it runs among."""
     if sync <= 0:
         return 0.0
-    gather = gather_share * sync / 2
-    s, k = sync - gather - zero3_share * sync / 2, max(int(buckets), 1)
+    gather = gather_share * sync / 2 + pair_excess
+    s, k = sync - gather_share * sync / 2 - zero3_share * sync / 2, max(int(buckets), 1)
     return max(s / k, s - backward * (k - 1) / k) + gather
 
 
@@ -277,7 +294,8 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
     device_b = [sum(backward[j::pp]) for j in range(pp)]
     sync = max(s.predicted["grad_sync"] for s in stages)
     exposed = max(exposed_sync(s.predicted["grad_sync"], s.predicted["backward"], s.predicted.get("sync_buckets", 1),
-                               s.predicted.get("zero_gather_share", 0.0), s.predicted.get("zero3_share", 0.0))
+                               s.predicted.get("zero_gather_share", 0.0), s.predicted.get("zero3_share", 0.0),
+                               s.predicted.get("zero_pair_excess", 0.0))
                   for s in stages)
     optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
     busiest = max(microbatches * (f + b) for f, b in zip(device_f, device_b))
@@ -375,6 +393,7 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
                                              dict(layers.of_node) if layers is not None else None,
                                              resolve_precision(options.precision).compute_dtype))
         charge_zero3(stage)
+        charge_zero_pair(sharded, stage, cluster, options.bucket_bytes)
     charge_microbatch_overhead(stages, cluster, microbatches)
     return Plan(precision=resolve_precision(options.precision).name, bucket_bytes=int(options.bucket_bytes),
                 model=model_name, graph_fingerprint=sharded.fingerprint(), input_signature=graph.input_signature,

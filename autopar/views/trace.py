@@ -60,6 +60,7 @@ def grad_sync_events(plan, ops: list[ScheduledOp]) -> list[ScheduledOp]:
         gather = float(p.get("zero_gather_share", 0.0)) * seconds / 2
         scatter3 = float(p.get("zero3_share", 0.0)) * seconds / 2  # ZeRO-3: reduce-scatter only, gathers in F/B
         each, free = (seconds - gather - scatter3) / k, last.start if k > 1 else last.end
+        gather += float(p.get("zero_pair_excess", 0.0))  # the measured pair's cost beyond the all-reduce
         for i in range(k):
             ready = last.start + (i + 1) / k * (last.end - last.start) if k > 1 else last.end
             start = max(ready, free)
