@@ -96,9 +96,10 @@ def solve_walks(problems: list[IlpProblem], time_limit: float) -> tuple[list[Ilp
     walk with the solves known so far (``_replay``: memo look-ups, no solve) and solves, side by side, the
     first problem each walk cannot answer, plus, while cores are left, the walks' next problems that the
     memo as it stands cannot answer either (solved ahead: a long walk of one objective at tightening memory,
-    a pipeline's identical middle stages, is otherwise one core's work). A problem solved ahead whose walk
-    turns out to answer it from the memo keeps the memo's answer, so the answers and the reuse count are
-    the serial walk's whatever the cores; only the work spent ahead can be lost."""
+    a pipeline's identical middle stages, is otherwise one core's work), first those whose feasible set is
+    not inside their walk's first problem's (that problem's solution can never answer them). A problem
+    solved ahead whose walk turns out to answer it from the memo keeps the memo's answer, so the answers
+    and the reuse count are the serial walk's whatever the cores; only the work spent ahead can be lost."""
     keys = [objective_key(problem) for problem in problems]
     walks: dict[str, list[int]] = {}
     for j, key in enumerate(keys):
@@ -112,10 +113,16 @@ def solve_walks(problems: list[IlpProblem], time_limit: float) -> tuple[list[Ilp
             return answers, hits
         batch = [walk[0] for walk in pending if walk]
         ahead = [j for walk in pending for j in walk[1:]] if cores > 1 else []
+        ahead.sort(key=lambda j: _tighter_or_equal(problems[j], problems[_head(pending, j)]))
         batch += ahead[:max(0, cores - len(batch))]
         batch.sort(key=lambda j: -sum(len(c) for c in problems[j].cost))
         for j, result in zip(batch, parallel_map(lambda j: _solve(problems[j], time_limit), batch)):
             solved[j] = result
+
+
+def _head(pending: list[list[int]], j: int) -> int:
+    """The problem its walk needs first, of the walk that lists problem j."""
+    return next(walk[0] for walk in pending if j in walk)
 
 
 def _solve(problem: IlpProblem, time_limit: float) -> IlpResult | str:

@@ -54,7 +54,7 @@ def test_slow_link_recomputes_rather_than_shard():
 
 
 def test_fast_link_shards_rather_than_recompute():
-    loose = _plan(1e12, 16, recompute="none")
+    loose = _plan(1e12, 16, recompute="none", zero=0)  # over 1 TB/s ZeRO pays for its shorter optimizer step
     budget = 0.8 * loose.stages[0].predicted["memory"] / GiB
     plan = _plan(1e12, budget, zero=0)  # TP against recompute; ZeRO, the third lever: tests/test_zero_planner.py
     (stage,) = plan.stages

@@ -59,7 +59,7 @@ def test_zero_chosen_for_its_shorter_optimizer_step_with_memory_loose(problem):
     chosen = solve(problem)
     assert replicated(chosen), "plain data parallelism: the weights stay replicated"
     assert set(chosen.zero) == set(weights(chosen)) and set(chosen.zero.values()) <= {2, 3}, chosen.zero
-    numel = sum(4 * (WIDTH * WIDTH + WIDTH) for _ in range(1))
+    numel = 4 * (WIDTH * WIDTH + WIDTH)  # the four layers' weights and biases
     assert chosen.optimizer_time == pytest.approx(optimizer_step_time(numel / 8, 8, 4, "adamw", NODE)), \
         "each of the 8 ranks steps 1/8 of the weights, priced as plan_builder prices it"
     control = solve(problem, price_optimizer=False)

@@ -111,7 +111,7 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dic
 
 def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]) -> list[Collective]:
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
-    needs = requires_grad_nodes(graph.gm, trainable)
+    needs = _requires_grad(graph, trainable)
     specs = {**solution.inputs, **{n: s.out_spec for n, s in solution.strategies.items()}}
     out = []
     for node in graph.gm.graph.nodes:
@@ -138,11 +138,21 @@ def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]
     return out
 
 
+def _requires_grad(graph, trainable: set[str]) -> frozenset[str]:
+    """``requires_grad_nodes`` of the graph, kept on it per (module, trainable set): every stage of a plan asks
+    twice (its collectives, its sync buckets), and the walk over the whole graph is the same each time."""
+    key = (graph.gm, frozenset(trainable))
+    kept = getattr(graph, "_requires_grad_kept", None)
+    if kept is None or kept[0][0] is not key[0] or kept[0][1] != key[1]:
+        kept = graph._requires_grad_kept = (key, frozenset(requires_grad_nodes(graph.gm, trainable)))
+    return kept[1]
+
+
 def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
     """The gradient-sync buckets the runtime builds for ``stage`` (``cost_models.memory.sync_buckets``),
     from the parameters whose gradient codegen leaves to the once-per-step sync."""
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
-    deferred = deferrable_syncs(graph, stage, requires_grad_nodes(graph.gm, trainable))
+    deferred = deferrable_syncs(graph, stage, _requires_grad(graph, trainable))
     numel = {p.name: math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
              for p in graph.placeholders if p.name in deferred}
     return sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
