@@ -170,21 +170,6 @@ _BACKWARD = {"all_gather": None, "split": "all_gather", "all_reduce": None, "red
 UNREACHABLE_SECONDS = 1e4
 
 
-def _step_message(step: Step, shape: tuple[int, ...], spec: list, mesh_shape) -> tuple[str, float]:
-    """(collective, message elements) of a forward step given the local shape before it."""
-    local = math.prod(local_shape(shape, tuple(spec), mesh_shape))
-    n = mesh_shape[step.axis]
-    if step.kind == "all_gather":
-        return "all_gather", local * n
-    if step.kind in ("all_reduce",):
-        return "all_reduce", local
-    if step.kind == "reduce_scatter":
-        return "reduce_scatter", local
-    if step.kind == "all_to_all":
-        return "all_to_all", local
-    return step.kind, local
-
-
 def redistribute_messages(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
                           grad_axes=(), needs_grad: bool = True) -> list[tuple[str, int, float, str]]:
     """The collectives of moving a tensor from ``src`` to ``dst``: (collective, axis, bytes, phase).
@@ -195,17 +180,47 @@ def redistribute_messages(shape: tuple[int, ...], itemsize: int, src: Spec, dst:
     return [m[:4] for m in _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad)]
 
 
-def _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad):
-    """``redistribute_messages`` with the kind of the step each message comes from as a fifth field."""
-    spec = list(src)
-    for step in redistribute_steps(src, dst, grad_axes if needs_grad else ()):
-        kind, elems = _step_message(step, shape, spec, mesh_shape)
-        if kind in RING_FACTOR:
-            yield kind, step.axis, elems * itemsize, "forward", step.kind
-        back = _backward_kind(step) if needs_grad else None
+def _messages(shape, itemsize, src, dst, mesh_shape, grad_axes, needs_grad, numbers=None):
+    """``redistribute_messages`` with the kind of the step each message comes from as a fifth field; a
+    message moves the step's local size before it (an all-gather's: its output, n times that)."""
+    unreachable, entries = _message_plan(src, dst, grad_axes, needs_grad, numbers)
+    if unreachable:  # not kept: what such a move sends is asked only where no price is
+        entries = _plan_entries(src, dst, tuple(grad_axes) if needs_grad else (), needs_grad)
+    for step_kind, axis, spec, gathers, forward, back in entries:
+        local = math.prod(local_shape(shape, spec, mesh_shape))
+        nbytes = (local * mesh_shape[axis] if gathers else local) * itemsize
+        if forward:
+            yield step_kind, axis, nbytes, "forward", step_kind
         if back:
-            yield back, step.axis, elems * itemsize, "backward", step.kind
+            yield back, axis, nbytes, "backward", step_kind
+
+
+_PLANS: dict[tuple, tuple] = {}
+
+
+def _message_plan(src: Spec, dst: Spec, grad_axes, needs_grad: bool, numbers: tuple[int, int] | None) -> tuple:
+    """What a redistribution sends apart from the tensor's shape, worked out once per (source and destination
+    ``spec_number``, gradient axes, needs_grad): (whether a step is unreachable, per step that sends
+    something: (step kind, mesh axis, the local spec before the step, whether it all-gathers, whether its
+    forward sends, the collective its backward runs or None))."""
+    grad_axes = tuple(grad_axes) if needs_grad else ()
+    key = (numbers if numbers is not None else (spec_number(src), spec_number(dst)), grad_axes, needs_grad)
+    plan = _PLANS.get(key)
+    if plan is None:
+        unreachable = any(step.kind == "unreachable" for step in redistribute_steps(src, dst))
+        plan = _PLANS[key] = (unreachable, () if unreachable else _plan_entries(src, dst, grad_axes, needs_grad))
+    return plan
+
+
+def _plan_entries(src: Spec, dst: Spec, grad_axes: tuple[int, ...], needs_grad: bool) -> tuple:
+    entries, spec = [], list(src)
+    for step in redistribute_steps(src, dst, grad_axes):
+        forward = step.kind in RING_FACTOR
+        back = _backward_kind(step) if needs_grad else None
+        if forward or back:
+            entries.append((step.kind, step.axis, tuple(spec), step.kind == "all_gather", forward, back))
         spec[step.axis] = _after(step, spec[step.axis], dst)
+    return tuple(entries)
 
 
 _SPEC_NUMBERS: dict = {}
@@ -225,8 +240,9 @@ def spec_number(spec: Spec) -> int:
 
 def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spec, mesh_shape,
                       links: tuple[AxisLink, ...], grad_axes=(), needs_grad: bool = True,
-                      bucketed_sync: bool = False) -> tuple[float, float]:
-    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst``.
+                      bucketed_sync: bool = False, numbers: tuple[int, int] | None = None) -> tuple[float, float]:
+    """(forward seconds, backward seconds) of moving a tensor from ``src`` to ``dst`` (``numbers``: their
+    ``spec_number``s, when the caller has them).
 
     bucketed_sync: the gradient all-reduce of a "sync_grad" step (a replicated parameter read by a
     sharded op) is flattened with the other parameters' into one all-reduce per axis after backward
@@ -234,10 +250,10 @@ def redistribute_cost(shape: tuple[int, ...], itemsize: int, src: Spec, dst: Spe
     (``AxisLink.bandwidth_time``); the bucket's one α per axis per step is the caller's to add once.
     """
     fwd = bwd = 0.0
-    if any(step.kind == "unreachable" for step in redistribute_steps(src, dst)):
+    if _message_plan(src, dst, grad_axes, needs_grad, numbers)[0]:
         return UNREACHABLE_SECONDS, 0.0
     for kind, axis, nbytes, phase, step_kind in _messages(shape, itemsize, src, dst, mesh_shape, grad_axes,
-                                                          needs_grad):
+                                                          needs_grad, numbers):
         if bucketed_sync and step_kind == "sync_grad":
             t = links[axis].bandwidth_time(kind, nbytes)
         else:

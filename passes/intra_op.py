@@ -72,7 +72,7 @@ class CostEnv:
         hit = self._reshard_cache.get(key)
         if hit is None:
             hit = redistribute_cost(tuple(val.shape), val.element_size(), src, dst, self.mesh_shape, self.links,
-                                    grad_axes, needs_grad, bucketed_sync=bucketed_sync)
+                                    grad_axes, needs_grad, bucketed_sync=bucketed_sync, numbers=(src_id, dst_id))
             self._reshard_cache[key] = hit
         return hit
 

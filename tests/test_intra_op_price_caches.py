@@ -1,18 +1,28 @@
 """The intra-op build's price caches answer what the uncached computation answers, on a real GPT graph.
 
 Caches under test: ``spec_number`` (one number per distinct spec, process-wide), ``CostEnv.reshard`` keyed by
-those numbers and shared by every env whose axes price alike, ``GroupBuilder.strategy_reads`` (each strategy
-list's read specs and Partial-gradient axes), the builder's edge prices, and ``compute.moves_no_data`` kept
-in ``node.meta``. Controls: a changed input gives a different key (or a recomputed answer).
+those numbers and shared by every env whose axes price alike, ``redistribute_cost``'s message plan per spec
+pair, ``GroupBuilder.strategy_reads`` (each strategy list's read specs and Partial-gradient axes), the
+builder's edge prices, and ``compute.moves_no_data`` kept in ``node.meta``. Controls: a changed input gives
+a different key (or a recomputed answer).
 """
 import dataclasses
 import functools
+import math
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import autopar
-from autopar.cost_models.communication import redistribute_cost, spec_number
+from autopar.cost_models.communication import (
+    RING_FACTOR,
+    UNREACHABLE_SECONDS,
+    _after,
+    _backward_kind,
+    _message_plan,
+    redistribute_cost,
+    spec_number,
+)
 from autopar.cost_models.compute import moves_no_data
 from autopar.cost_models.saved_tensors import saved_rule
 from autopar.passes.capture import capture
@@ -20,7 +30,8 @@ from autopar.passes.intra_op import CostEnv
 from autopar.passes.intra_op_groups import GroupBuilder
 from autopar.passes.intra_op_prices import edge_matrices, price_groups
 from autopar.passes.strategies import generate_strategies
-from autopar.redistribute import grad_partial_axes
+from autopar.placement import local_shape
+from autopar.redistribute import grad_partial_axes, redistribute_steps
 from tests.models import make_small_gpt
 
 MESH = (2, 2)
@@ -139,3 +150,44 @@ def _uncached_moves_no_data(node) -> bool:
     from autopar.ir.ops import is_free_view
 
     return is_free_view(node) or saved_rule(node, set()).alias_of is not None
+
+
+def _direct_cost(shape, itemsize, src, dst, links, axes, needs_grad, bucketed) -> tuple[float, float]:
+    """``redistribute_cost`` step by step from ``redistribute_steps``, nothing kept between calls."""
+    if any(step.kind == "unreachable" for step in redistribute_steps(src, dst)):
+        return UNREACHABLE_SECONDS, 0.0
+    fwd = bwd = 0.0
+    spec = list(src)
+    for step in redistribute_steps(src, dst, axes if needs_grad else ()):
+        local = math.prod(local_shape(shape, tuple(spec), MESH))
+        nbytes = (local * MESH[step.axis] if step.kind == "all_gather" else local) * itemsize
+        price = links[step.axis].bandwidth_time if bucketed and step.kind == "sync_grad" else links[step.axis].time
+        if step.kind in RING_FACTOR:
+            fwd += price(step.kind, nbytes)
+        back = _backward_kind(step) if needs_grad else None
+        if back:
+            bwd += price(back, nbytes)
+        spec[step.axis] = _after(step, spec[step.axis], dst)
+    return fwd, bwd
+
+
+def test_message_plans_kept_per_spec_pair_price_as_step_by_step():
+    b = _built()
+    specs = sorted(_all_specs(b), key=spec_number)[:12]
+    checked = 0
+    for src in specs:
+        for dst in specs:
+            for axes, needs_grad, bucketed in (((), True, False), ((0,), True, True), ((1,), False, False)):
+                if axes and not dst[axes[0]].is_replicate():
+                    continue  # a Partial gradient arises only at a Replicate input
+                for shape in ((64, 32, 16), (8, 48, 32)):
+                    cached = redistribute_cost(shape, 4, src, dst, MESH, b.env.links, axes, needs_grad,
+                                               bucketed_sync=bucketed)
+                    assert cached == _direct_cost(shape, 4, src, dst, b.env.links, axes, needs_grad, bucketed)
+                    checked += cached != (0.0, 0.0)
+    assert checked > 20
+    # control: the kept plan is per (specs, gradient axes, needs_grad): another of each is another entry
+    src, dst = (Shard(0), Replicate()), (Replicate(), Replicate())
+    plans = {id(_message_plan(src, dst, axes, ng, None)) for axes, ng in (((), True), ((1,), True), ((), False))}
+    assert len(plans) == 3
+    assert _message_plan(dst, src, (), True, None) is not _message_plan(src, dst, (), True, None)
