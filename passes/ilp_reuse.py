@@ -14,7 +14,8 @@ the solver proved (status "Optimal") are kept.
 
 So the driver solves identical stages in order of growing memory (fewest microbatches in flight
 first) and each later stage is either answered here or solved afresh and remembered. Stages of
-different objectives never answer each other, so ``solve_walks`` solves them in parallel workers.
+different objectives never answer each other, so ``solve_walks`` splits the walk by objective and solves
+on every core, solving ahead the later problems the memo cannot answer yet while cores are left.
 """
 from __future__ import annotations
 

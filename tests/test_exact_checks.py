@@ -20,18 +20,37 @@ def sc21_plan(name: str, gpus: int, **options) -> autopar.Plan:
     return autopar.plan(model, autopar.Cluster.preset("dgx-a100", gpus=gpus), batch, precision="fp16", **options)
 
 
-def test_a_one_stage_plan_is_solved_again_at_fewer_microbatches_while_faster():
-    """GPT-3.6B on 64 A100s, batch 512: the DP picks one stage at B = 8 (its prices, scaled from small
-    reference microbatches, charge per-microbatch costs once per sample). Solved exactly at B = 4, 2, 1,
-    each is faster, so the plan moves to B = 1; the step the DP's own choice was predicted at is recorded.
-    Planning with that B forced (the DP then prices it from a reference at that B) finds nothing faster."""
+def test_fewer_microbatches_walks_down_while_each_half_is_faster():
+    """The walk's rule on plans given by their step time per B: halve B while the exact solve there is
+    faster, record the DP's own B and step, stop at the first slower or non-fitting B."""
+    import types
+
+    from autopar.planner.exact_checks import fewer_microbatches
+
+    def at(steps):
+        return lambda b: None if steps.get(b) is None else types.SimpleNamespace(
+            microbatches=b, predicted={"step_time": steps[b]}, planner={})
+
+    steps = {8: 2.0, 4: 1.8, 2: 1.7, 1: 1.75}
+    best = fewer_microbatches(at(steps)(8), [1, 2, 4, 8], at(steps))
+    assert best.microbatches == 2 and best.planner == {"dp_microbatches": 8, "dp_choice_step_time": 2.0}
+    slower = fewer_microbatches(at({8: 2.0, 4: 2.1, 2: 1.0})(8), [1, 2, 4, 8], at({8: 2.0, 4: 2.1, 2: 1.0}))
+    assert slower.microbatches == 8 and slower.planner == {}  # control: a slower half ends the walk
+    unfit = fewer_microbatches(at({8: 2.0, 2: 1.0})(8), [1, 2, 4, 8], at({8: 2.0, 2: 1.0}))
+    assert unfit.microbatches == 8  # a half that does not fit ends it too
+    assert fewer_microbatches(at(steps)(8), [8], at(steps)).microbatches == 8  # not a candidate: not tried
+
+
+def test_a_user_given_microbatch_count_is_kept_and_no_dp_choice_recorded():
+    """GPT-3.6B on 64 A100s, batch 512: one stage. Planned with B forced to twice the planner's own B, the
+    plan keeps that B and records nothing about the DP's choice (the exact checks run only where B is free).
+    The two are priced apart, so the forced B really was planned on its own."""
     plan = sc21_plan("3.6B", 64)
     assert len(plan.stages) == 1
-    assert plan.planner["dp_microbatches"] > plan.microbatches, plan.planner
-    assert plan.predicted["step_time"] < plan.planner["dp_choice_step_time"]
-    again = sc21_plan("3.6B", 64, microbatches=plan.microbatches)
-    assert len(again.stages) == 1 and "dp_microbatches" not in again.planner, "a user's B is kept as given"
-    assert again.predicted["step_time"] >= plan.predicted["step_time"] * (1 - 1e-9)
+    again = sc21_plan("3.6B", 64, microbatches=2 * plan.microbatches)
+    assert again.microbatches == 2 * plan.microbatches
+    assert "dp_microbatches" not in again.planner and "dp_choice_step_time" not in again.planner
+    assert abs(again.predicted["step_time"] / plan.predicted["step_time"] - 1) > 1e-4  # control: priced apart
 
 
 def test_a_tie_goes_to_the_single_stage_solve():
