@@ -173,7 +173,9 @@ def _direct_cost(shape, itemsize, src, dst, links, axes, needs_grad, bucketed) -
 
 def test_message_plans_kept_per_spec_pair_price_as_step_by_step():
     b = _built()
-    specs = sorted(_all_specs(b), key=spec_number)[:12]
+    # specs valid on both 3-D shapes below, in an order of their own (spec numbers are process-wide: their
+    # order depends on what else this process priced first)
+    specs = sorted((s for s in _all_specs(b) if all(not p.is_shard() or p.dim < 3 for p in s)), key=str)[:12]
     checked = 0
     for src in specs:
         for dst in specs:
