@@ -4,7 +4,7 @@ import torch
 
 from autopar.ir.ops import requires_grad_nodes
 from autopar.passes.capture import capture
-from autopar.planner.plan_builder import _requires_grad
+from autopar.planner.sync_charges import requires_grad_kept
 from examples.gpt import GPT, GPTConfig, make_batch
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=3, n_head=4, n_embd=64)
@@ -19,7 +19,7 @@ def _graph():
 def test_the_requires_grad_set_is_kept_per_graph_and_trainable_set():
     graph = _graph()
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
-    kept = _requires_grad(graph, trainable)
-    assert kept == requires_grad_nodes(graph.gm, trainable) and _requires_grad(graph, trainable) is kept
-    frozen = _requires_grad(graph, set())
+    kept = requires_grad_kept(graph, trainable)
+    assert kept == requires_grad_nodes(graph.gm, trainable) and requires_grad_kept(graph, trainable) is kept
+    frozen = requires_grad_kept(graph, set())
     assert frozen == requires_grad_nodes(graph.gm, set()) != kept, "control: another trainable set is walked afresh"

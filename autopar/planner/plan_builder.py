@@ -26,21 +26,27 @@ import math
 
 import numpy as np
 
-from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages, zero_pair_excess
+from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
 from autopar.cost_models.compute import optimizer_step_time
 from autopar.cost_models.experts import dispatch_messages
 from autopar.cost_models.memory import held_state_bytes, single_step_release
 from autopar.cost_models.offload import host_optimizer_seconds
-from autopar.cost_models.zero3 import exposed_gather, zero3_units
+from autopar.cost_models.zero3 import zero3_units
 from autopar.hardware.cluster import Cluster
-from autopar.ir.buckets import deferrable_syncs, padded_numel, sync_buckets
-from autopar.ir.ops import OpView, requires_grad_nodes
+from autopar.ir.ops import OpView
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.schedule import simulate_schedule
 from autopar.ir.shard_boxes import backward_pieces, forward_pieces, max_node_bytes, max_rank_bytes, send_spec, wire_spec
 from autopar.passes.intra_op import CostEnv, IntraOpSolution
 from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
+from autopar.planner.sync_charges import (  # noqa: F401  (exposed_sync, charge_zero3: re-exported)
+    charge_zero3,
+    charge_zero_pair,
+    exposed_sync,
+    requires_grad_kept,
+    stage_sync_buckets,
+)
 from autopar.redistribute import grad_partial_axes
 
 
@@ -111,7 +117,7 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dic
 
 def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]) -> list[Collective]:
     trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
-    needs = _requires_grad(graph, trainable)
+    needs = requires_grad_kept(graph, trainable)
     specs = {**solution.inputs, **{n: s.out_spec for n, s in solution.strategies.items()}}
     out = []
     for node in graph.gm.graph.nodes:
@@ -138,26 +144,6 @@ def _collectives(graph, solution: IntraOpSolution, env: CostEnv, names: set[str]
     return out
 
 
-def _requires_grad(graph, trainable: set[str]) -> frozenset[str]:
-    """``requires_grad_nodes`` of the graph, kept on it per (module, trainable set): every stage of a plan asks
-    twice (its collectives, its sync buckets), and the walk over the whole graph is the same each time."""
-    key = (graph.gm, frozenset(trainable))
-    kept = getattr(graph, "_requires_grad_kept", None)
-    if kept is None or kept[0][0] is not key[0] or kept[0][1] != key[1]:
-        kept = graph._requires_grad_kept = (key, frozenset(requires_grad_nodes(graph.gm, trainable)))
-    return kept[1]
-
-
-def stage_sync_buckets(graph, stage, bucket_bytes: float) -> list[dict]:
-    """The gradient-sync buckets the runtime builds for ``stage`` (``cost_models.memory.sync_buckets``),
-    from the parameters whose gradient codegen leaves to the once-per-step sync."""
-    trainable = {p.name for p in graph.placeholders if p.kind == "parameter"}
-    deferred = deferrable_syncs(graph, stage, _requires_grad(graph, trainable))
-    numel = {p.name: math.prod(local_shape(p.shape, parse_spec(stage.shardings[p.name].out), stage.mesh_shape))
-             for p in graph.placeholders if p.name in deferred}
-    return sync_buckets(graph.gm, deferred, stage.zero, stage.mesh_shape, numel, bucket_bytes)
-
-
 def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers=None,
                   compute_dtype=None) -> dict[str, float]:
     """Bytes of parameters, gradients and optimizer state one rank of ``stage`` holds (``held_state_bytes``),
@@ -179,68 +165,8 @@ def predict_state(graph, stage, bucket_bytes: float, optimizer: str, node_layers
             **zero3_units(graph, stage, buckets, compute_dtype, node_layers or {})}
 
 
-def charge_zero3(stage) -> None:
-    """Add ZeRO-3's all-gathers and gathered units to ``stage.predicted`` (after ``predict_state``).
-
-    Per microbatch, the level-3 share f3 of the stage's gradient-sync elements is all-gathered before its
-    forward use and again for backward; each all-gather moves what half a ring all-reduce does, at the
-    gather dtype: g = f3 · s/2 · r per direction (s: the stage's gradient all-reduce seconds, ``grad_sync``;
-    r: ``zero3_gather_scale``). Prefetched over U units (``zero3_units``), forward and backward each gain
-    only what their compute c does not hide, ``cost_models.zero3.exposed_gather``:
-    max(g/U, g − c·(U − 1)/U) (``zero3_exposed``: both, per microbatch). Per step the level-3 gradients
-    are reduce-scattered (f3 · s / 2, in ``exposed_sync``) and nothing is gathered after the optimizer step.
-    Memory: the units held at once (``zero3_transient``) add to the stage's memory and peak."""
-    p = stage.predicted
-    g3 = p.get("zero3_share", 0.0) * p.get("grad_sync", 0.0) / 2 * p.get("zero3_gather_scale", 1.0)
-    p["zero3_gather"] = g3
-    if g3 > 0:
-        units = p.get("zero3_units", 1.0)
-        exposed = {key: exposed_gather(g3, p.get(key, 0.0), units) for key in ("forward", "backward")}
-        for key, seconds in exposed.items():
-            p[key] = p.get(key, 0.0) + seconds
-        p["zero3_exposed"] = sum(exposed.values())
-        p["latency"] = p.get("latency", 0.0) + p["zero3_exposed"]
-    for key in ("memory", "peak_memory"):
-        p[key] = p.get(key, 0.0) + p.get("zero3_transient", 0.0)
-
-
-def charge_zero_pair(graph, stage, cluster: Cluster, bucket_bytes: float) -> None:
-    """Where the profile measured ZeRO's reduce-scatter + all-gather pair after a step's compute
-    ("zero_pair/<n>@step", CPU profiles), add to ``stage.predicted["zero_pair_excess"]`` what the stage's
-    level 1-2 buckets (fp32 flat buffers, padded) cost beyond the all-reduce ``exposed_sync`` prices them as
-    (``cost_models.communication.zero_pair_excess``, per bucket and axis); nothing is added, and no key, where
-    no such fit exists, so plans on clusters without one stay as they were."""
-    links = axis_links(cluster, tuple(stage.mesh_shape), stage.submesh[1])
-    if not any(f"zero_pair/{link.size}@step" in link.link.fits for link in links):
-        return
-    excess = sum(zero_pair_excess(links[a], 4.0 * padded_numel(b["numel"], b["ways"], b["level"]))
-                 for b in stage_sync_buckets(graph, stage, bucket_bytes) if b["level"] in (1, 2) for a in b["axes"])
-    if excess > 0:
-        stage.predicted["zero_pair_excess"] = excess
-
-
 def _is_read(graph, name: str) -> bool:
     return bool(graph.gm.graph.find_nodes(op="placeholder", target=name)[0].users)
-
-
-def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float, zero3_share: float = 0.0,
-                 pair_excess: float = 0.0) -> float:
-    """Seconds of gradient sync the backward does not hide. Buckets of equal size become ready at
-    b/K, 2b/K, ..., b (b: the last microbatch's backward, K buckets) and go out one after another, so the
-    last finishes at max(b/K + s, b + s/K) (s: the sync's reduce part); what lies past b is exposed:
-
-        exposed = max(s / K, s − b·(K − 1)/K) + g
-
-    With ZeRO 1 or 2 a share f of the gradients is reduce-scattered (half a ring all-reduce) and the updated
-    shards all-gathered after the step (the other half, g = f·sync/2), which nothing hides. At ZeRO 3 a
-    share f3 is only reduce-scattered here (s loses f3·sync/2); its all-gathers are in forward and backward
-    (``charge_zero3``). ``pair_excess``: what the measured pair costs beyond that all-reduce
-    (``charge_zero_pair``), exposed with the gathers it runs among."""
-    if sync <= 0:
-        return 0.0
-    gather = gather_share * sync / 2 + pair_excess
-    s, k = sync - gather_share * sync / 2 - zero3_share * sync / 2, max(int(buckets), 1)
-    return max(s / k, s - backward * (k - 1) / k) + gather
 
 
 def place_stages(cluster: Cluster, submeshes: list[tuple[int, int]]) -> list[list[int]]:
