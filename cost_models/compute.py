@@ -310,6 +310,16 @@ def optimizer_host_calls(optimizer: str) -> int:
     return optimizer_calls_per_tensor(optimizer) + ZERO_GRAD_CALLS_PER_TENSOR
 
 
+def stepped_numel(shape, spec, mesh_shape, zero_level: int) -> float:
+    """Elements of one parameter that a rank's optimizer step updates: its local shard stored as ``spec``,
+    divided by n = ∏ sizes of the mesh axes ``spec`` replicates it on where ZeRO (level >= 1) shards the
+    step n ways."""
+    numel = float(math.prod(local_shape(tuple(shape), spec, tuple(mesh_shape))))
+    if zero_level >= 1:
+        numel /= math.prod(size for size, p in zip(mesh_shape, spec) if not p.is_shard())
+    return numel
+
+
 def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: str, cluster) -> float:
     """Seconds of one ``optimizer.step()`` and ``zero_grad()`` over ``n_tensors`` local parameter tensors of
     ``numel`` elements:

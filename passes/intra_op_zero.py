@@ -76,7 +76,7 @@ from typing import NamedTuple
 import numpy as np
 
 from autopar.cost_models.communication import zero_gather_time
-from autopar.cost_models.compute import optimizer_step_time
+from autopar.cost_models.compute import optimizer_step_time, stepped_numel
 from autopar.cost_models.offload import host_optimizer_seconds
 from autopar.cost_models.zero3 import bucket_numel, group_exposed, unit_bytes
 from autopar.passes.ilp import memory_of
@@ -314,10 +314,8 @@ def _step_seconds(b, name: str, spec, level: int, cache: dict) -> float:
     val = b.nodes[name].meta["val"]
     key = (tuple(val.shape), val.dtype, spec, level >= 1)
     if key not in cache:
-        mesh, training = b.env.mesh_shape, b.env.training
-        numel = float(math.prod(local_shape(tuple(val.shape), spec, mesh)))
-        if level >= 1:
-            numel /= math.prod(size for size, p in zip(mesh, spec) if not p.is_shard())
+        training = b.env.training
+        numel = stepped_numel(val.shape, spec, b.env.mesh_shape, level)
         if training.host_optimizer:
             cache[key] = host_optimizer_seconds(numel, val.element_size(), training.optimizer, b.env.cluster, 1)
         else:

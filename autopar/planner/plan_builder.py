@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from autopar.cost_models.communication import axis_links, redistribute_cost, redistribute_messages
-from autopar.cost_models.compute import optimizer_step_time
+from autopar.cost_models.compute import optimizer_step_time, stepped_numel
 from autopar.cost_models.experts import dispatch_messages
 from autopar.cost_models.memory import held_state_bytes, single_step_release
 from autopar.cost_models.offload import host_optimizer_seconds
@@ -105,10 +105,8 @@ def _optimizer_seconds(graph, solution: IntraOpSolution, env: CostEnv, zero: dic
     numel, tensors, itemsize = 0.0, 0, 4
     for p in graph.placeholders:
         if p.kind == "parameter" and p.name in solution.strategies:
-            spec = solution.strategies[p.name].out_spec
-            ways = math.prod(n for n, q in zip(env.mesh_shape, spec) if not q.is_shard())
-            shard = ways if zero.get(p.name, 0) >= 1 else 1  # ZeRO steps 1/n of it
-            numel += math.prod(local_shape(p.shape, spec, env.mesh_shape)) / shard
+            numel += stepped_numel(p.shape, solution.strategies[p.name].out_spec, env.mesh_shape,
+                                   zero.get(p.name, 0))  # ZeRO steps 1/n of it
             tensors, itemsize = tensors + 1, p.dtype.itemsize
     if env.training.host_optimizer:  # ZeRO-Offload: the step runs on the host (cost_models.offload)
         return host_optimizer_seconds(numel, itemsize, env.training.optimizer, env.cluster, tensors)
