@@ -102,12 +102,18 @@ class AxisLink:
         return self.time(kind, nbytes) - self.startup_time(kind)
 
 
+def zero_pair_fit(link: AxisLink):
+    """The profile's fit of ZeRO's reduce-scatter + all-gather pair on ``link``'s group ("zero_pair/<n>@step",
+    measured after a step's compute on CPU profiles), or None where there is none (GPU presets, one device)."""
+    return link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 else None
+
+
 def zero_pair_time(link: AxisLink, nbytes: float) -> float:
     """Seconds of one ZeRO 1-2 gradient bucket's reduce-scatter + all-gather over ``link`` (m = the full flat
     buffer, as ``all_reduce``'s): the profile's "zero_pair/<n>@step" fit where a CPU profile measured the pair
     as ``runtime.gradsync`` issues it after a step's compute (on gloo it cost 2-4× one all-reduce of the same
     buffer), else the reduce-scatter's and the all-gather's own prices."""
-    fit = link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 and nbytes > 0 else None
+    fit = zero_pair_fit(link) if nbytes > 0 else None
     if fit is not None:
         return fit.time(nbytes)
     return link.time("reduce_scatter", nbytes) + link.time("all_gather", nbytes)
@@ -117,7 +123,7 @@ def zero_pair_excess(link: AxisLink, nbytes: float) -> float:
     """Seconds a ZeRO 1-2 bucket of ``nbytes`` costs beyond the one all-reduce of it the planner charges
     (half reduce, half gather): zero_pair_time − all_reduce time, where the profile measured the pair
     ("zero_pair/<n>@step"); 0 without that fit (GPU presets carry none, so their plans do not move)."""
-    if link.size <= 1 or nbytes <= 0 or f"zero_pair/{link.size}@step" not in link.link.fits:
+    if nbytes <= 0 or zero_pair_fit(link) is None:
         return 0.0
     return max(0.0, zero_pair_time(link, nbytes) - link.time("all_reduce", nbytes))
 
@@ -127,7 +133,7 @@ def zero_gather_time(link: AxisLink, nbytes: float) -> float:
     ``bandwidth_time``): the after-step all-gather's, or, where the profile measured the pair, the larger of
     that and what the pair's fit costs per byte beyond the all-reduce's."""
     gather = link.bandwidth_time("all_gather", nbytes)
-    fit = link.link.fits.get(f"zero_pair/{link.size}@step") if link.size > 1 and nbytes > 0 else None
+    fit = zero_pair_fit(link) if nbytes > 0 else None
     if fit is None:
         return gather
     pair = fit.time(nbytes) - fit.time(1e-30)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.cost_models.communication import axis_links, zero_pair_excess
+from autopar.cost_models.communication import axis_links, zero_pair_excess, zero_pair_fit
 from autopar.cost_models.zero3 import exposed_gather
 from autopar.hardware.cluster import Cluster
 from autopar.ir.buckets import deferrable_syncs, padded_numel, sync_buckets
@@ -70,7 +70,7 @@ def charge_zero_pair(graph, stage, cluster: Cluster, bucket_bytes: float) -> Non
     (``cost_models.communication.zero_pair_excess``, per bucket and axis); nothing is added, and no key, where
     no such fit exists, so plans on clusters without one stay as they were."""
     links = axis_links(cluster, tuple(stage.mesh_shape), stage.submesh[1])
-    if not any(f"zero_pair/{link.size}@step" in link.link.fits for link in links):
+    if all(zero_pair_fit(link) is None for link in links):
         return
     excess = sum(zero_pair_excess(links[a], 4.0 * padded_numel(b["numel"], b["ways"], b["level"]))
                  for b in stage_sync_buckets(graph, stage, bucket_bytes) if b["level"] in (1, 2) for a in b["axes"])
