@@ -60,18 +60,29 @@ def solve(model: SparseModel, time_limit: float, presolve: bool = True) -> tuple
 
 def _integral_relaxation(model: SparseModel, time_limit: float) -> tuple[str, np.ndarray | None]:
     """("Optimal", the LP relaxation's solution) when it is optimal and integral, else ("", None)."""
+    _, values = relaxation(model, time_limit)
+    if values is None or not is_integral(model, values):
+        return "", None
+    return "Optimal", values
+
+
+def relaxation(model: SparseModel, time_limit: float) -> tuple[float, np.ndarray | None]:
+    """(objective, column values) of the LP relaxation (integrality dropped), a lower bound of every integer
+    solution's objective; (inf, None) when it is not solved to optimality (infeasible, or out of time)."""
     h = _highs(time_limit, presolve=False)
     lp = _highs_lp(model)
     lp.integrality_ = []
     h.passModel(lp)
     h.run()
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        return "", None
-    values = np.asarray(h.getSolution().col_value)
+        return np.inf, None
+    return float(h.getInfo().objective_function_value), np.asarray(h.getSolution().col_value)
+
+
+def is_integral(model: SparseModel, values: np.ndarray) -> bool:
+    """Every integer column of ``values`` within ``INTEGRAL`` of an integer."""
     ints = values[np.asarray(model.integer, dtype=bool)]
-    if np.any(np.abs(ints - np.round(ints)) > INTEGRAL):
-        return "", None
-    return "Optimal", values
+    return not np.any(np.abs(ints - np.round(ints)) > INTEGRAL)
 
 
 def solve_bounded(model: SparseModel, time_limit: float,
