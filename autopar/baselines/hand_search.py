@@ -60,12 +60,25 @@ def score_options(graph, cluster, config, options: dict, recapture=None, time_li
     capture); a plan that does not fit ``cluster.memory_per_device`` scores "OOM"."""
     try:
         plan = plan_graph(graph, cluster, PlanOptions(time_limit=time_limit, **options), model_name=model_name,
-                          recapture=recapture)
+                          recapture=recapture, at_microbatch=microbatch_graphs(graph, recapture))
     except InfeasibleError:
         return Scored(config, None, "OOM")
     if plan.predicted["peak_memory"] > cluster.memory_per_device:
         return Scored(config, None, "OOM")
     return Scored(config, float(plan.predicted["step_time"]), plan=plan)
+
+
+def microbatch_graphs(graph, recapture=None):
+    """The driver's ``at_microbatch(B)`` for ``graph``, one per graph and shared by every plan of it (kept on the
+    graph): each B's graph is rescaled or re-captured once, and what planning caches on it (strategies per
+    (mesh, pins), node signatures, memory bounds) serves every config at that B."""
+    from autopar.planner.driver import shared_microbatch_graphs
+
+    owner, shared = getattr(graph, "_hand_microbatch_graphs", (None, None))
+    if owner is not recapture:
+        shared = shared_microbatch_graphs(graph, recapture)
+        graph._hand_microbatch_graphs = (recapture, shared)
+    return shared
 
 
 def capture_once(model, batch, precision: str = "fp32") -> tuple:
@@ -83,13 +96,11 @@ def capture_once(model, batch, precision: str = "fp32") -> tuple:
 
 
 def precapture(graph, recapture, microbatches) -> None:
-    """Capture every count of ``microbatches`` the driver will re-capture, here, before workers fork, so
-    that they share the captures instead of each making its own."""
-    from autopar.passes.batch_dims import rescale_is_exact
-
-    if not rescale_is_exact(graph):
-        for b in sorted(set(microbatches) - {1}):
-            recapture(b)
+    """Make the graph at every count of ``microbatches`` (re-captured or rescaled, ``microbatch_graphs``) here,
+    before workers fork, so that they share them instead of each making its own."""
+    shared = microbatch_graphs(graph, recapture)
+    for b in sorted(set(microbatches)):
+        shared(b)
 
 
 def _search_layout(ordered: list, score, patience: int, log) -> list[Scored]:
