@@ -265,19 +265,29 @@ def pflops(row: dict, key: str) -> float:
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
            "autopar / hand", "memory binds", "ceiling (fastest hand layout, memory ignored)",
-           "configs scored (OOM) + memory ignored", "grid s", "autopar plan s"]
+           "configs scored (OOM, skipped by floor) + memory ignored (skipped)", "grid s", "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
     r = ratio(row)
-    oom = sum(1 for s in row["scored"] if s[1] == "OOM")
     label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)",
              "mistllama": "Llama-style (Mist)", "mixtral": "Mixtral"}[
         row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
-            ceiling_cell(row), f"{len(row['scored'])} ({oom}) + {len(row.get('memory_ignored', []))}",
+            ceiling_cell(row), configs_cell(row),
             f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+
+
+def configs_cell(row: dict) -> str:
+    """'582 (201, 95) + 194 (60)': configs of the grid (those out of memory, those the step-time floor ruled out
+    unplanned: ``hand_search.SKIPPED``) + memory-free configs searched with memory ignored (ruled out)."""
+    def skipped(entries):
+        return sum(1 for s in entries if s[1].startswith("skipped"))
+
+    free = row.get("memory_ignored", [])
+    oom = sum(1 for s in row["scored"] if s[1] == "OOM")
+    return f"{len(row['scored'])} ({oom}, {skipped(row['scored'])}) + {len(free)} ({skipped(free)})"
 
 
 def ceiling_cell(row: dict) -> str:
