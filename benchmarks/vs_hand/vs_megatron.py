@@ -199,7 +199,7 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
 
 
 def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
-              time_limit: float = 60.0, grid: str = "full") -> dict:
+              time_limit: float = 60.0, grid: str = "full", plan_auto: bool = True) -> dict:
     """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
     ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
@@ -213,7 +213,8 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
     best, unbounded = search.best, search.unbounded
     grid_s = time.perf_counter() - start
     options = {"time_limit": time_limit, **(autopar_options or {})}
-    auto_step, auto_desc, plan_s = plan_autopar(work, cluster, policy, options)
+    auto_step, auto_desc, plan_s = plan_autopar(work, cluster, policy, options) if plan_auto else \
+        (None, "not planned (--hand-only: mist_report.py --replan plans it)", 0.0)
     return {"point": point, "family": family, "model": name, "gpus": int(gpus), "cluster": preset,
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
@@ -299,7 +300,7 @@ def ceiling_cell(row: dict) -> str:
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
              autopar_options: dict | None = None, name: str = "simulate", time_limit: float = 60.0,
-             grid: str = "full") -> int:
+             grid: str = "full", plan_auto: bool = True) -> int:
     """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
     ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
@@ -311,7 +312,7 @@ def simulate(points: list[str], precision: str | None = None, merge: bool = Fals
     rows = saved_rows(name) if merge else []
     for point in points:
         row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
-                        autopar_options=autopar_options, time_limit=time_limit, grid=grid)
+                        autopar_options=autopar_options, time_limit=time_limit, grid=grid, plan_auto=plan_auto)
         rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
         render_simulation(header, rows, name)
@@ -385,6 +386,8 @@ def main(argv=None) -> int:
                         "(mist: Mist's hardware and shapes, bf16, autopar with offload='auto'; see above)")
     parser.add_argument("--grid", choices=("full", "mist"), help="--simulate: the GPT hand grid (default: mist "
                         "for --suite mist, else full)")
+    parser.add_argument("--hand-only", action="store_true", help="--simulate --suite mist: score the hand grid "
+                        "only (autopar's side comes from mist_report.py --replan, once for both grids)")
     parser.add_argument("--name", default="simulate", help="--simulate: results are written as "
                         "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
     parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
@@ -426,7 +429,7 @@ def main(argv=None) -> int:
             points = args.points if args.points is not DEFAULT_POINTS else MIST_POINTS
             name = args.name if args.name != "simulate" else f"mist_{args.grid or 'mist'}"
             return simulate(points, args.precision or "bf16", args.merge, {**extra, "offload": "auto"}, name,
-                            args.time_limit, args.grid or "mist")
+                            args.time_limit, args.grid or "mist", plan_auto=not args.hand_only)
         return simulate(args.points, args.precision, args.merge, extra or None, args.name, args.time_limit,
                         args.grid or "full")
     from benchmarks.vs_hand.vs_megatron_local import measure
