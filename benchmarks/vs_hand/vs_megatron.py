@@ -206,12 +206,12 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
     cluster = autopar.Cluster.preset(preset, gpus=int(gpus))
     work = build_workload(family, name, precision, preset, int(gpus))
     policy = precision or "fp32"
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
                                                              f"{r.status} {r.step_time or ''}"), precision=policy,
                        time_limit=time_limit, grid=grid)
     best, unbounded = search.best, search.unbounded
-    grid_s = time.perf_counter() - start
+    grid_s, grid_cpu_s = time.perf_counter() - start, cpu_seconds() - cpu
     options = {"time_limit": time_limit, **(autopar_options or {})}
     auto_step, auto_desc, plan_s = plan_autopar(work, cluster, policy, options) if plan_auto else \
         (None, "not planned (--hand-only: mist_report.py --replan plans it)", 0.0)
@@ -220,9 +220,18 @@ def run_point(point: str, progress, precision: str | None = None, autopar_option
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
             "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
             "hand_unbounded_step": unbounded.step_time if unbounded else None, "ceiling": search.ceiling,
-            "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s, "hand_grid": grid,
+            "autopar_options": options, "grid_s": grid_s, "grid_cpu_s": grid_cpu_s,
+            "load": os.getloadavg()[0], "plan_s": plan_s, "hand_grid": grid,
             "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
             "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (the grid's forked workers)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def plan_autopar(work: Workload, cluster, policy: str, options: dict) -> tuple[float | None, str, float]:
@@ -266,7 +275,8 @@ def pflops(row: dict, key: str) -> float:
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
            "autopar / hand", "memory binds", "ceiling (fastest hand layout, memory ignored)",
-           "configs scored (OOM, skipped by floor) + memory ignored (skipped)", "grid s", "autopar plan s"]
+           "configs scored (OOM, skipped by floor) + memory ignored (skipped)", "grid s (CPU s, load)",
+           "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
@@ -277,7 +287,14 @@ def table_row(row: dict) -> list:
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
             ceiling_cell(row), configs_cell(row),
-            f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+            grid_cell(row), f"{row['plan_s']:.0f}"]
+
+
+def grid_cell(row: dict) -> str:
+    """'472 (160 CPU, load 9.8)': the grid's wall seconds, with its CPU seconds and load where recorded."""
+    if "grid_cpu_s" not in row:
+        return f"{row['grid_s']:.0f}"
+    return f"{row['grid_s']:.0f} ({row['grid_cpu_s']:.0f} CPU, load {row['load']:.1f})"
 
 
 def configs_cell(row: dict) -> str:
