@@ -68,10 +68,10 @@ def test_nothing_is_measured_on_gpus_or_one_rank(monkeypatch):
 
 
 def _raw_rank() -> dict:
-    """One rank's figures in reference units (a reference call = 1 ms at the level): a 1 GFLOP/s square mm."""
+    """One rank's figures in reference units: the square-mm ladder has the reference (256³, 3.4e7 FLOPs) at 1."""
     training = {"mesh": {}, "tiny_step": 0.2, "linears": {"float32": [3.0, 2.5, 4.0, 3.5, 3.0]},
                 "probe_step": 40.0, "probe_reference": 1.0, "norm_act": [5.0, 4.0, 6.0], "pipeline": None}
-    return {"matmul": {"float32": [(3.4e7, 34.0), (1e9, 1000.0)]}, "training": training}
+    return {"matmul": {"float32": [(2.0 * 256**3, 1.0), (1e9, 28.0)]}, "training": training}
 
 
 def _cluster_at(level: float) -> Cluster:
@@ -96,3 +96,19 @@ def test_rho_moves_every_compute_price_by_itself():
     assert _priced_probe_step(beside_step) == pytest.approx(1.07 * _priced_probe_step(at_level), rel=1e-6)
     # control: the same figures at the same level price the same step
     assert _priced_probe_step(_cluster_at(1e-3)) == pytest.approx(_priced_probe_step(at_level), rel=1e-12)
+
+
+def test_the_benchmark_reads_rho_where_it_re_prices_the_probe():
+    """cost_model_fidelity's drift reads the probe timed beside the probe at the profile's level × ρ, so a
+    steady machine reads q = 1 with ρ in the file (control: the same file without ρ reads the probe's time
+    1/ρ faster than priced)."""
+    from benchmarks.fidelity.cost_model_fidelity import drift, neighbour_level
+
+    note = neighbour.neighbour_note([{"beside_reference": [1e-3] * 3, "beside_step": [1.06e-3] * 3}] * 2)
+    plain = dataclasses.replace(_cluster_at(1e-3), source="profiled")
+    with_rho = dataclasses.replace(_cluster_at(1.06e-3), source="profiled" + note)
+    assert neighbour_level(with_rho) == 1.06 and neighbour_level(plain) == 1.0
+    probe = [{"probe_step": [40.0 * 1e-3] * 3}] * 2  # the probe at the profile's level, beside the probe
+    assert drift(plain, probe) == pytest.approx(1.0, rel=1e-6)
+    assert drift(with_rho, probe) == pytest.approx(1.0, rel=1e-6)
+    assert drift(dataclasses.replace(with_rho, source="profiled"), probe) < 0.96  # ρ not read back: "faster"
