@@ -112,3 +112,16 @@ def test_the_benchmark_reads_rho_where_it_re_prices_the_probe():
     assert drift(plain, probe) == pytest.approx(1.0, rel=1e-6)
     assert drift(with_rho, probe) == pytest.approx(1.0, rel=1e-6)
     assert drift(dataclasses.replace(with_rho, source="profiled"), probe) < 0.96  # ρ not read back: "faster"
+
+
+def test_replay_cost_refuses_bad_arguments(tmp_path, capsys):
+    from benchmarks.fidelity.replay_cost import main
+
+    path = tmp_path / "old.json"
+    Cluster.local(2).to_json(path)  # no reference level in its source: no units to price in
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path)])
+    assert "states no reference level" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path), "--cycles", "0"])
+    assert "--cycles and --batch must be at least 1" in capsys.readouterr().err
