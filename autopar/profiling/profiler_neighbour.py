@@ -1,6 +1,6 @@
 """The speed level as a training step meets the machine: the reference mm beside a neighbour's training step.
 
-    ρ = median_w t_ref(w | the other ranks run a training step) / median_w t_ref(w | the other ranks run the reference)
+    ρ = max(1, median over rounds i of t_ref(i | the others run a training step) / t_ref(i | they run the reference))
     every compute figure of the profile = its ratio to the reference · level · ρ          (CPU ranks, 2+ of them)
 
 Every compute probe is timed as a ratio to the reference mm (``probes.SpeedReference``) and turned into seconds
@@ -15,8 +15,9 @@ meet while both compute, not at the speed of a core whose neighbour runs a small
 Method, on every rank, ``rounds`` rounds of three windows, each after a barrier: (1) every rank times the
 reference; (2) the even ranks time it while the odd ranks run ``TrainingBlock`` forward + backward; (3) the
 same with the roles swapped. The stepping ranks run for 1.5 windows, so the timed window lies inside their
-step; rounds alternate the neighbours, so drift hits both sides alike. ρ of a rank is the median of its
-windows beside a step over the median beside the reference; the profile takes the median over ranks.
+step; rounds alternate the neighbours, so drift hits both sides alike. ρ of a rank is the median over rounds
+of its window beside a step over its window beside the reference in that round; the profile takes the median
+over ranks.
 GPUs do not share compute between ranks: nothing is measured there (ρ = 1), and no preset carries it.
 """
 from __future__ import annotations
@@ -85,15 +86,17 @@ def measure_neighbour(settings, probe, reference: SpeedReference, rounds: int | 
 
 
 def _rank_ratios(per_rank: list[dict]) -> list[float]:
-    return [statistics.median(r["beside_step"]) / statistics.median(r["beside_reference"])
-            for r in per_rank if r and r.get("beside_step") and r.get("beside_reference")]
+    """Per rank, the median over rounds of its window beside a step over its window beside the reference in the
+    same round (a rank times one of each per round: pairs a moment apart, so drift cancels)."""
+    return [statistics.median(s / r for s, r in zip(rank["beside_step"], rank["beside_reference"]))
+            for rank in per_rank if rank and rank.get("beside_step") and rank.get("beside_reference")]
 
 
 def neighbour_factor(per_rank: list[dict]) -> float:
-    """ρ: the median over ranks of median(beside a step) / median(beside the reference), at least 1; 1 when not
-    measured. A neighbour's step cannot make a core faster than a neighbour's mm does (beside an idle rank the
-    reference runs at 0.98-1.01 of beside the reference): a lower reading is other jobs' load on the machine
-    taking turns with the ranks, and is not carried into the figures."""
+    """ρ: the median over ranks of ``_rank_ratios``, at least 1; 1 when not measured. A neighbour's step cannot
+    make a core faster than a neighbour's mm does (beside an idle rank the reference runs at 0.98-1.01 of
+    beside the reference): a lower reading is other jobs' load on the machine taking turns with the ranks,
+    and is not carried into the figures."""
     ratios = _rank_ratios(per_rank)
     return max(1.0, statistics.median(ratios)) if ratios else 1.0
 
