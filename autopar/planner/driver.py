@@ -93,18 +93,21 @@ def plan_model(model: torch.nn.Module, cluster: Cluster, example_inputs, options
 
 
 def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_name: str = "model",
-               recapture=None, per_stage_offload: bool = False) -> Plan:
+               recapture=None, per_stage_offload: bool = False, at_microbatch=None) -> Plan:
     """``recapture(B)``: the model captured at one of B microbatches, used when rescaling the graph's
     shapes is not exact (see ``batch_dims.rescale_is_exact``). ``per_stage_offload``: offload="auto" is
-    this plan's, stage by stage in the stage DP (``offload_choice``)."""
+    this plan's, stage by stage in the stage DP (``offload_choice``). ``at_microbatch(B)``: the graph at one
+    of B microbatches, shared across plans of ``graph`` (a grid search's cache: ``shared_microbatch_graphs``);
+    default, one cache per plan."""
     if options.offload == "auto" and not per_stage_offload:
-        return choose_offload(lambda o, per_stage: plan_graph(graph, cluster, o, model_name, recapture, per_stage),
-                              options)
+        return choose_offload(lambda o, per_stage: plan_graph(graph, cluster, o, model_name, recapture, per_stage,
+                                                              at_microbatch), options)
     clock = _Clock()
     check_against_graph(graph, cluster.num_devices, options)
     candidates = microbatch_candidates(graph, options)
     blocks = find_repeated_blocks(graph)
-    at_microbatch = functools.cache(lambda b: _at_microbatch(graph, b, recapture))  # a retry reuses its capture
+    if at_microbatch is None:
+        at_microbatch = shared_microbatch_graphs(graph, recapture)
     if options.stages == 1:
         plan = single_stage(graph, blocks, cluster, options, model_name, candidates[0], at_microbatch)
     else:
@@ -282,6 +285,12 @@ class _Clock:
 
     def total(self) -> float:
         return time.perf_counter() - self.start
+
+
+def shared_microbatch_graphs(graph: ModelGraph, recapture=None):
+    """``at_microbatch(B)``, cached: each B's graph made once. Planning only adds pure caches to a graph (node
+    signatures, strategies per (mesh, pins), memory bounds), so plans of one graph may share these."""
+    return functools.cache(lambda b: _at_microbatch(graph, b, recapture))
 
 
 def _at_microbatch(graph: ModelGraph, microbatches: int, recapture) -> ModelGraph:
