@@ -33,10 +33,10 @@ from autopar.passes.strategies import strategy_signature
 class ChunkBuilds:
     """One pipeline's stage builds: ``build`` answers a stage whose ``scope_key`` an earlier stage had with that
     stage's build and the names that map its nodes onto this stage's; ``pinned``: the user pinned strategies
-    (then every stage is built)."""
+    (then every stage is built); ``build``: how a stage is built (``intra_op.build_problem``'s signature)."""
 
-    def __init__(self, pinned: bool):
-        self.pinned = pinned
+    def __init__(self, pinned: bool, build=build_problem):
+        self.pinned, self._build = pinned, build
         self.reused = 0
         self._built: dict[tuple, tuple[BuiltProblem, tuple[str, ...]]] = {}
 
@@ -50,7 +50,7 @@ class ChunkBuilds:
             self.reused += 1
             built = hit[0]._replace(problem=dataclasses.replace(hit[0].problem, budget=budget))
             return built, dict(zip(hit[1], key.names))
-        built = build_problem(graph, strategies, blocks, env, budget, subset=subset, truncate=truncate)
+        built = self._build(graph, strategies, blocks, env, budget, subset=subset, truncate=truncate)
         key = key or scope_key(graph, subset, strategies, blocks, env, truncate, self.pinned)
         if key is not None:
             self._built.setdefault(key.key, (built, key.names))

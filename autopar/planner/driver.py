@@ -41,7 +41,7 @@ from autopar.passes.inter_op import (
     restaged,
 )
 from autopar.passes.interleave import choose_virtual, dp_schedule, keep_uninterleaved, recorded_schedule
-from autopar.passes.intra_op import CostEnv, solve_built
+from autopar.passes.intra_op import CostEnv, build_problem, solve_built
 from autopar.passes.intra_op_groups import is_light
 from autopar.passes.recompute import layer_modes, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
@@ -353,7 +353,7 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     subsets[-1].add("output")
     subsets = subsets_on(graph.gm, scaled.gm, subsets)
     built = []  # (stage index, its choice, CostEnv, recompute, BuiltProblem or its InfeasibleError, names)
-    builds = ChunkBuilds(pinned=bool(options.pin))  # identical chunks read one build (names: theirs -> ours)
+    builds = ChunkBuilds(bool(options.pin), build_problem)  # identical chunks read one build
     for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
         recompute = stage_modes(costs_modes, chosen.recompute, chosen.first, chosen.last)
         env = CostEnv(cluster, chosen.option.logical, stage_training(training_spec(graph, options), chosen),
