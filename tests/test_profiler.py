@@ -298,6 +298,8 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     assert all(f"{kind}/2" in cluster.source for kind in IN_STEP_KINDS)  # each fitted, or said why not
     # the pipeline runtime's host time: a real 2-stage pipeline timed at 2 and 8 microbatches
     assert 0.0 <= cluster.microbatch_overhead < 0.1 and "microbatch_overhead" in cluster.source
+    # the level as a training step meets it: the reference beside a neighbour's step (profiler_neighbour)
+    assert "beside a neighbour's training step" in cluster.source
     # norms, activations and softmax forward + backward: slower than a streaming add, never zero
     assert 0 < cluster.norm_act_bandwidth < 2 * cluster.memory_bandwidth and "norm/activation" in cluster.source
     # every compute figure was timed against the reference mm and scaled to its median speed

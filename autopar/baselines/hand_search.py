@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import multiprocessing
 
 from autopar.errors import InfeasibleError
 from autopar.passes.forked import parallel_map
@@ -60,12 +61,25 @@ def score_options(graph, cluster, config, options: dict, recapture=None, time_li
     capture); a plan that does not fit ``cluster.memory_per_device`` scores "OOM"."""
     try:
         plan = plan_graph(graph, cluster, PlanOptions(time_limit=time_limit, **options), model_name=model_name,
-                          recapture=recapture)
+                          recapture=recapture, at_microbatch=microbatch_graphs(graph, recapture))
     except InfeasibleError:
         return Scored(config, None, "OOM")
     if plan.predicted["peak_memory"] > cluster.memory_per_device:
         return Scored(config, None, "OOM")
     return Scored(config, float(plan.predicted["step_time"]), plan=plan)
+
+
+def microbatch_graphs(graph, recapture=None):
+    """The driver's ``at_microbatch(B)`` for ``graph``, one per graph and shared by every plan of it (kept on the
+    graph): each B's graph is rescaled or re-captured once, and what planning caches on it (strategies per
+    (mesh, pins), node signatures, memory bounds) serves every config at that B."""
+    from autopar.planner.driver import shared_microbatch_graphs
+
+    owner, shared = getattr(graph, "_hand_microbatch_graphs", (None, None))
+    if owner is not recapture:
+        shared = shared_microbatch_graphs(graph, recapture)
+        graph._hand_microbatch_graphs = (recapture, shared)
+    return shared
 
 
 def capture_once(model, batch, precision: str = "fp32") -> tuple:
@@ -83,19 +97,50 @@ def capture_once(model, batch, precision: str = "fp32") -> tuple:
 
 
 def precapture(graph, recapture, microbatches) -> None:
-    """Capture every count of ``microbatches`` the driver will re-capture, here, before workers fork, so
-    that they share the captures instead of each making its own."""
-    from autopar.passes.batch_dims import rescale_is_exact
-
-    if not rescale_is_exact(graph):
-        for b in sorted(set(microbatches) - {1}):
-            recapture(b)
+    """Make the graph at every count of ``microbatches`` (re-captured or rescaled, ``microbatch_graphs``) here,
+    before workers fork, so that they share them instead of each making its own."""
+    shared = microbatch_graphs(graph, recapture)
+    for b in sorted(set(microbatches)):
+        shared(b)
 
 
-def _search_layout(ordered: list, score, patience: int, log) -> list[Scored]:
+SKIPPED = "skipped (floor above the best)"  # the status of a config its lower bound ruled out, never planned
+
+
+class SharedBound:
+    """The fastest step time found so far, shared by the forked workers of one search (doubles in shared
+    memory, inherited through fork), and the limit a config's floor must not exceed to be planned.
+
+    With ``oom`` and ``best_fit`` (the memory-ignored search): a config of ``oom`` (it did not fit) is also
+    planned while its floor is below ``best_fit``, until one of them is found faster than ``best_fit`` (then
+    memory binds, ``HandSearch.memory_binds``, and only the fastest matters)."""
+
+    def __init__(self, oom: frozenset = frozenset(), best_fit: float | None = None):
+        self._best = multiprocessing.Value("d", math.inf)
+        self._binds = multiprocessing.Value("b", 0)
+        self.oom, self.best_fit = oom, best_fit
+
+    def limit(self, config) -> float:
+        if self.best_fit is not None and config in self.oom and not self._binds.value:
+            return max(self._best.value, self.best_fit)
+        return self._best.value
+
+    def offer(self, config, step_time: float) -> None:
+        with self._best.get_lock():
+            self._best.value = min(self._best.value, step_time)
+        if self.best_fit is not None and config in self.oom and step_time < self.best_fit:
+            self._binds.value = 1
+
+
+def _search_layout(ordered: list, score, patience: int, log, floor=None, bound: SharedBound | None = None
+                   ) -> list[Scored]:
     """One layout's configs, most microbatches first, scored until the pruning rules end it (``grid_search``)."""
     scored, layout_best, worse = [], math.inf, 0
     for k, config in enumerate(ordered):
+        if floor is not None and floor(config) > bound.limit(config):
+            scored.append(Scored(config, None, SKIPPED))
+            worse = 0  # as if it were the layout's best: the walk never stops sooner than without the bound
+            continue
         result = score(config)
         result.plan = None  # plans stay in the worker; only the scores travel back
         scored.append(result)
@@ -103,6 +148,8 @@ def _search_layout(ordered: list, score, patience: int, log) -> list[Scored]:
             log(result)
         if result.step_time is None:
             return scored + [Scored(c, None, "OOM") for c in ordered[k + 1:]]
+        if bound is not None:
+            bound.offer(config, result.step_time)
         if result.step_time < layout_best:
             layout_best, worse = result.step_time, 0
         else:
@@ -113,7 +160,8 @@ def _search_layout(ordered: list, score, patience: int, log) -> list[Scored]:
 
 
 def grid_search(configs: list, score, layout_of, patience: int = 2, log=None, cost=None,
-                parallel: bool = True) -> tuple[Scored | None, list[Scored]]:
+                parallel: bool = True, floor=None, bound: SharedBound | None = None
+                ) -> tuple[Scored | None, list[Scored]]:
     """Score ``configs`` (``score(config) -> Scored``); returns (fastest that fits or None, every scored one).
 
     Configs are visited per layout (``layout_of(config)``, e.g. (dp, tp, pp)); within a layout the given order
@@ -128,12 +176,25 @@ def grid_search(configs: list, score, layout_of, patience: int = 2, log=None, co
       fitting configs in a row slower than its best.
 
     ``parallel``: layouts in forked workers, the most expensive first (``cost(config)`` summed over a
-    layout's configs, default 1 each); the answer is the serial one (module docstring)."""
+    layout's configs, default 1 each); the answer is the serial one (module docstring).
+
+    ``floor(config)``: a lower bound on its step time (``hand_bounds``). Layouts are then visited best first
+    (least floor), and a config whose floor exceeds ``bound``'s limit (the fastest found so far, over every
+    worker) is recorded ``SKIPPED`` without planning: it cannot be the fastest. A skipped config resets the
+    patience count, so a layout's walk goes at least as far over the planned configs as it would without
+    the bound: the answer is never slower than the unbounded walk's, and equal to it unless the longer walk
+    finds a faster config."""
     layouts = list(dict.fromkeys(layout_of(c) for c in configs))
     members = {layout: [c for c in configs if layout_of(c) == layout][::-1] for layout in layouts}
-    weight = {layout: sum(cost(c) if cost else 1 for c in group) for layout, group in members.items()}
-    order = sorted(range(len(layouts)), key=lambda j: -weight[layouts[j]])
-    run = functools.partial(_run_layout, members=members, score=score, patience=patience, log=log)
+    if floor is not None:
+        bound = bound or SharedBound()
+        least = {layout: min(floor(c) for c in group) for layout, group in members.items()}
+        order = sorted(range(len(layouts)), key=lambda j: least[layouts[j]])
+    else:
+        weight = {layout: sum(cost(c) if cost else 1 for c in group) for layout, group in members.items()}
+        order = sorted(range(len(layouts)), key=lambda j: -weight[layouts[j]])
+    run = functools.partial(_run_layout, members=members, score=score, patience=patience, log=log, floor=floor,
+                            bound=bound)
     mapped = parallel_map(run, [layouts[j] for j in order], "hand layouts") if parallel else \
         [run(layouts[j]) for j in order]
     per_layout = dict(zip(order, mapped))
@@ -146,8 +207,8 @@ def grid_search(configs: list, score, layout_of, patience: int = 2, log=None, co
     return best, scored
 
 
-def _run_layout(layout, members: dict, score, patience: int, log) -> list[Scored]:
-    return _search_layout(members[layout], score, patience, log)
+def _run_layout(layout, members: dict, score, patience: int, log, floor=None, bound=None) -> list[Scored]:
+    return _search_layout(members[layout], score, patience, log, floor, bound)
 
 
 @dataclasses.dataclass
@@ -184,15 +245,22 @@ class HandSearch:
 
 
 def search_hand(configs: list, score, layout_of, patience: int = 2, log=None, memory_free=None, cost=None,
-                parallel: bool = True) -> HandSearch:
+                parallel: bool = True, floor=None) -> HandSearch:
     """``grid_search`` of ``configs``, then every config ``memory_free`` admits (all by default) searched
     again with ``score(config, unbounded=True)`` (module docstring). Configs must be hashable (they are
-    matched by value: workers return copies)."""
-    best, scored = grid_search(configs, score, layout_of, patience, log, cost, parallel)
+    matched by value: workers return copies). ``floor``: see ``grid_search``; in the memory-ignored search a
+    config that did not fit is planned while its floor is below the best that fits, until memory is found to
+    bind (``SharedBound``), so ``memory_binds`` and ``ceiling`` are those of the search without the floor
+    (or of its longer walk)."""
+    best, scored = grid_search(configs, score, layout_of, patience, log, cost, parallel, floor)
     free = [c for c in configs if memory_free is None or memory_free(c)]
     marked = None if log is None else (lambda r: log(dataclasses.replace(r, status=f"{r.status}, memory ignored")))
+    bound = None
+    if floor is not None:
+        bound = SharedBound(frozenset(r.config for r in scored if r.status == "OOM"),
+                            best.step_time if best is not None else None)
     _, unbounded = grid_search(free, functools.partial(_unbounded, score=score), layout_of, patience, marked, cost,
-                               parallel)
+                               parallel, floor, bound)
     return HandSearch(best, scored, unbounded)
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
+from autopar.baselines.hand_bounds import StepFloor
 from autopar.baselines.hand_search import (
     UNBOUNDED_MEMORY,
     HandSearch,
@@ -247,9 +248,16 @@ def score_config(graph, cluster, config: MegatronConfig, n_blocks: int, recaptur
     return score_options(graph, cluster, config, options, recapture, time_limit)
 
 
+def config_floor(floor: StepFloor, config: MegatronConfig, n_blocks: int) -> float:
+    """``StepFloor.floor`` of ``config``'s stages (``megatron_stages``): no plan of it is faster."""
+    v = config.virtual_stages
+    return floor.floor(block_ranges(n_blocks, config.pp * v), config.dp * config.tp, config.microbatches,
+                       "interleaved" if v > 1 else "1f1b", v)
+
+
 def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: int = 2,
                   log=None, precision: str = "fp32", time_limit: float = 60.0, grid: str = "full",
-                  names: ModelNames = GPT_NAMES) -> HandSearch:
+                  names: ModelNames = GPT_NAMES, prune: bool = True) -> HandSearch:
     """``search_hand`` of ``megatron_grid`` scored by ``score_config``; with memory ignored only the configs
     without recompute are searched again (recompute adds a forward and saves only memory). A config's
     planning cost grows with its pipeline chunks (pp·v stage ILPs), which orders the layouts on the cores.
@@ -266,7 +274,9 @@ def best_megatron(model, cluster, batch, n_blocks: int, n_heads: int, patience: 
     def score(config: MegatronConfig, unbounded: bool = False) -> Scored:
         return score_config(graph, roomy if unbounded else cluster, config, n_blocks, recapture, time_limit, names)
 
+    step_floor = StepFloor(graph, cluster, n_blocks) if prune else None
     return search_hand(grid, score,
                        lambda c: (c.dp, c.tp, c.pp, c.virtual_stages, c.recompute, c.distributed_optimizer),
                        patience, log, memory_free=lambda c: c.recompute == "none",
-                       cost=lambda c: c.pp * c.virtual_stages)
+                       cost=lambda c: c.pp * c.virtual_stages,
+                       floor=(lambda c: config_floor(step_floor, c, n_blocks)) if prune else None)

@@ -30,6 +30,9 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
 * collectives as a step meets them (``autopar.profiling.profiler_in_step``, CPU ranks): each collective kind, and
   ZeRO's reduce-scatter + all-gather pair, timed right after a burst of compute on every rank; fits keyed
   "<kind>/<g>@step", which the cost model prefers to the isolated ones.
+* the level as a training step meets it (``autopar.profiling.profiler_neighbour``, 2+ CPU ranks): every compute
+  figure above is its ratio to the reference mm times the reference's level times ρ, the reference's speed
+  beside a neighbour's training step over beside the reference.
 
 Timing: after warm-up calls, each rank times ``windows`` windows of back-to-back calls lasting about
 ``window_s`` each (the calls per window agreed by all ranks) and keeps the median of window / calls; a
@@ -72,6 +75,7 @@ from autopar.profiling.probes import (
 from autopar.profiling.profiler_device import KINDS as DEVICE_KINDS
 from autopar.profiling.profiler_device import ProbeDevice
 from autopar.profiling.profiler_in_step import measure_in_step, with_in_step_fits
+from autopar.profiling.profiler_neighbour import measure_neighbour, neighbour_factor, neighbour_note
 from autopar.profiling.profiler_training import apply_training_measurements, measure_rank, training_seconds
 
 KiB, MiB = 2**10, 2**20
@@ -188,11 +192,13 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
     mine["training"] = measure_rank(settings, probe, reference)
     bar.set_postfix_str("collectives after a compute burst")
     mine["in_step"] = measure_in_step(settings, probe, group_sizes(world))
+    bar.set_postfix_str("the reference beside a neighbour's training step")
+    mine["neighbour"] = measure_neighbour(settings, probe, reference)
     bar.close()
     level = reference.level()  # compute figures so far in reference units: now seconds at the profile's speed
-    mine["matmul"] = {name: [(flops, ratio * level) for flops, ratio in points]
-                      for name, points in mine["matmul"].items()}
-    mine["training"] = training_seconds(mine["training"], level)
+    beside = [None] * world
+    dist.all_gather_object(beside, mine["neighbour"])
+    mine = figures_at(mine, level * neighbour_factor(beside))  # the speed a step meets (profiler_neighbour)
     mine["reference"] = (reference.side, str(reference.dtype).replace("torch.", ""), level,
                          min(reference.windows), max(reference.windows))
     everyone = [None] * world
@@ -298,6 +304,13 @@ def _ping_pong_call(nbytes: int, world: int, device: torch.device):
     return lambda: (dist.recv(buf, peer), dist.send(buf, peer))
 
 
+def figures_at(mine: dict, level: float) -> dict:
+    """``mine`` with its compute figures (the matmul ladder, the training probes) turned from reference units
+    into seconds at ``level``, the seconds of one reference call."""
+    matmul = {name: [(flops, ratio * level) for flops, ratio in points] for name, points in mine["matmul"].items()}
+    return dict(mine, matmul=matmul, training=training_seconds(mine["training"], level))
+
+
 # ---- in the caller: medians, fits, the Cluster ---------------------------------------------------
 def _median_over_ranks(per_rank: list[list[tuple]]) -> list[tuple[float, float]]:
     """Pointwise median over ranks of [(x, seconds), ...] lists with the same x's (None = idle rank)."""
@@ -331,7 +344,8 @@ def assemble_cluster(base: Cluster, per_rank: list[dict], *, quick: bool = False
     cluster, note = apply_training_measurements(isolated, [r["training"] for r in per_rank], probe)
     cluster, in_step = with_in_step_fits(cluster, per_rank)
     return dataclasses.replace(cluster, source=_source_line(n, per_rank[0]["threads"], quick, probe) + "; " + note
-                               + _reference_note(per_rank) + (f"; {in_step}" if in_step else ""))
+                               + _reference_note(per_rank) + neighbour_note([r.get("neighbour") for r in per_rank])
+                               + (f"; {in_step}" if in_step else ""))
 
 
 def _reference_note(per_rank: list[dict]) -> str:

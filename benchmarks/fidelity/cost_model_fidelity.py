@@ -243,9 +243,20 @@ def load_or_profile(path: str | None, out: str, world: int) -> tuple[autopar.Clu
 def drift(cluster, measured: list[dict]) -> float:
     """q = the compute_time_scale the profiler's probe step gives during this launch (every rank's median
     over rounds, priced on ``cluster`` as the profiler prices it) / the cluster's own: how much slower the
-    machine computed while the plans were timed than when it was profiled (1 on a steady machine)."""
+    machine computed while the plans were timed than when it was profiled (1 on a steady machine). The probe
+    runs here beside the probe, and the profile priced its figures beside a training step (× ρ,
+    ``neighbour_level``): the probe's time is read at that level too, so q does not take ρ out again."""
     during = statistics.median(x for r in measured for x in r["probe_step"])
-    return end_to_end_factor(cluster, during) / cluster.compute_time_scale
+    return end_to_end_factor(cluster, during * neighbour_level(cluster)) / cluster.compute_time_scale
+
+
+def neighbour_level(cluster) -> float:
+    """ρ, the profile's compute figures' factor for a neighbour's training step (``profiler_neighbour``), as its
+    source line states it; 1 in files written before the profiler measured it."""
+    import re
+
+    found = re.search(r"compute figures × ([0-9.]+), the reference's speed beside a neighbour", cluster.source)
+    return float(found.group(1)) if found else 1.0
 
 
 def profile_level(cluster) -> float | None:

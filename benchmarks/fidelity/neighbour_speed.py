@@ -3,9 +3,10 @@
     python benchmarks/fidelity/neighbour_speed.py [--rounds 8] [--calls 300]
 
 Process 0 times the profiler's reference mm (fp32 256³, one thread) while process 1 (one thread) is idle,
-runs the same reference mm, or runs forward + backward of the fidelity GPT at one data-parallel rank's
-batch; the three alternate round by round (drift cancels), and process 1 signals it is busy before each
-window starts. Printed: the median seconds per call for each neighbour and its ratio to "beside the
+runs the same reference mm, runs forward + backward of the fidelity GPT at one data-parallel rank's
+batch, or runs the block the profiler's ρ is measured beside (``profiler_neighbour.TrainingBlock``: is it a
+fair stand-in for the step?); the four alternate round by round (drift cancels), and process 1 signals it
+is busy before each window starts. Printed: the median seconds per call for each neighbour and its ratio to "beside the
 reference". A profile's figures are at its reference's level (``probes.SpeedReference``: the median of its
 reference windows); where a neighbour's compute slows a core as much as this VM's does (2 vCPUs:
 about 1.9× beside a busy neighbour, 2026-11-27), a level read while the other rank waits (a collective, a
@@ -23,12 +24,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-NEIGHBOURS = ("idle", "reference", "step")
+NEIGHBOURS = ("idle", "reference", "step", "block")
 
 
 def _neighbour(modes, stop, busy, done) -> None:
     import torch
 
+    from autopar.profiling.profiler_neighbour import neighbour_step
     from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG
     from examples.gpt import GPT, make_batch
 
@@ -36,8 +38,8 @@ def _neighbour(modes, stop, busy, done) -> None:
     model, (x, y) = GPT(CONFIG), make_batch(CONFIG, BATCH // 2)
     a = torch.randn(256, 256)
     work = {"reference": lambda: torch.mm(a, a), "step": lambda: model(x, y).backward(),
-            "idle": lambda: time.sleep(0.001)}
-    work["step"]()
+            "idle": lambda: time.sleep(0.001), "block": neighbour_step("cpu")}
+    work["step"](), work["block"]()
     done.set()
     for mode in iter(modes.get, None):
         work[mode]()

@@ -9,7 +9,8 @@ once each, then the reference again; each part's figure is the median over cycle
 mean of the two references around it. Predicted in the same units: the cost model's seconds for each part
 on ``--cluster`` (forward + backward of every op of the captured graph, replicated; the optimizer step
 by ``cost_models.compute.optimizer_step_time``) over the reference's seconds at the profile's level (the
-speed the profile scaled every compute figure to, stated in its source line).
+speed the profile scaled every compute figure to, stated in its source line, times its factor ρ for a
+neighbour's training step: this process runs alone).
 
 A part whose measured and predicted reference units agree is priced right at whatever speed the machine
 runs; a plan that still misses as profiled then missed because the profile sampled another speed (its
@@ -34,7 +35,7 @@ from autopar.ir.ops import OpView, requires_grad_nodes  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.placement import R  # noqa: E402
 from autopar.profiling.probe_step import REFERENCE_SIDE, _Whole  # noqa: E402
-from benchmarks.fidelity.cost_model_fidelity import profile_level  # noqa: E402
+from benchmarks.fidelity.cost_model_fidelity import neighbour_level, profile_level  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
@@ -97,7 +98,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, batch = make_gpt(CONFIG, batch_size=BATCH // 2)
-    reference_s = 2.0 * REFERENCE_SIDE**3 / (level * 1e9)
+    # one process alone: its parts meet no neighbour, so they compare with the reference beside the reference
+    # (the profile's figures are at that level × ρ, the factor for a neighbour's training step)
+    reference_s = 2.0 * REFERENCE_SIDE**3 / (level * 1e9) * neighbour_level(cluster)
     params = list(model.parameters())
     predicted = {"forward + backward": predicted_forward_backward(model, batch, cluster),
                  "optimizer step": optimizer_step_time(sum(p.numel() for p in params), len(params), 4, "adamw",

@@ -199,29 +199,39 @@ def best_hand(work: Workload, cluster, log, precision: str = "fp32",
 
 
 def run_point(point: str, progress, precision: str | None = None, autopar_options: dict | None = None,
-              time_limit: float = 60.0, grid: str = "full") -> dict:
+              time_limit: float = 60.0, grid: str = "full", plan_auto: bool = True) -> dict:
     """Both sides of one point; ``autopar_options`` are extra ``autopar.plan`` options (default: none);
     ``time_limit``: every ILP solve's, both sides (a loaded machine can slow a solve past the default)."""
     family, name, gpus, preset = point.split(":")
     cluster = autopar.Cluster.preset(preset, gpus=int(gpus))
     work = build_workload(family, name, precision, preset, int(gpus))
     policy = precision or "fp32"
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     search = best_hand(work, cluster, log=lambda r: progress(f"  {point} hand {r.config}: "
                                                              f"{r.status} {r.step_time or ''}"), precision=policy,
                        time_limit=time_limit, grid=grid)
     best, unbounded = search.best, search.unbounded
-    grid_s = time.perf_counter() - start
+    grid_s, grid_cpu_s = time.perf_counter() - start, cpu_seconds() - cpu
     options = {"time_limit": time_limit, **(autopar_options or {})}
-    auto_step, auto_desc, plan_s = plan_autopar(work, cluster, policy, options)
+    auto_step, auto_desc, plan_s = plan_autopar(work, cluster, policy, options) if plan_auto else \
+        (None, "not planned (--hand-only: mist_report.py --replan plans it)", 0.0)
     return {"point": point, "family": family, "model": name, "gpus": int(gpus), "cluster": preset,
             "flops": work.flops, "hand": str(best.config) if best else "all OOM",
             "hand_step": best.step_time if best else None, "auto_step": auto_step, "auto_plan": auto_desc,
             "memory_binds": search.memory_binds, "hand_unbounded": str(unbounded.config) if unbounded else None,
             "hand_unbounded_step": unbounded.step_time if unbounded else None, "ceiling": search.ceiling,
-            "autopar_options": options, "grid_s": grid_s, "plan_s": plan_s, "hand_grid": grid,
+            "autopar_options": options, "grid_s": grid_s, "grid_cpu_s": grid_cpu_s,
+            "load": os.getloadavg()[0], "plan_s": plan_s, "hand_grid": grid,
             "scored": [(str(s.config), s.status, s.step_time) for s in search.scored],
             "memory_ignored": [(str(s.config), s.status, s.step_time) for s in search.free]}
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (the grid's forked workers)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def plan_autopar(work: Workload, cluster, policy: str, options: dict) -> tuple[float | None, str, float]:
@@ -265,19 +275,37 @@ def pflops(row: dict, key: str) -> float:
 
 HEADERS = ["model", "GPUs", "cluster", "best hand layout", "hand PFLOP/s", "autopar PFLOP/s", "autopar plan",
            "autopar / hand", "memory binds", "ceiling (fastest hand layout, memory ignored)",
-           "configs scored (OOM) + memory ignored", "grid s", "autopar plan s"]
+           "configs scored (OOM, skipped by floor) + memory ignored (skipped)", "grid s (CPU s, load)",
+           "autopar plan s"]
 
 
 def table_row(row: dict) -> list:
     r = ratio(row)
-    oom = sum(1 for s in row["scored"] if s[1] == "OOM")
     label = {"gpt": "GPT", "sc21": "GPT (SC'21)", "wrn": "Wide-ResNet", "moe": "MoE", "mist": "GPT-3 (Mist)",
              "mistllama": "Llama-style (Mist)", "mixtral": "Mixtral"}[
         row["family"]]
     return [f"{label} {row['model']}", row["gpus"], row["cluster"], row["hand"], f"{pflops(row, 'hand_step'):.3f}",
             f"{pflops(row, 'auto_step'):.3f}", row["auto_plan"], f"{r:.3f}" if r else "n/a", binds_cell(row),
-            ceiling_cell(row), f"{len(row['scored'])} ({oom}) + {len(row.get('memory_ignored', []))}",
-            f"{row['grid_s']:.0f}", f"{row['plan_s']:.0f}"]
+            ceiling_cell(row), configs_cell(row),
+            grid_cell(row), f"{row['plan_s']:.0f}"]
+
+
+def grid_cell(row: dict) -> str:
+    """'472 (160 CPU, load 9.8)': the grid's wall seconds, with its CPU seconds and load where recorded."""
+    if "grid_cpu_s" not in row:
+        return f"{row['grid_s']:.0f}"
+    return f"{row['grid_s']:.0f} ({row['grid_cpu_s']:.0f} CPU, load {row['load']:.1f})"
+
+
+def configs_cell(row: dict) -> str:
+    """'582 (201, 95) + 194 (60)': configs of the grid (those out of memory, those the step-time floor ruled out
+    unplanned: ``hand_search.SKIPPED``) + memory-free configs searched with memory ignored (ruled out)."""
+    def skipped(entries):
+        return sum(1 for s in entries if s[1].startswith("skipped"))
+
+    free = row.get("memory_ignored", [])
+    oom = sum(1 for s in row["scored"] if s[1] == "OOM")
+    return f"{len(row['scored'])} ({oom}, {skipped(row['scored'])}) + {len(free)} ({skipped(free)})"
 
 
 def ceiling_cell(row: dict) -> str:
@@ -289,7 +317,7 @@ def ceiling_cell(row: dict) -> str:
 
 def simulate(points: list[str], precision: str | None = None, merge: bool = False,
              autopar_options: dict | None = None, name: str = "simulate", time_limit: float = 60.0,
-             grid: str = "full") -> int:
+             grid: str = "full", plan_auto: bool = True) -> int:
     """Run ``points`` one by one, writing the results after each (a long run keeps what it finished). With
     ``merge`` the rows of the saved JSON stay, each replaced by a new run of its point."""
     policy = f", {precision} mixed precision" if precision else ""
@@ -301,7 +329,7 @@ def simulate(points: list[str], precision: str | None = None, merge: bool = Fals
     rows = saved_rows(name) if merge else []
     for point in points:
         row = run_point(point, progress=lambda line: print(line, file=sys.stderr, flush=True), precision=precision,
-                        autopar_options=autopar_options, time_limit=time_limit, grid=grid)
+                        autopar_options=autopar_options, time_limit=time_limit, grid=grid, plan_auto=plan_auto)
         rows = [r for r in rows if r["point"] != point] + [row]
         print("| " + " | ".join(str(c) for c in table_row(row)) + " |", flush=True)
         render_simulation(header, rows, name)
@@ -375,6 +403,8 @@ def main(argv=None) -> int:
                         "(mist: Mist's hardware and shapes, bf16, autopar with offload='auto'; see above)")
     parser.add_argument("--grid", choices=("full", "mist"), help="--simulate: the GPT hand grid (default: mist "
                         "for --suite mist, else full)")
+    parser.add_argument("--hand-only", action="store_true", help="--simulate --suite mist: score the hand grid "
+                        "only (autopar's side comes from mist_report.py --replan, once for both grids)")
     parser.add_argument("--name", default="simulate", help="--simulate: results are written as "
                         "benchmarks/results/vs_megatron_NAME.{md,json,png} (two runs side by side need two names)")
     parser.add_argument("--autopar-schedule", choices=("1f1b", "interleaved", "auto"),
@@ -416,7 +446,7 @@ def main(argv=None) -> int:
             points = args.points if args.points is not DEFAULT_POINTS else MIST_POINTS
             name = args.name if args.name != "simulate" else f"mist_{args.grid or 'mist'}"
             return simulate(points, args.precision or "bf16", args.merge, {**extra, "offload": "auto"}, name,
-                            args.time_limit, args.grid or "mist")
+                            args.time_limit, args.grid or "mist", plan_auto=not args.hand_only)
         return simulate(args.points, args.precision, args.merge, extra or None, args.name, args.time_limit,
                         args.grid or "full")
     from benchmarks.vs_hand.vs_megatron_local import measure
