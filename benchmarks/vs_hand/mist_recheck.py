@@ -1,6 +1,6 @@
 """Did a later tree move the Mist comparison? Each point's best hand layouts rescored, autopar's side replanned.
 
-    python benchmarks/vs_hand/mist_recheck.py --mist mist_mist_onetree --full mist_full_onetree_a mist_full_onetree_b
+    python benchmarks/vs_hand/mist_recheck.py [--points P ...]   # the one-tree sweeps of mist_report.py by default
     # -> benchmarks/results/vs_megatron_mist_recheck.{md,json}
 
 The sweeps (``vs_megatron.py --simulate --suite mist``) scored both hand grids on one tree and ``mist_report.py
@@ -94,7 +94,7 @@ def _row(e: dict) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mist", nargs="+", default=["mist_mist"], help="NAMEs of Mist-baseline sweeps")
+    parser.add_argument("--mist", nargs="+", default=list(mist_report.MIST_SWEEPS), help="NAMEs of Mist-baseline sweeps")
     parser.add_argument("--full", nargs="+", default=list(mist_report.FULL_SWEEPS), help="NAMEs of full-grid sweeps")
     parser.add_argument("--time-limit", type=float, default=300.0, help="every ILP solve's limit (as the sweeps)")
     parser.add_argument("--points", nargs="+", help="only these FAMILY:NAME:GPUS:PRESET points")
