@@ -94,7 +94,7 @@ def _row(e: dict) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mist", nargs="+", default=list(mist_report.MIST_SWEEPS), help="NAMEs of Mist-baseline sweeps")
+    parser.add_argument("--mist", nargs="+", default=list(mist_report.MIST_SWEEPS), help="NAMEs: Mist-baseline sweeps")
     parser.add_argument("--full", nargs="+", default=list(mist_report.FULL_SWEEPS), help="NAMEs of full-grid sweeps")
     parser.add_argument("--time-limit", type=float, default=300.0, help="every ILP solve's limit (as the sweeps)")
     parser.add_argument("--points", nargs="+", help="only these FAMILY:NAME:GPUS:PRESET points")
