@@ -30,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.vs_hand import vs_megatron  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 FAMILIES = {"mist": "GPT-3", "mistllama": "Llama-style"}
@@ -55,7 +56,6 @@ def replan(points: list[str] | None, time_limit: float = 300.0) -> None:
     """Plan autopar's side of ``points`` (default: every point of the saved sweeps) on this tree, as the sweeps
     did (bf16, ``offload="auto"``, ILP time limit ``time_limit``), each written to ``AUTOPAR`` when done."""
     import autopar
-    from benchmarks.vs_hand import vs_megatron
 
     saved = load(AUTOPAR)
     todo = points or sorted(set(load(*MIST_SWEEPS, *FULL_SWEEPS)) | set(saved), key=point_order)
@@ -128,7 +128,8 @@ def verdict(value: float | None, goal: float) -> str:
 
 
 HEADERS = ["model", "GPUs", "cluster", "autopar plan", "Mist's Megatron: best", "autopar / it", "full grid: best",
-           "autopar / it", "memory binds (full grid)", "ceiling (full grid)"]
+           "autopar / it", "memory binds (full grid)", "ceiling (full grid)",
+           "full grid: configs (OOM, skipped by floor) + memory ignored (skipped)", "full grid s (CPU s, load)"]
 
 
 def rows(mist: dict, full: dict, s: dict) -> list[list]:
@@ -141,7 +142,8 @@ def rows(mist: dict, full: dict, s: dict) -> list[list]:
         out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, compact((f or m).get("auto_plan", "n/a")),
                     m.get("hand", "not run") + _older(m),
                     fmt(s["mist"][p]), f.get("hand", "not run") + _older(f), fmt(s["full"][p]),
-                    "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
+                    "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling,
+                    vs_megatron.configs_cell(f) if f else "n/a", vs_megatron.grid_cell(f) if f else "n/a"])
     return out
 
 
