@@ -17,7 +17,7 @@ import pytest
 import autopar
 import autopar.passes.recompute as recompute
 from autopar.hardware.cluster import Link
-from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG, _MESH_2, data_parallel, megatron
+from benchmarks.fidelity.fidelity_plans import _MESH_2, BATCH, CONFIG, data_parallel, megatron
 from examples.gpt import make_gpt
 
 
