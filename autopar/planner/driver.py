@@ -29,6 +29,7 @@ from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
+from autopar.passes.chunk_reuse import ChunkBuilds, renamed
 from autopar.passes.cluster_layers import cluster_layers, find_repeated_blocks
 from autopar.passes.forked import Beside
 from autopar.passes.ilp import backend
@@ -351,7 +352,8 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
     subsets = [{name for layer in range(c.first, c.last + 1) for name in layers.nodes[layer]} for c in choice.stages]
     subsets[-1].add("output")
     subsets = subsets_on(graph.gm, scaled.gm, subsets)
-    built = []  # (stage index, its choice, CostEnv, BuiltProblem or the InfeasibleError of its build)
+    built = []  # (stage index, its choice, CostEnv, recompute, BuiltProblem or its InfeasibleError, names)
+    builds = ChunkBuilds(bool(options.pin), build_problem)  # identical chunks read one build
     for s, chosen in sorted(enumerate(choice.stages), key=lambda item: (item[1].inflight, item[0])):
         recompute = stage_modes(costs_modes, chosen.recompute, chosen.first, chosen.last)
         env = CostEnv(cluster, chosen.option.logical, stage_training(training_spec(graph, options), chosen),
@@ -361,17 +363,17 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
             if chosen.option.logical not in strategies:
                 strategies[chosen.option.logical] = strategies_for(scaled, chosen.option.logical, options)
             budget = cluster.memory_per_device if chosen.budget is None else chosen.budget
-            built.append((s, chosen, env, recompute, build_problem(
-                scaled, strategies[chosen.option.logical], blocks, env, budget, subset=subsets[s],
-                truncate=uniform_recompute(recompute, layers, chosen.first, chosen.last))))
+            built.append((s, chosen, env, recompute, *builds.build(
+                scaled, strategies[chosen.option.logical], blocks, env, budget, subsets[s],
+                uniform_recompute(recompute, layers, chosen.first, chosen.last))))
         except InfeasibleError as e:  # raised in turn, after the stages before it are solved
-            built.append((s, chosen, env, recompute, e))
+            built.append((s, chosen, env, recompute, e, None))
             break
     problems = [b[4] for b in built if not isinstance(b[4], InfeasibleError)]
     results, reused = solve_walks([b.problem for b in problems], options.time_limit)
     results = iter(results)
     solved = {}
-    for s, chosen, env, recompute, problem in built:
+    for s, chosen, env, recompute, problem, names in built:
         result = problem if isinstance(problem, InfeasibleError) else next(results)
         if isinstance(result, (str, InfeasibleError)):
             option = chosen.option
@@ -379,6 +381,8 @@ def _pipeline(graph, layers, blocks, cluster: Cluster, options: PlanOptions, mod
                      f"B={B}): {result}")
             raise _StageInfeasible(where, (B, chosen.first, chosen.last, option, chosen.inflight)) from None
         solution = solve_built(problem, env, options.time_limit, result=result)
+        if names is not None:
+            solution = renamed(solution, names)
         stage = make_stage(scaled, solution, env, index=s, ranks=ranks[s], submesh=chosen.option.physical,
                            layers=(chosen.first, chosen.last))
         record_recompute(stage, solution, scaled, layers, blocks, recompute, B)

@@ -1,7 +1,7 @@
 """Record the plans of plan-time points: each plan's JSON, predicted step time and the planner's CPU seconds.
 
     python benchmarks/plan_time/record_plans.py OUT_DIR [--points MODEL:GPUS:PRESET:BATCH ...] [--profile] [--phases]
-                                                [--against BASE_DIR]
+                                                [--parts] [--against BASE_DIR]
 
 Two trees give the same plans for the same inputs exactly when their OUT_DIR/*.json files are byte-identical;
 the summary file says how much CPU time each point took (time.process_time plus finished workers), which load
@@ -45,10 +45,20 @@ PHASES = {"price submeshes": ("autopar.passes.inter_op", "StageCosts", "prepare"
           "DP tables": ("autopar.passes.inter_op", "StageCosts", "table"),
           "stage ILPs": ("autopar.planner.driver", None, "_pipeline"),
           "capture": ("autopar.planner.driver", None, "capture")}
+# The parts inside those phases (--parts; they nest: a check's exact solves count in "stage ILPs" too). The
+# single-stage check runs in a forked worker beside the DP; its CPU seconds count when the driver joins it.
+PARTS = {"chunk builds": ("autopar.passes.chunk_reuse", "ChunkBuilds", "build"),
+         "stage solves": ("autopar.planner.driver", None, "solve_walks"),
+         "single-stage check": ("autopar.planner.driver", None, "or_single_stage"),
+         "fewer microbatches": ("autopar.planner.driver", None, "fewer_microbatches"),
+         "more microbatches": ("autopar.planner.driver", None, "more_microbatches"),
+         "even split": ("autopar.planner.driver", None, "or_even_split")}
 
 
-def time_phases() -> dict[str, float]:
-    """Wrap the planner's phases (PHASES) so each adds the CPU seconds it used, forked workers included."""
+def time_phases(parts: bool = False) -> dict[str, float]:
+    """Wrap the planner's phases (PHASES, and PARTS with ``parts``) so each adds the CPU seconds it used,
+    forked workers included. Timed with ``_cpu_seconds`` around each call, not by cProfile: a profiler's
+    per-call overhead inflates this Python-heavy code several times over (and the CPU clock's more)."""
     import importlib
 
     spent: dict[str, float] = {}
@@ -62,7 +72,7 @@ def time_phases() -> dict[str, float]:
                 spent[name] = spent.get(name, 0.0) + _cpu_seconds() - start
         return timed
 
-    for name, (module, cls, attr) in PHASES.items():
+    for name, (module, cls, attr) in {**PHASES, **(PARTS if parts else {})}.items():
         owner = importlib.import_module(module)
         owner = getattr(owner, cls) if cls else owner
         setattr(owner, attr, wrap(name, getattr(owner, attr)))
@@ -112,10 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--points", nargs="+", default=ROWS)
     parser.add_argument("--profile", action="store_true", help="cProfile each point into OUT/<point>.prof")
     parser.add_argument("--phases", action="store_true", help="CPU seconds per planner phase (PHASES)")
+    parser.add_argument("--parts", action="store_true", help="with --phases: and per part of them (PARTS)")
     parser.add_argument("--against", help="OUT_DIR of another tree: say per point whether the plans are identical")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    spent = time_phases() if args.phases else None
+    spent = time_phases(args.parts) if args.phases or args.parts else None
     for point in args.points:
         row = record(point, args.out, args.profile, spent)
         if args.against:
