@@ -16,8 +16,10 @@ with t_l the layer's per-microbatch time (compute and communication, gradient sy
 communication (sync_l, the once-per-step gradient sync, included), compute_l = t_l + sync_l − comm_l,
 φ_l = forward FLOPs / (forward + backward FLOPs) of the layer's ops (about ⅓ for matmuls) and half
 of the layer's non-gradient-sync communication (tensor parallelism's collectives come in forward/backward
-pairs of equal size; the once-per-step gradient sync is not repeated). e_{l',l} is the resharding from
-layer l' into a reader in layer l (``LayerCosts.edges``, forward and backward): codegen emits a
+pairs of equal size; the once-per-step gradient sync is not repeated). e_{l',l} is the resharding of an
+op's output in layer l' for a reader in layer l (``LayerCosts.replayed_edges``, forward and backward;
+a parameter's or input's edges are left out: their backward half is a gradient's reduction, their forward
+a slice, and a tied weight's cross-stage gradient all-reduce is no replay): codegen emits a
 redistribution right before its reader, inside the reader's checkpointed region, so the replay re-runs
 its forward half. Megatron's all-reduces are such edges (a row-parallel output's Partial → Replicate in
 forward, a column-parallel input's gradient in backward): measured on the 2-rank GPT of the fidelity
@@ -124,9 +126,9 @@ def extra_forward(costs, share: np.ndarray) -> np.ndarray:
 
 
 def replayed_resharding(costs) -> np.ndarray:
-    """Σ_{l'} e_{l',l} per layer l: the resharding (forward and backward) into readers in layer l, which a
-    replay of layer l runs again in its forward half (module docstring)."""
-    edges = getattr(costs, "edges", None)
+    """Σ_{l'} e_{l',l} per layer l: the resharding (forward and backward) of op outputs into readers in layer
+    l, which a replay of layer l runs again in its forward half (module docstring)."""
+    edges = getattr(costs, "replayed_edges", None)
     return np.zeros(len(costs.t)) if edges is None else np.asarray(edges).sum(axis=0)
 
 
