@@ -115,3 +115,12 @@ def test_the_pruned_search_returns_the_unpruned_answer_planning_fewer_configs(sm
     assert skipped, "the floor ruled some configs out"
     planned = {(r.config, r.step_time) for r in pruned.scored if r.step_time is not None}
     assert planned <= {(r.config, r.step_time) for r in plain.scored if r.step_time is not None} | planned
+
+
+def test_a_config_reads_back_from_its_text_and_bad_text_is_refused():
+    for config in CONFIGS + [MegatronConfig(dp=2, tp=2, pp=8, microbatches=256, virtual_stages=2, recompute="full",
+                                            distributed_optimizer=True, precision="bf16")]:
+        assert MegatronConfig.parse(str(config), precision="bf16") == config
+    for bad in ("dp2·tp2·pp8·X4", "dp2·tp·pp1·B1", "tp2·dp2·pp1·B1", "dp2·tp2·pp1·B1·rc-some"):
+        with pytest.raises(ValueError):
+            MegatronConfig.parse(bad)

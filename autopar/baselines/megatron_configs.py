@@ -115,6 +115,27 @@ class MegatronConfig:
     def devices(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @classmethod
+    def parse(cls, text: str, precision: str = "fp32") -> MegatronConfig:
+        """The config ``str`` wrote as ``text`` ("dp2·tp2·pp8·v2·B256·rc-full·distopt"); ValueError otherwise."""
+        fields = {"virtual_stages": 1, "recompute": "none", "distributed_optimizer": False}
+        keys = {"dp": "dp", "tp": "tp", "pp": "pp", "v": "virtual_stages", "B": "microbatches"}
+        for part in text.split("·"):
+            if part == "distopt":
+                fields["distributed_optimizer"] = True
+            elif part.startswith("rc-") and part[3:] in RECOMPUTE_LEVERS:
+                fields["recompute"] = part[3:]
+            else:
+                key = next((k for k in sorted(keys, key=len, reverse=True) if part.startswith(k)
+                            and part[len(k):].isdigit()), None)
+                if key is None:
+                    raise ValueError(f"{text!r} is not a Megatron config as str() writes one: {part!r}")
+                fields[keys[key]] = int(part[len(key):])
+        config = cls(precision=precision, **fields)
+        if str(config) != text:
+            raise ValueError(f"{text!r} is not a Megatron config as str() writes one (read as {config})")
+        return config
+
     def __str__(self) -> str:
         rc = f"·rc-{self.recompute}" if self.recompute != "none" else ""
         dist = "·distopt" if self.distributed_optimizer else ""

@@ -30,6 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.vs_hand import vs_megatron  # noqa: E402
 from benchmarks.vs_hand import vs_megatron_report as report  # noqa: E402
 
 FAMILIES = {"mist": "GPT-3", "mistllama": "Llama-style"}
@@ -55,10 +56,9 @@ def replan(points: list[str] | None, time_limit: float = 300.0) -> None:
     """Plan autopar's side of ``points`` (default: every point of the saved sweeps) on this tree, as the sweeps
     did (bf16, ``offload="auto"``, ILP time limit ``time_limit``), each written to ``AUTOPAR`` when done."""
     import autopar
-    from benchmarks.vs_hand import vs_megatron
 
     saved = load(AUTOPAR)
-    todo = points or sorted(set(load("mist_mist", *FULL_SWEEPS)) | set(saved), key=point_order)
+    todo = points or sorted(set(load(*MIST_SWEEPS, *FULL_SWEEPS)) | set(saved), key=point_order)
     options = {"time_limit": time_limit, "offload": "auto"}
     for point in todo:
         family, name, gpus, preset = point.split(":")
@@ -128,7 +128,8 @@ def verdict(value: float | None, goal: float) -> str:
 
 
 HEADERS = ["model", "GPUs", "cluster", "autopar plan", "Mist's Megatron: best", "autopar / it", "full grid: best",
-           "autopar / it", "memory binds (full grid)", "ceiling (full grid)"]
+           "autopar / it", "memory binds (full grid)", "ceiling (full grid)",
+           "full grid: configs (OOM, skipped by floor) + memory ignored (skipped)", "full grid s (CPU s, load)"]
 
 
 def rows(mist: dict, full: dict, s: dict) -> list[list]:
@@ -141,7 +142,8 @@ def rows(mist: dict, full: dict, s: dict) -> list[list]:
         out.append([f"{FAMILIES.get(family, family)} {name}", gpus, cluster, compact((f or m).get("auto_plan", "n/a")),
                     m.get("hand", "not run") + _older(m),
                     fmt(s["mist"][p]), f.get("hand", "not run") + _older(f), fmt(s["full"][p]),
-                    "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling])
+                    "yes" if f.get("memory_binds") else ("no" if f else "n/a"), ceiling,
+                    vs_megatron.configs_cell(f) if f else "n/a", vs_megatron.grid_cell(f) if f else "n/a"])
     return out
 
 
@@ -178,11 +180,13 @@ def chart(s: dict) -> str:
     return report._save(fig, plt, "mist")
 
 
-FULL_SWEEPS = ("mist_full", "mist_full_b", "mist_full_c", "mist_full_d", "mist_full_e", "mist_full_f",
-               "mist_full_g")
+# Both grids scored on one tree (vs_megatron.py --simulate --suite mist --hand-only, the full grid in two halves
+# side by side); the sweeps before them (mist_mist, mist_full, mist_full_b ... _g) mixed trees.
+MIST_SWEEPS = ("mist_mist_onetree",)
+FULL_SWEEPS = ("mist_full_onetree_a", "mist_full_onetree_b")
 
 
-CURRENT = ("mist_full_d", "mist_full_e", "mist_full_f", "mist_full_g")  # hand grids scored under today's cost model
+CURRENT = MIST_SWEEPS + FULL_SWEEPS  # hand grids scored on the tree autopar's side is re-planned on
 
 
 def merged(names: tuple, current: tuple, replanned: dict[str, dict]) -> dict[str, dict]:
@@ -197,7 +201,7 @@ def merged(names: tuple, current: tuple, replanned: dict[str, dict]) -> dict[str
     return rows
 
 
-def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, current: tuple = CURRENT) -> str:
+def render(mist_names: tuple = MIST_SWEEPS, full_names: tuple = FULL_SWEEPS, current: tuple = CURRENT) -> str:
     replanned = load(AUTOPAR)
     mist, full = merged(mist_names, current, replanned), merged(full_names, current, replanned)
     s = scores(mist, full)
@@ -207,6 +211,9 @@ def render(mist_names: tuple = ("mist_mist",), full_names: tuple = FULL_SWEEPS, 
         files += (f"; autopar's side of the rows of {', '.join(n for n in current if n in present)} re-planned: "
                   f"vs_megatron_{AUTOPAR}.json ({_replan_times(replanned)})")
     headers = [r.get("autopar_options") for r in list(mist.values()) + list(full.values())][:1]
+    trees = sorted({r["tree"] for r in list(mist.values()) + list(full.values()) if r.get("tree")})
+    if trees:
+        files += f"; hand grids scored on tree {', '.join(trees)}"
     text = "\n\n".join([report.machine_line("autopar on Mist's points (Zhu et al., EuroSys'25), simulated: "
                                             "both hand grids; rendered from the two sweeps' JSON"),
                         report.markdown_table(HEADERS, rows(mist, full, s)), summary(s),
@@ -238,7 +245,7 @@ def _present(names: tuple) -> set[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mist", nargs="+", default=["mist_mist"], help="NAMEs of vs_megatron_NAME.json: Mist's "
+    parser.add_argument("--mist", nargs="+", default=list(MIST_SWEEPS), help="NAMEs of vs_megatron_NAME.json: Mist's "
                         "baseline sweeps")
     parser.add_argument("--full", nargs="+", default=list(FULL_SWEEPS), help="NAMEs of vs_megatron_NAME.json: "
                         "the full-grid sweeps (a later one's point replaces an earlier's)")
