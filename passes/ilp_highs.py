@@ -1,12 +1,13 @@
 """HiGHS back end: a ``SparseModel`` (``ilp_model``) handed to highspy as row-wise sparse matrices.
 
-Invariant of the quick solve (``presolve=False``, the stage DP's prices): its answer is an optimum of the
-model within ``MIP_GAP``. It first solves the LP relaxation (integrality dropped); when every integer
-column comes back within ``INTEGRAL`` of 0 or 1 that vertex is an integer solution whose objective is the
-relaxation's, a lower bound of every integer solution's, so it is an exact optimum (gap 0). Only a
-fractional relaxation goes on to the MIP. The sharding models' relaxations are integral almost always
-(Llama-3-8B's pricing: every unconstrained solve), and the LP alone takes a tenth of the MIP's time,
-which spends the rest on root work (probing, cliques, heuristics) after the same LP.
+Invariant of every solve (the stage DP's quick prices, ``presolve=False``, and the exact stage solves): its
+answer is an optimum of the model within ``MIP_GAP``. It first solves the LP relaxation (integrality dropped);
+when every integer column comes back within ``INTEGRAL`` of 0 or 1 that vertex is an integer solution whose
+objective is the relaxation's, a lower bound of every integer solution's, so it is an exact optimum (gap 0).
+Only a fractional relaxation goes on to the MIP. The sharding models' relaxations are integral almost always
+(Llama-3-8B's pricing: every unconstrained solve), and the LP alone takes a tenth of the MIP's time, which
+spends the rest on root work (probing, cliques, heuristics) after the same LP (a 135-class exact solve of
+Llama-2-70B's: 2.6 CPU s as a MIP with presolve, 0.3 s as its integral relaxation).
 
 Why not through PuLP: PuLP builds one Python object per variable and constraint; for our models
 (thousands of edge variables, solved dozens of times by the stage DP) that took longer than HiGHS's own
@@ -54,9 +55,9 @@ def solve(model: SparseModel, time_limit: float, presolve: bool = True) -> tuple
     presolve=False skips HiGHS's presolve. The sharding models are solved at the root (their LP relaxation
     is integral or nearly), where presolve is most of the time: without it a solve takes about half as long
     and returns a solution within the same ``MIP_GAP``, though not always the same one among near-equal
-    layouts. The stage DP's pricing solves use it (``inter_op``); exact solves keep presolve. It also tries
-    the LP relaxation first and keeps it when integral (module docstring)."""
-    if not presolve and model.n_cols:
+    layouts. The stage DP's pricing solves use it (``inter_op``); exact solves keep presolve. Both try the
+    LP relaxation first and keep it when integral (module docstring): an exact optimum either way."""
+    if model.n_cols:
         status, values = _integral_relaxation(model, time_limit)
         if values is not None:
             return status, values

@@ -109,7 +109,7 @@ def add_zero_columns(b) -> None:
             continue
         twins = []
         for i, pick in enumerate(group.pick):
-            found = [_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in params]
+            found = [_effect(b, name, pick[name], effects) for name in params]
             if sum(e.saved2 for e in found) > 0:
                 twins.append((i, 2, sum(e.saved2 for e in found), sum(e.gather for e in found), 0.0, 0.0))
                 twins.append((i, 3, sum(e.saved3 for e in found), sum(e.gather3 for e in found),
@@ -143,17 +143,18 @@ def _charge_forced_units(b, group, params: list[str], unit_floor: float, effects
         return
     units = np.zeros(len(group.pick))
     for i, pick in enumerate(group.pick):
-        units[i] = _units([_effect(b, name, b.strategies[name][pick[name]].out_spec, effects) for name in forced],
+        units[i] = _units([_effect(b, name, pick[name], effects) for name in forced],
                           unit_floor)
     group.zero3_unit = units
 
 
-def _effect(b, name: str, spec, cache: dict) -> _Effect:
-    """What putting parameter ``name`` stored as ``spec`` at levels 2 and 3 changes (``_NONE`` when it is not
-    replicated on any axis of size > 1)."""
-    val = b.nodes[name].meta["val"]
-    key = (tuple(val.shape), val.dtype, spec)
+def _effect(b, name: str, index: int, cache: dict) -> _Effect:
+    """What putting parameter ``name`` stored as its strategy ``index``'s spec at levels 2 and 3 changes
+    (``_NONE`` when it is not replicated on any axis of size > 1). Cached by (name, index): ints, where a
+    spec key would hash its Placements in Python on every probe."""
+    key = (name, index)
     if key not in cache:
+        val, spec = b.nodes[name].meta["val"], b.strategies[name][index].out_spec
         mesh = b.env.mesh_shape
         axes = [a for a, (size, p) in enumerate(zip(mesh, spec)) if size > 1 and not p.is_shard()]
         if not axes:
@@ -301,19 +302,19 @@ def price_optimizer_step(b) -> None:
         if not params:
             continue
         levels = group.zero_level if group.zero_level is not None else np.zeros(len(group.pick), dtype=int)
-        seconds = np.array([sum(_step_seconds(b, name, b.strategies[name][pick[name]].out_spec,
-                                              int(level) or b.env.training.zero_level(name), cache)
+        seconds = np.array([sum(_step_seconds(b, name, pick[name], int(level) or b.env.training.zero_level(name),
+                                              cache)
                                 for name in params) for pick, level in zip(group.pick, levels)])
         group.optimizer = seconds
         group.cost = group.cost + seconds
 
 
-def _step_seconds(b, name: str, spec, level: int, cache: dict) -> float:
-    """Seconds of the optimizer step over parameter ``name``'s local shard stored as ``spec`` at ZeRO ``level``
-    (``plan_builder._optimizer_seconds``'s price of one tensor)."""
-    val = b.nodes[name].meta["val"]
-    key = (tuple(val.shape), val.dtype, spec, level >= 1)
+def _step_seconds(b, name: str, index: int, level: int, cache: dict) -> float:
+    """Seconds of the optimizer step over parameter ``name``'s local shard stored as its strategy ``index``'s
+    spec at ZeRO ``level`` (``plan_builder._optimizer_seconds``'s price of one tensor; cached as ``_effect``)."""
+    key = (name, index, level >= 1)
     if key not in cache:
+        val, spec = b.nodes[name].meta["val"], b.strategies[name][index].out_spec
         training = b.env.training
         numel = stepped_numel(val.shape, spec, b.env.mesh_shape, level)
         if training.host_optimizer:
