@@ -43,6 +43,7 @@ class LayerCosts:
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
     host_state: tuple | None = None  # (freed bytes, added seconds) per layer of optimizer offload (``stage_offload``)
+    replayed_edges: np.ndarray | None = None  # the part of ``edges`` an op's output makes (recompute re-runs it)
     last_resort: bool = False  # offered to the stage DP only where nothing fits without it (``zero3_variant``)
 
     def __post_init__(self):
@@ -94,15 +95,18 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
             act[layer] += group.mem_act[i]
             unit = group.zero3_unit[i] if group.zero3_unit is not None else 0.0  # ZeRO-3's gathered units
             peak[layer] = max(peak[layer], group.peak[i] + unit)
-    edges = np.zeros((L, L))
+    edges, replayed = np.zeros((L, L)), np.zeros((L, L))
+    ops = {name for names in layers.nodes for name in names}
     for (gu, gv), cost in solution.edge_costs.items():
         per_instance = cost / solution.weights[gv]
+        from_op = solution.groups[gu].leader in ops  # not a parameter's or input's (their backward: its gradient)
         for lu, lv in _edge_layers(solution.groups[gu].leader, solution.groups[gv].leader, spread[gu], spread[gv],
                                    blocks, layers):
             edges[lu, lv] += per_instance
+            replayed[lu, lv] += per_instance if from_op else 0.0
     split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
                  if batch_dims.get(n) is not None] or [1])
-    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved)
+    return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved, replayed_edges=replayed)
 
 
 def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:

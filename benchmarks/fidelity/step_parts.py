@@ -87,9 +87,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", required=True, help="a profiled cluster JSON (`autopar profile --out ...`)")
     parser.add_argument("--cycles", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=BATCH // 2, help="samples per step (default: one "
+                        "data-parallel rank's; 1 is a pipeline microbatch of pp2-B16)")
     args = parser.parse_args(argv)
     if args.cycles < 1:
         parser.error(f"--cycles must be at least 1, got {args.cycles}")
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
     cluster = autopar.Cluster.from_json(args.cluster)
     level = profile_level(cluster)
     if level is None:
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
                      f"a reference mm); re-profile with `autopar profile --out {args.cluster}`")
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model, batch = make_gpt(CONFIG, batch_size=BATCH // 2)
+    model, batch = make_gpt(CONFIG, batch_size=args.batch)
     # one process alone: its parts meet no neighbour, so they compare with the reference beside the reference
     # (the profile's figures are at that level × ρ, the factor for a neighbour's training step)
     reference_s = 2.0 * REFERENCE_SIDE**3 / (level * 1e9) * neighbour_level(cluster)
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
                  "zero_grad": 0.0}
     load = os.getloadavg()
     ratios = measure(model, batch, args.cycles)
-    print(f"# step_parts: GPT {dataclasses.asdict(CONFIG)}, batch {BATCH // 2}, 1 thread, {args.cycles} cycles; "
+    print(f"# step_parts: GPT {dataclasses.asdict(CONFIG)}, batch {args.batch}, 1 thread, {args.cycles} cycles; "
           f"cluster {args.cluster} (level {level:.1f} GFLOP/s: reference {reference_s * 1e6:.0f} us); load "
           f"average before {tuple(round(x, 2) for x in load)}, after {tuple(round(x, 2) for x in os.getloadavg())}")
     print(f"{'part':<20}{'measured':>10}{'IQR':>16}{'predicted':>11}{'error':>9}   (reference-mm units)")
