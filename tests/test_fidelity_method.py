@@ -231,3 +231,6 @@ def test_step_parts_refuses_a_profile_without_a_reference_level(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["--cluster", str(path), "--cycles", "0"])
     assert "--cycles must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--cluster", str(path), "--batch", "0"])
+    assert "--batch must be at least 1" in capsys.readouterr().err
