@@ -14,6 +14,11 @@ shares between configs, and why each shortcut leaves every score as a fresh ``au
   the microbatch's shapes and the precision policy, and planning only adds caches to a graph (node
   signatures, the batch-dim analysis, strategies per (mesh, pins) in ``single_stage.strategies_for``), each a pure
   function of the graph;
+* microbatch graphs: the graph at each microbatch count (rescaled, or re-captured) is made once per graph
+  (``microbatch_graphs``, the driver's ``at_microbatch``) and shared by every config planned at that count,
+  with what planning caches on it;
+* floors: with ``floor(config)`` (``hand_bounds``), a config whose lower bound exceeds the best step found is
+  not planned (``SKIPPED``); it cannot be the answer (``grid_search``, ``SharedBound``);
 * cores: layouts (``layout_of``) are searched independently, each in a forked worker
   (``passes.forked.parallel_map``), and their results merged in the grid's order with the serial search's
   strict ``<``, so the best config, ties included, is the one the serial search returns.
