@@ -180,10 +180,10 @@ def chart(s: dict) -> str:
     return report._save(fig, plt, "mist")
 
 
-# Both grids scored on one tree (vs_megatron.py --simulate --suite mist --hand-only, the full grid in two halves
+# Both grids scored on one tree (vs_megatron.py --simulate --suite mist --hand-only, the full grid in five parts
 # side by side); the sweeps before them (mist_mist, mist_full, mist_full_b ... _g) mixed trees.
 MIST_SWEEPS = ("mist_mist_onetree",)
-FULL_SWEEPS = ("mist_full_onetree_a", "mist_full_onetree_b")
+FULL_SWEEPS = tuple(f"mist_full_onetree_{part}" for part in "abcde")
 
 
 CURRENT = MIST_SWEEPS + FULL_SWEEPS  # hand grids scored on the tree autopar's side is re-planned on
