@@ -259,6 +259,21 @@ def neighbour_level(cluster) -> float:
     return float(found.group(1)) if found else 1.0
 
 
+def alone_reference_seconds(parser, path: str):
+    """(cluster, seconds of one reference mm at the profile's level × ρ) for a benchmark that times one process
+    alone against the profile: its parts meet no neighbour, so they compare with the reference beside the
+    reference, and the profile's figures are at that level × ρ. ``parser.error`` where the file states no level."""
+    import autopar
+    from autopar.profiling.probe_step import REFERENCE_SIDE
+
+    cluster = autopar.Cluster.from_json(path)
+    level = profile_level(cluster)
+    if level is None:
+        parser.error(f"{path} states no reference level (profiled before the profiler timed against a reference "
+                     f"mm); re-profile with `autopar profile --out {path}`")
+    return cluster, 2.0 * REFERENCE_SIDE**3 / (level * 1e9) * neighbour_level(cluster)
+
+
 def profile_level(cluster) -> float | None:
     """GFLOP/s of the reference mm at the profile's median speed, as its source line states it (None in files
     written before the profiler timed against a reference)."""

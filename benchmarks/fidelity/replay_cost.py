@@ -26,13 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import autopar  # noqa: E402
 from autopar.cost_models.compute import compute_time, node_flops  # noqa: E402
 from autopar.ir.ops import OpView, requires_grad_nodes  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.placement import R  # noqa: E402
 from autopar.profiling.probe_step import REFERENCE_SIDE, _Whole  # noqa: E402
-from benchmarks.fidelity.cost_model_fidelity import neighbour_level, profile_level  # noqa: E402
+from benchmarks.fidelity.cost_model_fidelity import alone_reference_seconds  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
@@ -117,15 +116,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.cycles < 1 or args.batch < 1:
         parser.error(f"--cycles and --batch must be at least 1, got {args.cycles}, {args.batch}")
-    cluster = autopar.Cluster.from_json(args.cluster)
-    level = profile_level(cluster)
-    if level is None:
-        parser.error(f"{args.cluster} states no reference level; re-profile with "
-                     f"`autopar profile --out {args.cluster}`")
+    cluster, reference_s = alone_reference_seconds(parser, args.cluster)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, batch = make_gpt(CONFIG, batch_size=args.batch)
-    reference_s = 2.0 * REFERENCE_SIDE**3 / (level * 1e9) * neighbour_level(cluster)
     prices = {k: v / reference_s for k, v in priced(model, batch, cluster).items()}
     load = os.getloadavg()
     ratios = measure(model, batch, args.cycles)

@@ -29,13 +29,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import autopar  # noqa: E402
 from autopar.cost_models.compute import compute_time, optimizer_step_time  # noqa: E402
 from autopar.ir.ops import OpView, requires_grad_nodes  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.placement import R  # noqa: E402
 from autopar.profiling.probe_step import REFERENCE_SIDE, _Whole  # noqa: E402
-from benchmarks.fidelity.cost_model_fidelity import neighbour_level, profile_level  # noqa: E402
+from benchmarks.fidelity.cost_model_fidelity import alone_reference_seconds, profile_level  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
@@ -94,17 +93,10 @@ def main(argv=None) -> int:
         parser.error(f"--cycles must be at least 1, got {args.cycles}")
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
-    cluster = autopar.Cluster.from_json(args.cluster)
-    level = profile_level(cluster)
-    if level is None:
-        parser.error(f"{args.cluster} states no reference level (profiled before the profiler timed against "
-                     f"a reference mm); re-profile with `autopar profile --out {args.cluster}`")
+    cluster, reference_s = alone_reference_seconds(parser, args.cluster)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, batch = make_gpt(CONFIG, batch_size=args.batch)
-    # one process alone: its parts meet no neighbour, so they compare with the reference beside the reference
-    # (the profile's figures are at that level × ρ, the factor for a neighbour's training step)
-    reference_s = 2.0 * REFERENCE_SIDE**3 / (level * 1e9) * neighbour_level(cluster)
     params = list(model.parameters())
     predicted = {"forward + backward": predicted_forward_backward(model, batch, cluster),
                  "optimizer step": optimizer_step_time(sum(p.numel() for p in params), len(params), 4, "adamw",
@@ -113,7 +105,8 @@ def main(argv=None) -> int:
     load = os.getloadavg()
     ratios = measure(model, batch, args.cycles)
     print(f"# step_parts: GPT {dataclasses.asdict(CONFIG)}, batch {args.batch}, 1 thread, {args.cycles} cycles; "
-          f"cluster {args.cluster} (level {level:.1f} GFLOP/s: reference {reference_s * 1e6:.0f} us); load "
+          f"cluster {args.cluster} (level {profile_level(cluster):.1f} GFLOP/s: reference {reference_s * 1e6:.0f} us); "
+          f"load "
           f"average before {tuple(round(x, 2) for x in load)}, after {tuple(round(x, 2) for x in os.getloadavg())}")
     print(f"{'part':<20}{'measured':>10}{'IQR':>16}{'predicted':>11}{'error':>9}   (reference-mm units)")
     total_measured = total_predicted = 0.0
