@@ -180,10 +180,11 @@ def chart(s: dict) -> str:
     return report._save(fig, plt, "mist")
 
 
-# Both grids scored on one tree (vs_megatron.py --simulate --suite mist --hand-only, the full grid in five parts
-# side by side); the sweeps before them (mist_mist, mist_full, mist_full_b ... _g) mixed trees.
-MIST_SWEEPS = ("mist_mist_onetree",)
-FULL_SWEEPS = tuple(f"mist_full_onetree_{part}" for part in "abcde")
+# Both grids scored on one tree (vs_megatron.py --simulate --suite mist --hand-only, the full grid in two parts
+# side by side), the tree autopar's side is re-planned on; mist_*_onetree* are an earlier tree's, and the sweeps
+# before them (mist_mist, mist_full, mist_full_b ... _g) mixed trees.
+MIST_SWEEPS = ("mist_mist_final",)
+FULL_SWEEPS = ("mist_full_final_a", "mist_full_final_b")
 
 
 CURRENT = MIST_SWEEPS + FULL_SWEEPS  # hand grids scored on the tree autopar's side is re-planned on
