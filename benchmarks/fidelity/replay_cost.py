@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -33,6 +32,7 @@ from autopar.placement import R  # noqa: E402
 from autopar.profiling.probe_step import REFERENCE_SIDE, _Whole  # noqa: E402
 from benchmarks.fidelity.cost_model_fidelity import alone_reference_seconds  # noqa: E402
 from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG  # noqa: E402
+from benchmarks.fidelity.step_parts import cpu_seconds  # noqa: E402
 from examples.gpt import make_gpt  # noqa: E402
 
 
@@ -69,13 +69,6 @@ def priced(model, batch, cluster) -> dict[str, float]:
     return {"planner replay": sum(share[k] * compute[k] for k in compute), "forward": forward}
 
 
-def _cpu_seconds(call, calls: int) -> float:
-    start = time.process_time()
-    for _ in range(calls):
-        call()
-    return (time.process_time() - start) / calls
-
-
 def measure(model, batch, cycles: int) -> dict[str, list[float]]:
     """Per variant, its CPU seconds / the mean of the reference mms around it, one value per cycle."""
     a, b, out = (torch.randn(REFERENCE_SIDE, REFERENCE_SIDE) for _ in range(3))
@@ -99,10 +92,10 @@ def measure(model, batch, cycles: int) -> dict[str, list[float]]:
         call()
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(cycles):
-        before = _cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
+        before = cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
         for name, call in variants.items():
-            seconds = _cpu_seconds(call, 1)
-            after = _cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
+            seconds = cpu_seconds(call, 1)
+            after = cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
             ratios[name].append(seconds / ((before + after) / 2))
             before = after
     return ratios

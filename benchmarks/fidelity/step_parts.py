@@ -52,7 +52,8 @@ def predicted_forward_backward(model, batch, cluster) -> float:
     return total
 
 
-def _cpu_seconds(call, calls: int) -> float:
+def cpu_seconds(call, calls: int) -> float:
+    """CPU seconds per call of ``call()``, over ``calls`` calls back to back."""
     start = time.process_time()
     for _ in range(calls):
         call()
@@ -74,9 +75,9 @@ def measure(model, batch, cycles: int) -> dict[str, list[float]]:
         call()
     ratios: dict[str, list[float]] = {name: [] for name in parts}
     for _ in range(cycles):
-        before = _cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
-        seconds = {name: _cpu_seconds(call, 1) for name, call in parts.items()}
-        after = _cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
+        before = cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
+        seconds = {name: cpu_seconds(call, 1) for name, call in parts.items()}
+        after = cpu_seconds(lambda: torch.mm(a, b, out=out), 200)
         for name, s in seconds.items():
             ratios[name].append(s / ((before + after) / 2))
     return ratios
