@@ -130,3 +130,55 @@ def test_the_stage_dp_offers_the_zero3_variant_only_where_nothing_fits_without_i
     roomy = costs_at(max(_whole(c) for c in offered) * 1.01)
     choose_stages(roomy, 16, [1], "1f1b", None)
     assert not roomy.zero3_offered and all(not c.last_resort for c in roomy.costs(0))
+
+
+def test_zero3_variant_also_moves_columns_the_solve_took_at_level_2():
+    """A solution that took level-2 twins (for their cheaper optimizer step) still gets a ZeRO-3 variant: its
+    twins are those of each column's base, so the variant is the base layouts at level 3, not a mix that keeps
+    the level-2 groups' weights whole. Control: the ZeRO-2 variant never moves a level-3 column back."""
+    graph, blocks, layers, training, base, twin, (first, sharded, built) = _priced(options=SMALL_UNITS)
+    from_first, from_level2 = zero3_variant(first, built.edges), zero3_variant(sharded, built.edges)
+    assert from_level2 is not None, "the level-2 columns move to level 3"
+    assert from_level2.choice == from_first.choice
+    assert zero2_variant(from_level2, built.edges) is None
+
+
+def test_batch_divisor_lets_a_sequence_split_serve_one_sample_per_microbatch():
+    """A flattened [b·s, h] node split k ways is valid at every b where k | b·s: at s = 2048 and k = 64 even at
+    b = 1, where a [b, ...] node split 8 ways needs 8 | b. Without the extents the old, safe rule (d = k)."""
+    from types import SimpleNamespace
+
+    from autopar.passes.layer_costs import batch_divisor
+    from autopar.placement import R, S
+
+    tokens, samples = SimpleNamespace(out_spec=(S(0), S(0))), SimpleNamespace(out_spec=(S(0), R))
+    dims, mesh = {"tokens": 0, "samples": 0}, (8, 8)
+    assert batch_divisor({"tokens": tokens}, dims, mesh, 1, {"tokens": 2048}) == 1
+    assert batch_divisor({"tokens": tokens}, dims, mesh, 2, {"tokens": 2 * 24}) == 8  # 64 / gcd(64, 24)
+    assert batch_divisor({"tokens": tokens, "samples": samples}, dims, mesh, 8, {"tokens": 8 * 2048,
+                                                                                 "samples": 8}) == 8
+    assert batch_divisor({"tokens": tokens}, dims, mesh, 1, None) == 64, "control: no extents, d = k"
+
+
+def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypatch):
+    """Two sequences of 2048 tokens on 8 devices with a budget only a split of each sequence meets: the stage
+    DP must enter the layout that splits the flattened tokens 8 ways at microbatches of 1 and 2 sequences.
+    Negative control: with the per-sample extents withheld (the batch dim's split must divide the microbatch),
+    no stage is priced and the same budget has no plan."""
+    import pytest
+
+    import autopar.passes.inter_op as inter_op
+    from autopar.errors import InfeasibleError
+    from autopar.planner.driver import memory_bounds
+    from examples.gpt import make_gpt
+
+    model, batch = make_gpt(GPTConfig(seq_len=2048, n_embd=32, n_head=1, vocab_size=64, n_layer=2), batch_size=2)
+    cluster = autopar.Cluster.local(8)
+    floor = memory_bounds(capture(model, batch), cluster, PlanOptions(zero=0, recompute="none"))[0]
+    tight = cluster.with_memory(1.5 * floor)
+    plan = autopar.plan(model, tight, batch, zero=0, recompute="none")
+    attention = [sh for s in plan.stages for n, sh in s.shardings.items() if "scaled_dot_product" in n]
+    assert attention and all([1, "causal_context"] in [list(k) for k in sh.kernels] for sh in attention)
+    monkeypatch.setattr(inter_op, "batch_extents", lambda graph, dims: {})
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, tight, batch, zero=0, recompute="none")
