@@ -39,7 +39,7 @@ from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
 from autopar.passes.inter_op_meshes import MeshOption, mesh_options, own_reference
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
-from autopar.passes.layer_costs import LayerCosts, batch_extents, layer_costs, zero2_variant, zero3_variant
+from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant, zero3_variant
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_offload import offload_layers, offloaded_tables
 from autopar.passes.strategies import generate_strategies, strategy_signature
@@ -72,7 +72,6 @@ class StageCosts:
         self.held: dict[int, list[LayerCosts]] = {}  # ZeRO-3 variants, offered only where nothing fits without
         self.zero3_offered = False
         self.solves = 0
-        self._extents: dict[int, dict[str, int]] = {}  # b₀ -> ``batch_extents`` of its graph
         self.modes = recompute_modes or ["none"] * layers.count
         self.picks: dict[int, np.ndarray] = {}  # B -> [k, i, m, f-1] the recompute choice behind each entry
         self._recompute: dict[int, LayerRecompute] = {}  # id of a LayerCosts in ``variants`` -> its prices
@@ -191,10 +190,7 @@ class StageCosts:
 
     def _layer_costs(self, solution, option: MeshOption, b0: int, solved: bool = True) -> LayerCosts:
         """``layer_costs`` of one solution, with its optimizer-offload prices when offload is searched."""
-        if b0 not in self._extents:
-            self._extents[b0] = batch_extents(self.graphs[b0], self.batch_dims)
-        costs = layer_costs(solution, self.layers, self.batch_dims, option.logical, b0, self.blocks, solved,
-                            self._extents[b0])
+        costs = layer_costs(solution, self.layers, self.batch_dims, option.logical, b0, self.blocks, solved)
         if self.offload:
             costs.host_state = offload_layers(solution, self.graphs[b0], self.layers, self.blocks, self.training,
                                               self.cluster)
@@ -214,7 +210,7 @@ class StageCosts:
     def _fill(self, table, m, b, B, max_f) -> None:
         transfer = self.hops_at(b)[:, None, None]
         for v, costs in enumerate(self.costs(m)):
-            if b % costs.batch_split:
+            if not costs.serves(b):
                 continue
             scale = b / costs.reference_batch
             tables = [costs.stage_tables(scale, B, max_f)]

@@ -19,7 +19,6 @@ the budget by less than its gradients and optimizer state fits at the price of o
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -39,7 +38,7 @@ class LayerCosts:
     param: np.ndarray
     act: np.ndarray
     peak: np.ndarray
-    batch_split: int
+    batch_split: int  # the most ways any batch dim is split (the activations' share per device)
     reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
@@ -49,6 +48,12 @@ class LayerCosts:
 
     def __post_init__(self):
         self.ranges = _range_matrices(self)
+
+    def serves(self, b: int) -> bool:
+        """Whether these layouts are valid at microbatch b: at a multiple of b₀ every dim holding the batch grows
+        by b / b₀ and so still divides as it did at b₀ (a [b·s, h] token stream split wider than b included:
+        one 128K-token sequence over 64 devices); below b₀ where the widest split of a batch dim divides b."""
+        return b % self.reference_batch == 0 or b % self.batch_split == 0
 
     def stage_tables(self, scale: float, microbatches: int, max_f: int) -> tuple[np.ndarray, np.ndarray]:
         """(latency [k, i], memory [k, i, f-1]) of every stage k..i (i < k entries are ∞), transfer excluded."""
@@ -79,11 +84,10 @@ def _range_matrices(c: "LayerCosts") -> tuple[np.ndarray, ...]:
 
 
 def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape, reference_batch: int,
-                blocks=None, solved: bool = True, extents: dict[str, int] | None = None) -> LayerCosts:
+                blocks=None, solved: bool = True) -> LayerCosts:
     """Split a whole-model solution's group prices by layer. A group of a truncated instance 1 stands for
     instances 1..n-1 and adds its price to each of their layers (see ``intra_op_groups``). ``solved``: the
-    solution came from a solve (False for ``zero2_variant``'s); ``extents``: ``batch_extents`` of the graph it
-    was solved on (``batch_divisor``)."""
+    solution came from a solve (False for ``zero2_variant``'s)."""
     L = layers.count
     t, sync, param, act, peak, comm = (np.zeros(L) for _ in range(6))
     spread = [_instance_layers(group.leader, layers, blocks, weight)
@@ -106,39 +110,9 @@ def layer_costs(solution: IntraOpSolution, layers, batch_dims: dict, mesh_shape,
                                    blocks, layers):
             edges[lu, lv] += per_instance
             replayed[lu, lv] += per_instance if from_op else 0.0
-    split = batch_divisor(solution.strategies, batch_dims, mesh_shape, reference_batch, extents)
+    split = max([shard_factor(s.out_spec, batch_dims[n], mesh_shape) for n, s in solution.strategies.items()
+                 if batch_dims.get(n) is not None] or [1])
     return LayerCosts(t, edges, sync, param, act, peak, split, reference_batch, comm, solved, replayed_edges=replayed)
-
-
-def batch_divisor(strategies: dict, batch_dims: dict, mesh_shape, reference_batch: int,
-                  extents: dict[str, int] | None = None) -> int:
-    """The least d such that the layouts stay valid at every microbatch b with b % d == 0.
-
-    A node whose batch dim holds r elements per sample (b₀·r at the reference microbatch b₀; r > 1 where
-    the batch is flattened with the sequence, as in [b·s, h]) split k ways divides at b iff k | b·r, i.e.
-    iff k / gcd(k, r) divides b: d = lcm over nodes of k / gcd(k, r). ``extents``: {node: its batch dim's
-    size at b₀}; without it r = 1 is assumed (d = the largest k), which is safe but rules out a sequence
-    split at one sequence per microbatch."""
-    d = 1
-    for name, strategy in strategies.items():
-        dim = batch_dims.get(name)
-        if dim is None:
-            continue
-        k = shard_factor(strategy.out_spec, dim, mesh_shape)
-        size = extents.get(name) if extents else None
-        per_sample = size // reference_batch if size and size % reference_batch == 0 else 1
-        d = math.lcm(d, k // math.gcd(k, per_sample))
-    return d
-
-
-def batch_extents(graph, batch_dims: dict) -> dict[str, int]:
-    """{node: the size of its batch dim} in ``graph`` (nodes with one and a tensor value)."""
-    out = {}
-    for node in graph.gm.graph.nodes:
-        dim, val = batch_dims.get(node.name), node.meta.get("val")
-        if dim is not None and hasattr(val, "shape") and dim < len(val.shape):
-            out[node.name] = int(val.shape[dim])
-    return out
 
 
 def _instance_layers(leader: str, layers, blocks, weight: int) -> list[int]:
@@ -180,9 +154,9 @@ def zero3_variant(solution: IntraOpSolution, edges: dict) -> IntraOpSolution | N
 
 
 def zero_variant(solution: IntraOpSolution, edges: dict, level: int) -> IntraOpSolution | None:
-    """``solution`` with every column that has a twin at ZeRO ``level`` replaced by it; None when no group
-    has one. A column the solve chose at another level (a level-2 twin taken for its cheaper optimizer step)
-    moves too: its twins are its base column's."""
+    """``solution`` with every column below ZeRO ``level`` that has a twin at that level replaced by it; None
+    when no group has one. A column the solve took at level 2 (for its cheaper optimizer step) moves to level 3
+    too: its twins are its base column's."""
     choice, moved = list(solution.choice), False
     for g, group in enumerate(solution.groups):
         if group.zero_base is None or group.zero_level[choice[g]] >= level:

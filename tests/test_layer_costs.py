@@ -143,32 +143,25 @@ def test_zero3_variant_also_moves_columns_the_solve_took_at_level_2():
     assert zero2_variant(from_level2, built.edges) is None
 
 
-def test_batch_divisor_lets_a_sequence_split_serve_one_sample_per_microbatch():
-    """A flattened [b·s, h] node split k ways is valid at every b where k | b·s: at s = 2048 and k = 64 even at
-    b = 1, where a [b, ...] node split 8 ways needs 8 | b. Without the extents the old, safe rule (d = k)."""
-    from types import SimpleNamespace
-
-    from autopar.passes.layer_costs import batch_divisor
-    from autopar.placement import R, S
-
-    tokens, samples = SimpleNamespace(out_spec=(S(0), S(0))), SimpleNamespace(out_spec=(S(0), R))
-    dims, mesh = {"tokens": 0, "samples": 0}, (8, 8)
-    assert batch_divisor({"tokens": tokens}, dims, mesh, 1, {"tokens": 2048}) == 1
-    assert batch_divisor({"tokens": tokens}, dims, mesh, 2, {"tokens": 2 * 24}) == 8  # 64 / gcd(64, 24)
-    assert batch_divisor({"tokens": tokens, "samples": samples}, dims, mesh, 8, {"tokens": 8 * 2048,
-                                                                                 "samples": 8}) == 8
-    assert batch_divisor({"tokens": tokens}, dims, mesh, 1, None) == 64, "control: no extents, d = k"
+def test_a_solution_serves_multiples_of_its_reference_and_below_it_only_what_its_batch_split_divides():
+    """At b₀ = 1 a 64-way split (necessarily of a flattened token dim) serves every b; at b₀ = 16 a 8-way split
+    serves 32 and 8 but not 4 (below b₀ the batch dim itself must split)."""
+    *_, base, _, _ = _priced()
+    one = dataclasses.replace(base, batch_split=64, reference_batch=1)
+    sixteen = dataclasses.replace(base, batch_split=8, reference_batch=16)
+    assert all(one.serves(b) for b in (1, 2, 8))
+    assert sixteen.serves(32) and sixteen.serves(8) and not sixteen.serves(4)
 
 
 def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypatch):
     """Two sequences of 2048 tokens on 8 devices with a budget only a split of each sequence meets: the stage
     DP must enter the layout that splits the flattened tokens 8 ways at microbatches of 1 and 2 sequences.
-    Negative control: with the per-sample extents withheld (the batch dim's split must divide the microbatch),
-    no stage is priced and the same budget has no plan."""
+    Negative control: with the old rule (every microbatch divisible by the widest batch-dim split), no stage is
+    priced and the same budget has no plan."""
     import pytest
 
-    import autopar.passes.inter_op as inter_op
     from autopar.errors import InfeasibleError
+    from autopar.passes.layer_costs import LayerCosts
     from autopar.planner.driver import memory_bounds
     from examples.gpt import make_gpt
 
@@ -179,6 +172,6 @@ def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypa
     plan = autopar.plan(model, tight, batch, zero=0, recompute="none")
     attention = [sh for s in plan.stages for n, sh in s.shardings.items() if "scaled_dot_product" in n]
     assert attention and all([1, "causal_context"] in [list(k) for k in sh.kernels] for sh in attention)
-    monkeypatch.setattr(inter_op, "batch_extents", lambda graph, dims: {})
+    monkeypatch.setattr(LayerCosts, "serves", lambda costs, b: b % costs.batch_split == 0)
     with pytest.raises(InfeasibleError):
         autopar.plan(model, tight, batch, zero=0, recompute="none")
