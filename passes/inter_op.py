@@ -39,7 +39,7 @@ from autopar.passes.forked import parallel_map
 from autopar.passes.ilp import min_memory
 from autopar.passes.inter_op_meshes import MeshOption, mesh_options, own_reference
 from autopar.passes.intra_op import CostEnv, build_problem, solve_built
-from autopar.passes.layer_costs import LayerCosts, layer_costs, zero2_variant, zero3_variant
+from autopar.passes.layer_costs import LayerCosts, layer_costs, serving, zero2_variant, zero3_variant
 from autopar.passes.recompute import LayerRecompute, forward_share
 from autopar.passes.stage_offload import offload_layers, offloaded_tables
 from autopar.passes.strategies import generate_strategies, strategy_signature
@@ -209,9 +209,9 @@ class StageCosts:
 
     def _fill(self, table, m, b, B, max_f) -> None:
         transfer = self.hops_at(b)[:, None, None]
-        for v, costs in enumerate(self.costs(m)):
-            if not costs.serves(b):
-                continue
+        variants = self.costs(m)
+        for v in serving(variants, b):
+            costs = variants[v]
             scale = b / costs.reference_batch
             tables = [costs.stage_tables(scale, B, max_f)]
             if self.offload and costs.host_state is not None:  # the same stage with its optimizer on the host

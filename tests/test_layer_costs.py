@@ -145,12 +145,17 @@ def test_zero3_variant_also_moves_columns_the_solve_took_at_level_2():
 
 def test_a_solution_serves_multiples_of_its_reference_and_below_it_only_what_its_batch_split_divides():
     """At b₀ = 1 a 64-way split (necessarily of a flattened token dim) serves every b; at b₀ = 16 a 8-way split
-    serves 32 and 8 but not 4 (below b₀ the batch dim itself must split)."""
+    serves 32 and 8 but not 4 (below b₀ the batch dim itself must split). The DP enters a sample-splitting
+    solution only where no variant keeps whole samples on each device (control: with one, only it)."""
+    from autopar.passes.layer_costs import serving
+
     *_, base, _, _ = _priced()
     one = dataclasses.replace(base, batch_split=64, reference_batch=1)
     sixteen = dataclasses.replace(base, batch_split=8, reference_batch=16)
-    assert all(one.serves(b) for b in (1, 2, 8))
+    assert all(one.serves(b) for b in (1, 2, 8)) and not one.splits_within(8)
     assert sixteen.serves(32) and sixteen.serves(8) and not sixteen.serves(4)
+    assert serving([one], 8) == [0]
+    assert serving([one, sixteen], 8) == [1] and serving([one, sixteen], 4) == [0]
 
 
 def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypatch):
@@ -172,6 +177,6 @@ def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypa
     plan = autopar.plan(model, tight, batch, zero=0, recompute="none")
     attention = [sh for s in plan.stages for n, sh in s.shardings.items() if "scaled_dot_product" in n]
     assert attention and all([1, "causal_context"] in [list(k) for k in sh.kernels] for sh in attention)
-    monkeypatch.setattr(LayerCosts, "serves", lambda costs, b: b % costs.batch_split == 0)
+    monkeypatch.setattr(LayerCosts, "serves", LayerCosts.splits_within)
     with pytest.raises(InfeasibleError):
         autopar.plan(model, tight, batch, zero=0, recompute="none")
