@@ -59,7 +59,6 @@ class LayerCosts:
         (one 128K-token sequence over 64 devices); below b₀ only where ``splits_within(b)``."""
         return b % self.reference_batch == 0 or self.splits_within(b)
 
-
     def stage_tables(self, scale: float, microbatches: int, max_f: int) -> tuple[np.ndarray, np.ndarray]:
         """(latency [k, i], memory [k, i, f-1]) of every stage k..i (i < k entries are ∞), transfer excluded."""
         t, sync, param, act, peak = self.ranges
@@ -67,16 +66,6 @@ class LayerCosts:
         f = np.arange(1, max_f + 1)[None, None, :]
         memory = param[:, :, None] + f * scale * act[:, :, None] + scale * peak[:, :, None]
         return latency, memory
-
-
-def serving(variants: list[LayerCosts], b: int) -> list[int]:
-    """Indices of the variants the stage DP enters at microbatch b: those that ``splits_within(b)``; only where
-    none does, those that split the samples themselves (``serves``). Why not always both: a solution that splits
-    samples at b was solved at a smaller b₀, and where a solution valid as solved exists its estimate is the
-    nearer one (Llama-2-70B on 64 H100s: a b₀ = 2 sequence split scaled to b = 32 took one stage at 13.80 s
-    exact over 16 stages at 13.34 s)."""
-    within = [v for v, c in enumerate(variants) if c.splits_within(b)]
-    return within or [v for v, c in enumerate(variants) if c.serves(b)]
 
 
 def _range_matrices(c: "LayerCosts") -> tuple[np.ndarray, ...]:

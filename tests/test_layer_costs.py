@@ -144,29 +144,25 @@ def test_zero3_variant_also_moves_columns_the_solve_took_at_level_2():
 
 
 def test_a_solution_serves_multiples_of_its_reference_and_below_it_only_what_its_batch_split_divides():
-    """At b₀ = 1 a 64-way split (necessarily of a flattened token dim) serves every b; at b₀ = 16 a 8-way split
-    serves 32 and 8 but not 4 (below b₀ the batch dim itself must split). The DP enters a sample-splitting
-    solution only where no variant keeps whole samples on each device (control: with one, only it)."""
-    from autopar.passes.layer_costs import serving
-
+    """At b₀ = 1 a 64-way split (necessarily of a flattened token dim) serves every b but holds whole samples per
+    device at none below 64; at b₀ = 16 a 8-way split serves 32 and 8 but not 4 (below b₀ the batch dim itself
+    must split)."""
     *_, base, _, _ = _priced()
     one = dataclasses.replace(base, batch_split=64, reference_batch=1)
     sixteen = dataclasses.replace(base, batch_split=8, reference_batch=16)
-    assert all(one.serves(b) for b in (1, 2, 8)) and not one.splits_within(8)
+    assert all(one.serves(b) for b in (1, 2, 8)) and not any(one.splits_within(b) for b in (1, 2, 8))
     assert sixteen.serves(32) and sixteen.serves(8) and not sixteen.serves(4)
-    assert serving([one], 8) == [0]
-    assert serving([one, sixteen], 8) == [1] and serving([one, sixteen], 4) == [0]
+    assert sixteen.splits_within(8) and not sixteen.splits_within(4)
 
 
 def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypatch):
     """Two sequences of 2048 tokens on 8 devices with a budget only a split of each sequence meets: the stage
     DP must enter the layout that splits the flattened tokens 8 ways at microbatches of 1 and 2 sequences.
-    Negative control: with the old rule (every microbatch divisible by the widest batch-dim split), no stage is
-    priced and the same budget has no plan."""
+    ``choose_stages`` offers them only after nothing fits without (``offer_sample_splits``). Negative control:
+    never offered, no stage is priced and the same budget has no plan."""
     import pytest
 
     from autopar.errors import InfeasibleError
-    from autopar.passes.layer_costs import LayerCosts
     from autopar.planner.driver import memory_bounds
     from examples.gpt import make_gpt
 
@@ -177,6 +173,6 @@ def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypa
     plan = autopar.plan(model, tight, batch, zero=0, recompute="none")
     attention = [sh for s in plan.stages for n, sh in s.shardings.items() if "scaled_dot_product" in n]
     assert attention and all([1, "causal_context"] in [list(k) for k in sh.kernels] for sh in attention)
-    monkeypatch.setattr(LayerCosts, "serves", LayerCosts.splits_within)
+    monkeypatch.setattr(StageCosts, "offer_sample_splits", lambda costs: False)
     with pytest.raises(InfeasibleError):
         autopar.plan(model, tight, batch, zero=0, recompute="none")
