@@ -280,9 +280,11 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
     inputs: dict[str, tuple] = {}
     compute = comm = sync = gather = gather3 = optimizer = 0.0
     zero: dict[str, int] = {}
+    picked: dict[str, int] = {}  # each member's index in its strategy list
     for g, (group, i) in enumerate(zip(b.groups, choice)):
         for name in group.members:
-            strategy = b.strategies[name][group.pick[i][name]]
+            picked[name] = group.pick[i][name]
+            strategy = b.strategies[name][picked[name]]
             if name in b.boundary:
                 inputs[name] = strategy.out_spec
             else:
@@ -296,8 +298,10 @@ def solve_built(built: BuiltProblem, env: CostEnv, time_limit: float, budget: fl
         zero.update(chosen_levels(b, group, i))
         gather += w * group.zero_gather[i] if group.zero_gather is not None else 0.0
         gather3 += w * group.zero3_gather[i] if group.zero3_gather is not None else 0.0
-    for dropped, twin in b.alias.items():  # truncated instances take their instance-1 twin's layout and level
-        chosen[dropped] = b.strategies[dropped][b.strategies[twin].index(chosen[twin])]
+    # Truncated instances take their instance-1 twin's layout and level: the same index in their own list (the
+    # lists hold no duplicates, so this is the twin's first equal strategy, found without comparing specs).
+    for dropped, twin in b.alias.items():
+        chosen[dropped] = b.strategies[dropped][picked[twin]]
         if twin in zero:
             zero[dropped] = zero[twin]
     edge_costs = {key: b.weight(key[1]) * float(m[choice[key[0]], choice[key[1]]]) for key, m in edges.items()}

@@ -82,7 +82,7 @@ def test_a_one_device_plan_predicts_the_release_of_a_one_microbatch_step():
 
 def test_the_half_microbatch_plan_solved_beside_is_the_one_solved_in_turn(monkeypatch):
     """The driver solves the DP's stages at half its B in a forked worker while it solves them at B
-    (``driver._half_ahead``); the plan is byte-identical to planning with every solve in this process. The
+    (``driver.half_ahead``); the plan is byte-identical to planning with every solve in this process. The
     case (GPT-1.3B's width, 6 layers, on 4 V100s) moves from the DP's B to half of it, so the worker's plan
     is the one returned (negative control: a plan at the DP's own B would differ in its microbatches)."""
     import autopar.passes.forked as forked
@@ -94,8 +94,8 @@ def test_the_half_microbatch_plan_solved_beside_is_the_one_solved_in_turn(monkey
         model = GPT(cfg).half()
     batch, cluster = make_batch(cfg, 1024, device="meta"), autopar.Cluster.preset("p3.16xlarge", gpus=4)
     made = []
-    half_ahead = driver._half_ahead
-    monkeypatch.setattr(driver, "_half_ahead", lambda *args: made.append(half_ahead(*args)) or made[-1])
+    half_ahead = driver.half_ahead
+    monkeypatch.setattr(driver, "half_ahead", lambda *args: made.append(half_ahead(*args)) or made[-1])
     forked_plan = autopar.plan(model, cluster, batch)
     assert made and made[0] is not None, "the half-B plan was solved beside"
     dp_b = forked_plan.planner.get("dp_microbatches")

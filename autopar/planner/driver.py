@@ -47,6 +47,7 @@ from autopar.passes.recompute import layer_modes, recomputed_ops, stage_modes
 from autopar.passes.stage_owners import subsets_on
 from autopar.plan import Plan
 from autopar.planner import invariants
+from autopar.planner.ahead import cancel, half_ahead, twice_ahead
 from autopar.planner.exact_checks import (
     feasible,
     fewer_microbatches,
@@ -207,12 +208,15 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
             graph, layers, blocks, cluster, options, model_name, same_stages_at(choice, b, dp_schedule(
                 options.schedule)), at_microbatch, costs.modes))
         fewer = options.microbatches is None and choice.virtual == 1
-        ahead = _half_ahead(choice.microbatches, candidates, solve_at) if fewer else None
+        more = fewer and not isinstance(options.stages, (list, tuple))
+        solve_twice = lambda b: _restaged_plan(  # noqa: E731
+            graph, layers, blocks, cluster, options, model_name, costs, choice, b, at_microbatch)
+        ahead = half_ahead(choice.microbatches, candidates, solve_at) if fewer else None
+        twice = twice_ahead(choice, candidates, solve_twice) if more else None
         try:
             plan = _pipeline(graph, layers, blocks, cluster, options, model_name, choice, at_microbatch, costs.modes)
         except BaseException as e:
-            if ahead is not None:
-                ahead.cancel()
+            cancel(ahead, twice)
             if not isinstance(e, _StageInfeasible):
                 raise
             clock.lap("stage_ilps")
@@ -224,15 +228,16 @@ def _plan_stages(graph, layers, blocks, cluster: Cluster, options: PlanOptions, 
                 raise _infeasible(InfeasibleError("the stage DP's choices do not fit when solved exactly"), graph,
                                   cluster, options, rejected) from None
             continue
-        if fewer:
-            half = choice.microbatches // 2
-            plan = fewer_microbatches(plan, candidates,
-                                      lambda b: ahead.result() if ahead is not None and b == half else solve_at(b))
-            if ahead is not None:
-                ahead.cancel()  # already joined when it was asked for; stopped here when it was not
-        if fewer and not isinstance(options.stages, (list, tuple)):
-            plan = more_microbatches(plan, choice, candidates, lambda b: _restaged_plan(
-                graph, layers, blocks, cluster, options, model_name, costs, choice, b, at_microbatch))
+        try:  # each worker is joined when its plan is asked for, and stopped unread when it is not
+            if fewer:
+                half = choice.microbatches // 2
+                plan = fewer_microbatches(plan, candidates, lambda b: ahead.result() if ahead is not None
+                                          and b == half else solve_at(b))
+            if more:
+                plan = more_microbatches(plan, choice, candidates,
+                                         (lambda b: twice.result()) if twice is not None else solve_twice)
+        finally:
+            cancel(ahead, twice)
         plan = or_even_split(plan, choice, layers, blocks, options, lambda even: _pipeline(
             graph, layers, blocks, cluster, options, model_name, even, at_microbatch, costs.modes))
         clock.lap("stage_ilps")
@@ -247,15 +252,6 @@ def _restaged_plan(graph, layers, blocks, cluster: Cluster, options: PlanOptions
     staged = restaged(costs, choice, graph.input_signature[0][0][0], microbatches, dp_schedule(options.schedule))
     return feasible(lambda: _pipeline(graph, layers, blocks, cluster, options, model_name, staged, at_microbatch,
                                       costs.modes)) if staged is not None else None
-
-
-def _half_ahead(microbatches: int, candidates: list[int], solve_at) -> Beside | None:
-    """The DP's stages solved exactly at half its B in a forked worker while this process solves them at B:
-    ``fewer_microbatches`` asks for that plan whenever half the B is a candidate and B's own stages fit, so
-    solving it beside costs no work the sequential walk would not do, and halves the wall time of the two.
-    None when half the B is no candidate (nothing would be asked)."""
-    half = microbatches // 2
-    return Beside(lambda: solve_at(half)) if half in candidates else None
 
 
 def _tried(rejected: list[str]) -> str:

@@ -138,13 +138,17 @@ def more_microbatches(plan: Plan, choice: StageChoice, candidates: list[int],
     where ``fewer_microbatches`` already moved the plan to fewer microbatches (the exact prices fell with B
     there), the choice is interleaved (its chunks are no DP stages) or one stage (no bubble for more microbatches
     to shrink: they add per-microbatch costs only)."""
-    more = 2 * choice.microbatches
-    if more not in candidates or choice.virtual > 1 or plan.microbatches != choice.microbatches \
-            or len(choice.stages) < 2:
+    if not more_wanted(choice, candidates) or plan.microbatches != choice.microbatches:
         return plan
-    candidate = solve_at(more)
+    candidate = solve_at(2 * choice.microbatches)
     if candidate is None or candidate.predicted["step_time"] * (1 + TIE) >= plan.predicted["step_time"]:
         return plan
     candidate.planner["dp_microbatches"] = choice.microbatches
     candidate.planner["dp_choice_step_time"] = float(plan.predicted["step_time"])
     return candidate
+
+
+def more_wanted(choice: StageChoice, candidates: list[int]) -> bool:
+    """Whether ``more_microbatches`` asks for the choice's stages at 2B, unless ``fewer_microbatches`` moved the
+    plan first: 2B is a candidate and the choice is an un-interleaved pipeline."""
+    return 2 * choice.microbatches in candidates and choice.virtual == 1 and len(choice.stages) >= 2
