@@ -84,6 +84,7 @@ def model_step(device, layers: int = MODEL_LAYERS) -> object:
         for block in blocks:
             h = block.hidden(h)
         h.sum().backward()
+    step.blocks = blocks
     return step
 
 
