@@ -127,10 +127,9 @@ class SpeedReference:
         return self.measure(call, settings, window_s, slowest_s).ratio
 
     def measure(self, call, settings, window_s: float | None = None, slowest_s: float | None = None,
-                cpu: bool = False, before_window=None) -> Timing:
+                cpu: bool = False) -> Timing:
         """``call`` timed in windows between reference windows (class docstring). slowest_s: the slowest
-        rank's seconds per call when the caller has warmed ``call`` up already. before_window: an untimed
-        call every rank runs before each of ``call``'s windows (the state the window should start in)."""
+        rank's seconds per call when the caller has warmed ``call`` up already."""
         if slowest_s is None:
             dist.barrier()
             slowest_s = slowest_rank(warm_up(call, settings.warmup, self.probe), self.probe)
@@ -145,9 +144,6 @@ class SpeedReference:
         batch, most = max(1, settings.windows), max(settings.windows, getattr(settings, "max_windows", 0))
         while True:
             for _ in range(batch):
-                if before_window is not None:
-                    before_window()
-                    dist.barrier()  # every rank's window starts after every rank's untimed call
                 seconds.append(timer(call, calls) / calls)
                 after = self._window(reference_calls, cpu)
                 ratios.append(seconds[-1] / ((before + after) / 2))

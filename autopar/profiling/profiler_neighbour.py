@@ -48,13 +48,9 @@ class TrainingBlock(nn.Module):
         self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hidden(x).sum()
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's output (the residual stream), for stacking blocks into a model."""
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
         x = x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        return (x + self.down(F.gelu(self.up(self.ln2(x))))).sum()
 
 
 def neighbour_step(device) -> object:
@@ -62,30 +58,6 @@ def neighbour_step(device) -> object:
     batch, tokens, width = NEIGHBOUR_SHAPE
     block, x = TrainingBlock(width).to(device), torch.randn(batch, tokens, width, device=device)
     return lambda: block(x).backward()
-
-
-# The model the probe step's windows follow (``model_step``): this many ``TrainingBlock``s at NEIGHBOUR_SHAPE.
-MODEL_LAYERS = 4
-
-
-def model_step(device, layers: int = MODEL_LAYERS) -> object:
-    """Forward + backward of ``layers`` stacked ``TrainingBlock``s at ``NEIGHBOUR_SHAPE``, as a zero-argument call.
-
-    In training a layer's kernels run after the rest of a model's step, not after themselves. Idle-ish, 2 ranks,
-    2026-11-27 (load ~3): the probe step's ratio to the reference read 28.7 in back-to-back windows, 31.2 right
-    after this step, 32.6 right after the fidelity GPT's step; after one ``TrainingBlock`` or a 64-256 MiB
-    memory sweep it read as back-to-back (so: not cache eviction by bytes alone)."""
-    batch, tokens, width = NEIGHBOUR_SHAPE
-    blocks = [TrainingBlock(width).to(device) for _ in range(layers)]
-    x = torch.randn(batch, tokens, width, device=device)
-
-    def step() -> None:
-        h = x
-        for block in blocks:
-            h = block.hidden(h)
-        h.sum().backward()
-    step.blocks = blocks
-    return step
 
 
 def measure_neighbour(settings, probe, reference: SpeedReference, rounds: int | None = None) -> dict:

@@ -32,11 +32,8 @@ Collectives are timed in seconds; every compute probe (items 2-4, 6-8) against t
 4. End-to-end compute factor (``autopar.profiling.probe_step``: its formula and why q compares the reference
    with the square-mm curve): forward + backward of ``TinyBlock`` at ``probe_shape``, all ranks at once, priced
    by the cost model on the cluster of items 1-3; compute_time_scale is the factor s that makes the price
-   match. On CPU ranks every window of it follows an untimed step of a 4-layer model
-   (``profiler_neighbour.model_step``): in training a layer runs after the rest of the model, and the probe
-   read 5-10 % slower there than in back-to-back windows (the state a step leaves, not the clock: a 30 s
-   back-to-back run stays level after its first 2-4 s). ``cost_models.compute`` multiplies every roofline
-   time by it (not the overhead). GPUs measure it and record it in the source line but keep 1.0 (``GPU_PROBE``).
+   match. ``cost_models.compute`` multiplies every roofline time by it (not the overhead). GPUs measure it and
+   record it in the source line but keep 1.0 (``GPU_PROBE``).
 5. microbatch_overhead: the pipeline runtime's host time per (chunk, microbatch) and direction, from a real
    pipeline of tiny layers timed at two microbatch counts (``autopar.profiling.profiler_pipeline``; 2+ ranks only).
 6. norm_act_bandwidth: forward + backward of LayerNorm, GELU and softmax on one ``NORM_ACT_SHAPE`` tensor
@@ -82,7 +79,6 @@ from autopar.profiling.probes import (
     slowest_rank,
     warm_up,
 )
-from autopar.profiling.profiler_neighbour import MODEL_LAYERS, model_step
 from autopar.profiling.profiler_optimizer import call_overhead, optimizer_step_call
 from autopar.profiling.profiler_pipeline import measure_pipeline, microbatch_overhead
 
@@ -208,8 +204,8 @@ def measure_rank(settings, probe, reference: SpeedReference) -> dict:
                                                                                  settings, probe)))
     device, timings = probe.torch, {}
 
-    def relative(call, term: str | None = None, before_window=None):
-        timing = reference.measure(call, settings, settings.probe_window_s, before_window=before_window)
+    def relative(call, term: str | None = None):
+        timing = reference.measure(call, settings, settings.probe_window_s)
         if term:
             timings[term] = timing
         return timing.ratio
@@ -221,11 +217,10 @@ def measure_rank(settings, probe, reference: SpeedReference) -> dict:
     block = TinyBlock(shape.width).to(device, dtype)
     x = torch.randn(shape.tokens, shape.width, device=device, dtype=dtype)
     a, b = (torch.randn(shape.reference_side, shape.reference_side, device=device, dtype=dtype) for _ in range(2))
-    after_model = model_step(device) if probe.kind != "cuda" else None  # GPU_PROBE's factor is not applied
-    out["probe_step"] = relative(lambda: block(x).backward(), "probe step", after_model)
+    out["probe_step"] = relative(lambda: block(x).backward(), "probe step")
     out["probe_reference"] = relative(lambda: torch.mm(a, b))
     if settings.compiled_probe:
-        out["probe_compiled"] = _compiled_probe_step(block, x, lambda call: relative(call, None, after_model))
+        out["probe_compiled"] = _compiled_probe_step(block, x, relative)
     for name in training_dtypes(probe):
         dtype = getattr(torch, name)
         out["linears"][name] = [relative(_linear_step(s, dtype, probe.torch)) for s in training_shapes(probe)]
@@ -354,8 +349,7 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
             notes.append(f"probe step factor {scale:.2f} measured, not applied (GPU_PROBE's docstring)")
         else:
             out = dataclasses.replace(out, compute_time_scale=scale)
-            notes.append(f"compute_time_scale {scale:.2f} from a probe training step (each window after a "
-                         f"{MODEL_LAYERS}-layer model's step)")
+            notes.append(f"compute_time_scale {scale:.2f} from a probe training step")
     out = _apply_compiled_factor(out, per_rank, probe, notes, square=cluster)
     host, note = microbatch_overhead(out, per_rank)
     out = dataclasses.replace(out, microbatch_overhead=host)

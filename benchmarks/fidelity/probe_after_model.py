@@ -1,15 +1,18 @@
-"""The profiler's probe step (item 4) read back-to-back, after the profile's model step, and after the GPT's.
+"""The profiler's probe step (item 4) read back-to-back, after a 4-layer model's step, and after GPT steps.
 
     python benchmarks/fidelity/probe_after_model.py [--seconds 45] [--nprocs 2]
 
-Every rank (one thread, gloo, all at once) loops rounds for ``--seconds``; a round is one of three conditions
-in turn: (back-to-back) a window of the probe step; (model) one untimed ``profiler_neighbour.model_step``,
-then the window; (gpt) one untimed forward + backward of the fidelity GPT at a data-parallel rank's batch,
-then the window; each window followed by a window of the reference mm. Printed on rank 0: the median ratio
+Every rank (one thread, gloo, all at once) loops rounds for ``--seconds``; a round is one of four conditions
+in turn: (back-to-back) a window of the probe step; (model) forward + backward of 4 stacked
+``profiler_neighbour.TrainingBlock``s, then the window; (gpt) one untimed forward + backward of the fidelity
+GPT at a data-parallel rank's batch, then the window; (gpts) the same for 6 distinct GPTs (the benchmark's
+rounds run a dozen plans' models between two probe windows); each window followed by a window of the
+reference mm. Printed on rank 0: the median ratio
 probe / mean of the references around it, per condition (the first 3 s left out as warm-up), over the
 condition "back-to-back"; and the back-to-back ratio per 3 s of the run (does a sustained run drift?).
-The profile reads the probe after its model step; the fidelity benchmark reads it after a plan's step: the
-"model" and "gpt" columns should agree where the profile measures the speed the benchmark meets.
+The profile reads the probe back-to-back; the fidelity benchmark reads it after its plans' steps: where the
+"gpt" / "gpts" columns exceed back-to-back, the state a step leaves slows the probe (a profile would then time
+its probe after a model's step, as the "model" column does).
 """
 from __future__ import annotations
 
@@ -22,7 +25,9 @@ import time
 
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-CONDITIONS = ("back-to-back", "model", "gpt")
+CONDITIONS = ("back-to-back", "model", "gpt", "gpts")
+MODEL_LAYERS = 4  # "model": forward + backward of this many profiler_neighbour.TrainingBlocks
+OTHER_MODELS = 6  # "gpts": steps of this many distinct GPTs before the window, as the benchmark's rounds
 WARMUP_S, BIN_S, WINDOW_S = 3.0, 3.0, 0.1
 
 
@@ -56,7 +61,7 @@ def _rank(rank: int, world: int, port: int, seconds: float) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from autopar.profiling.probe_step import PROBE_TOKENS, PROBE_WIDTH, TinyBlock
-    from autopar.profiling.profiler_neighbour import model_step
+    from autopar.profiling.profiler_neighbour import NEIGHBOUR_SHAPE, TrainingBlock
     from benchmarks.fidelity.fidelity_plans import BATCH, CONFIG
     from examples.gpt import GPT, make_batch
 
@@ -64,7 +69,16 @@ def _rank(rank: int, world: int, port: int, seconds: float) -> None:
     a, b, out = (torch.randn(256, 256) for _ in range(3))
     probe, reference = (lambda: block(x).backward()), (lambda: torch.mm(a, b, out=out))
     gpt, (ids, targets) = GPT(CONFIG), make_batch(CONFIG, BATCH // world)
-    before = {"back-to-back": lambda: None, "model": model_step("cpu"), "gpt": lambda: gpt(ids, targets).backward()}
+    layers, h = [TrainingBlock(NEIGHBOUR_SHAPE[2]) for _ in range(MODEL_LAYERS)], torch.randn(NEIGHBOUR_SHAPE)
+
+    def model_step() -> None:
+        x = h
+        for layer in layers:
+            x = _residual(layer, x)
+        x.sum().backward()
+    others = [GPT(CONFIG) for _ in range(OTHER_MODELS)]
+    before = {"back-to-back": lambda: None, "model": model_step, "gpt": lambda: gpt(ids, targets).backward(),
+              "gpts": lambda: [m(ids, targets).backward() for m in others]}
     n_probe, n_reference = _calls(probe), _calls(reference)
     rows, start = [], time.perf_counter()
     ref_before = _window(reference, n_reference)
@@ -78,6 +92,15 @@ def _rank(rank: int, world: int, port: int, seconds: float) -> None:
     if rank == 0:
         _report(rows, seconds)
     dist.destroy_process_group()
+
+
+def _residual(block, x):
+    """``TrainingBlock``'s output before its ``.sum()``: the residual stream, so blocks stack into a model."""
+    import torch.nn.functional as F
+
+    q, k, v = block.qkv(block.ln1(x)).chunk(3, dim=-1)
+    x = x + block.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    return x + block.down(F.gelu(block.up(block.ln2(x))))
 
 
 def _report(rows, seconds: float) -> None:
