@@ -62,7 +62,8 @@ def choose_stages(costs, global_batch: int, candidates: list[int], schedule: str
 
     excluded: (B, first layer, last layer, MeshOption, in-flight) cells ruled out (their exact solve
     did not fit); the DP treats them as not fitting. Where nothing fits, the DP runs once more with the
-    ZeRO-3 variants offered (``StageCosts.offer_zero3``)."""
+    ZeRO-3 variants offered (``StageCosts.offer_zero3``), and where still nothing does, once more with the
+    solutions that split samples over devices (``StageCosts.offer_sample_splits``)."""
     L, D = costs.layers.count, costs.cluster.num_devices
     if stages is not None and stages > min(L, D):  # no budget would make these fit: say what would
         raise PlanError(f"stages={stages} needs at least {stages} layers and {stages} devices, and the plan "
@@ -71,6 +72,8 @@ def choose_stages(costs, global_batch: int, candidates: list[int], schedule: str
     costs.prepare()
     best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
     if best is None and costs.offer_zero3():
+        best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
+    if best is None and costs.offer_sample_splits():
         best = _cheapest(costs, global_batch, candidates, schedule, stages, excluded)
     if best is None:
         budget = costs.cluster.memory_per_device

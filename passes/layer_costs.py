@@ -38,7 +38,7 @@ class LayerCosts:
     param: np.ndarray
     act: np.ndarray
     peak: np.ndarray
-    batch_split: int
+    batch_split: int  # the most ways any batch dim is split (the activations' share per device)
     reference_batch: int = 1  # b₀, the microbatch size the solution was priced at
     comm: np.ndarray | None = None  # the communication part of t (sync included), for recompute pricing
     solved: bool = True  # False: derived from another solution without a solve (``zero2_variant``)
@@ -48,6 +48,16 @@ class LayerCosts:
 
     def __post_init__(self):
         self.ranges = _range_matrices(self)
+
+    def splits_within(self, b: int) -> bool:
+        """Whether the widest split of a batch dim divides microbatch b (each device's share holds whole samples)."""
+        return b % self.batch_split == 0
+
+    def serves(self, b: int) -> bool:
+        """Whether these layouts are valid at microbatch b at all: at a multiple of b₀ every dim holding the batch
+        grows by b / b₀ and so still divides as it did at b₀, a [b·s, h] token stream split wider than b included
+        (one 128K-token sequence over 64 devices); below b₀ only where ``splits_within(b)``."""
+        return b % self.reference_batch == 0 or self.splits_within(b)
 
     def stage_tables(self, scale: float, microbatches: int, max_f: int) -> tuple[np.ndarray, np.ndarray]:
         """(latency [k, i], memory [k, i, f-1]) of every stage k..i (i < k entries are ∞), transfer excluded."""
@@ -148,13 +158,15 @@ def zero3_variant(solution: IntraOpSolution, edges: dict) -> IntraOpSolution | N
 
 
 def zero_variant(solution: IntraOpSolution, edges: dict, level: int) -> IntraOpSolution | None:
-    """``solution`` with every base column that has a twin at ZeRO ``level`` replaced by it; None when no
-    group has one."""
+    """``solution`` with every column below ZeRO ``level`` that has a twin at that level replaced by it; None
+    when no group has one. A column the solve took at level 2 (for its cheaper optimizer step) moves to level 3
+    too: its twins are its base column's."""
     choice, moved = list(solution.choice), False
     for g, group in enumerate(solution.groups):
-        if group.zero_base is None or group.zero_level[choice[g]] != 0:
+        if group.zero_base is None or group.zero_level[choice[g]] >= level:
             continue
-        twins = np.flatnonzero((group.zero_base == choice[g]) & (group.zero_level == level))
+        base = group.zero_base[choice[g]]
+        twins = np.flatnonzero((group.zero_base == base) & (group.zero_level == level))
         if len(twins):
             choice[g], moved = int(twins[0]), True
     if not moved:

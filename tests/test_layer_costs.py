@@ -130,3 +130,49 @@ def test_the_stage_dp_offers_the_zero3_variant_only_where_nothing_fits_without_i
     roomy = costs_at(max(_whole(c) for c in offered) * 1.01)
     choose_stages(roomy, 16, [1], "1f1b", None)
     assert not roomy.zero3_offered and all(not c.last_resort for c in roomy.costs(0))
+
+
+def test_zero3_variant_also_moves_columns_the_solve_took_at_level_2():
+    """A solution that took level-2 twins (for their cheaper optimizer step) still gets a ZeRO-3 variant: its
+    twins are those of each column's base, so the variant is the base layouts at level 3, not a mix that keeps
+    the level-2 groups' weights whole. Control: the ZeRO-2 variant never moves a level-3 column back."""
+    graph, blocks, layers, training, base, twin, (first, sharded, built) = _priced(options=SMALL_UNITS)
+    from_first, from_level2 = zero3_variant(first, built.edges), zero3_variant(sharded, built.edges)
+    assert from_level2 is not None, "the level-2 columns move to level 3"
+    assert from_level2.choice == from_first.choice
+    assert zero2_variant(from_level2, built.edges) is None
+
+
+def test_a_solution_serves_multiples_of_its_reference_and_below_it_only_what_its_batch_split_divides():
+    """At b₀ = 1 a 64-way split (necessarily of a flattened token dim) serves every b but holds whole samples per
+    device at none below 64; at b₀ = 16 a 8-way split serves 32 and 8 but not 4 (below b₀ the batch dim itself
+    must split)."""
+    *_, base, _, _ = _priced()
+    one = dataclasses.replace(base, batch_split=64, reference_batch=1)
+    sixteen = dataclasses.replace(base, batch_split=8, reference_batch=16)
+    assert all(one.serves(b) for b in (1, 2, 8)) and not any(one.splits_within(b) for b in (1, 2, 8))
+    assert sixteen.serves(32) and sixteen.serves(8) and not sixteen.serves(4)
+    assert sixteen.splits_within(8) and not sixteen.splits_within(4)
+
+
+def test_the_stage_dp_prices_a_sequence_split_wider_than_the_microbatch(monkeypatch):
+    """Two sequences of 2048 tokens on 8 devices with a budget only a split of each sequence meets: the stage
+    DP must enter the layout that splits the flattened tokens 8 ways at microbatches of 1 and 2 sequences.
+    ``choose_stages`` offers them only after nothing fits without (``offer_sample_splits``). Negative control:
+    never offered, no stage is priced and the same budget has no plan."""
+    import pytest
+
+    from autopar.errors import InfeasibleError
+    from autopar.planner.driver import memory_bounds
+    from examples.gpt import make_gpt
+
+    model, batch = make_gpt(GPTConfig(seq_len=2048, n_embd=32, n_head=1, vocab_size=64, n_layer=2), batch_size=2)
+    cluster = autopar.Cluster.local(8)
+    floor = memory_bounds(capture(model, batch), cluster, PlanOptions(zero=0, recompute="none"))[0]
+    tight = cluster.with_memory(1.5 * floor)
+    plan = autopar.plan(model, tight, batch, zero=0, recompute="none")
+    attention = [sh for s in plan.stages for n, sh in s.shardings.items() if "scaled_dot_product" in n]
+    assert attention and all([1, "causal_context"] in [list(k) for k in sh.kernels] for sh in attention)
+    monkeypatch.setattr(StageCosts, "offer_sample_splits", lambda costs: False)
+    with pytest.raises(InfeasibleError):
+        autopar.plan(model, tight, batch, zero=0, recompute="none")
