@@ -122,7 +122,8 @@ def plan_graph(graph: ModelGraph, cluster: Cluster, options: PlanOptions, model_
                            rescaled=lambda b0: rescale(graph, graph.input_signature[0][0][0] // b0))
         clock.lap("layers")
         single = None
-        if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it
+        if options.stages is None and candidates[0] == 1:  # independent of the DP: solved beside it, once the
+            costs.prepare()  # pricing had every core, in the one-core phases after (DP, chunk builds) and beside
             single = Beside(lambda: feasible(lambda: single_stage(graph, blocks, cluster, options, model_name, 1,
                                                                     at_microbatch)))
         try:
