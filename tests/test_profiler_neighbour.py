@@ -125,3 +125,12 @@ def test_replay_cost_refuses_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--cluster", str(path), "--cycles", "0"])
     assert "--cycles and --batch must be at least 1" in capsys.readouterr().err
+
+
+def test_probe_after_model_refuses_bad_arguments(capsys):
+    from benchmarks.fidelity.probe_after_model import main
+
+    for argv in (["--seconds", "5"], ["--nprocs", "0"]):  # no late window to read / no rank to run it
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--seconds must exceed 6 and --nprocs be at least 1" in capsys.readouterr().err

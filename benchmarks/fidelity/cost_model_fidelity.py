@@ -386,6 +386,9 @@ def main(argv=None) -> int:
         by_reference = [summarize(plans, measured, q) for measured, q in zip(launches, q_ref)]
         print_figures("reference-corrected (compute x " + ", ".join(f"{q:.3f}" for q in q_ref) + " per launch)",
                       by_reference)
+        print("# probe step over the reference mm, during the measurement over as profiled (drift / reference "
+              "drift; other jobs' load moves both and cancels): " + ", ".join(f"{q / r:.3f}" for q, r in zip(qs, q_ref))
+              + " per launch")
     print_auto_versus_forced(rows)
     if args.json:
         with open(args.json, "w") as f:
