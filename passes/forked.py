@@ -16,12 +16,18 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 _TASK = None  # the callable a forked worker runs (inherited through fork, never pickled)
+_IN_WORKER = False  # set in every worker this module forks: a worker computes its items itself
+
+
+def _mark_worker() -> None:
+    global _IN_WORKER
+    _IN_WORKER = True
 
 
 def can_fork() -> bool:
     import torch.distributed as dist
 
-    return ((os.cpu_count() or 1) > 1 and sys.platform.startswith("linux")
+    return ((os.cpu_count() or 1) > 1 and sys.platform.startswith("linux") and not _IN_WORKER
             and not multiprocessing.current_process().daemon
             and not (dist.is_available() and dist.is_initialized()))
 
@@ -51,7 +57,8 @@ def parallel_map(fn, items: list, progress: str = "") -> list:
     global _TASK
     _TASK = fn  # the workers fork as the items are submitted, inheriting it
     try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                 initializer=_mark_worker) as pool:
             try:
                 return list(tqdm(pool.map(_run_task, items), **bar))
             except BaseException:
@@ -66,6 +73,7 @@ def parallel_map(fn, items: list, progress: str = "") -> list:
 def _send_result(fn, conn) -> None:
     """A ``Beside`` worker's body: (True, fn()) or (False, its exception) down ``conn``; (False, None) where
     the answer does not pickle (the caller then computes it itself)."""
+    _mark_worker()
     try:
         outcome = (True, fn())
     except Exception as e:  # noqa: BLE001 - handed back, raised by ``result()``

@@ -102,6 +102,9 @@ def test_forked_helpers_raise_a_worker_exception_in_item_order_and_survive_a_dea
     with pytest.raises(ValueError, match="item 3"):
         Beside(lambda: _fails_on_three(3)).result()
     assert Beside(lambda: threading.Lock()).result() is not None  # a lock does not pickle: computed here
+    nested = parallel_map(lambda x: (parallel_map(_fails_on_three, [x, x + 1]), os.getpid()), [4, 5, 6])
+    assert [v for v, _ in nested] == [[4, 5], [5, 6], [6, 7]], "a worker maps its items itself, then goes on"
+    assert Beside(lambda: (can_fork(), parallel_map(_fails_on_three, [1, 2]))).result() == (False, [1, 2])
     died = Beside(lambda: _dies_in_a_worker(5, here))
     assert died.result() == 5 and (died._proc is None)
     assert not multiprocessing.active_children() and can_fork() in (True, False)
