@@ -108,35 +108,3 @@ def test_traffic_and_calls_price_a_real_adamw_step_on_large_tensors():
     fused = 4 * (4 << 20) * 7 / bandwidth + 4 * optimizer_host_calls("adamw") * rate
     assert abs(math.log(counted / measured)) < abs(math.log(fused / measured))
     assert fused < 0.6 * measured
-
-
-def _profiled(optimizer_units: float | None) -> tuple[Cluster, str]:
-    """The profiler's training measurements applied to synthetic figures in reference units at level 1 ms, one
-    of them the optimizer probe's step (None: not measured, as on GPUs)."""
-    import dataclasses
-
-    from autopar.profiling.profiler import figures_at
-    from autopar.profiling.profiler_device import ProbeDevice
-    from autopar.profiling.profiler_training import apply_training_measurements
-
-    training = {"mesh": {}, "tiny_step": 0.2, "linears": {"float32": [3.0, 2.5, 4.0, 3.5, 3.0]},
-                "probe_step": 40.0, "probe_reference": 1.0, "norm_act": [5.0, 4.0, 6.0], "pipeline": None}
-    if optimizer_units is not None:
-        training["optimizer_step"] = optimizer_units
-    mine = figures_at({"matmul": {"float32": [(2.0 * 256**3, 1.0), (1e9, 28.0)]}, "training": training}, 1e-3)
-    curve = [[flops, flops / t] for flops, t in mine["matmul"]["float32"]]
-    isolated = dataclasses.replace(Cluster.local(2), matmul_curve={"float32": curve}, matmul_efficiency=1.0,
-                                   peak_flops={"float32": max(r for _, r in curve)}, memory_bandwidth=1e10)
-    return apply_training_measurements(isolated, [mine["training"]], ProbeDevice("cpu"))
-
-
-def test_profiler_turns_the_probe_step_into_seconds_per_counted_call():
-    from autopar.cost_models.optimizer_calls import optimizer_calls_per_tensor
-
-    cluster, note = _profiled(2.0)  # the probe step took 2 reference calls of 1 ms
-    calls = PROBE_TENSORS * optimizer_calls_per_tensor("adamw")
-    assert cluster.optimizer_call_overhead == pytest.approx(2e-3 / calls)
-    assert "optimizer_call_overhead" in note
-    # control: unmeasured, the field stays 0 (the step is charged op_overhead per call) and the note says nothing
-    unmeasured, note = _profiled(None)
-    assert unmeasured.optimizer_call_overhead == 0.0 and "optimizer_call_overhead" not in note
