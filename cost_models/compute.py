@@ -57,11 +57,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.cost_models.experts import MOE_OP, moe_flops
-from autopar.cost_models.optimizer_calls import (
-    ZERO_GRAD_CALLS_PER_TENSOR,
-    optimizer_calls_per_tensor,
-    optimizer_passes_per_element,
-)
+from autopar.cost_models.optimizer_calls import ZERO_GRAD_CALLS_PER_TENSOR, optimizer_calls_per_tensor
 from autopar.ir.ops import is_free_view, node_signature
 from autopar.placement import local_shape
 
@@ -328,26 +324,18 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     """Seconds of one ``optimizer.step()`` and ``zero_grad()`` over ``n_tensors`` local parameter tensors of
     ``numel`` elements:
 
-        GPUs:       t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
-        CPU ranks:  t = numel · itemsize · optimizer_passes_per_element(optimizer) / memory_bandwidth
-                        + n_tensors · optimizer_host_calls(optimizer) · optimizer_call_seconds
+        t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
+            + n_tensors · optimizer_host_calls(optimizer) · op_overhead       (CPU ranks only)
 
     On CPU ranks torch steps one tensor at a time, so each tensor pays the ATen calls of the optimizer's
     per-tensor update (counted, ``cost_models.optimizer_calls``) and zero_grad's per-tensor host work, at the
-    profile's measured rate for such calls (``optimizer_call_seconds``), and the loop's calls move the bytes
-    counted there (AdamW 21 passes over the parameter's size, not a fused kernel's 7). On GPUs the foreach
-    kernels take many tensors per launch: the fused traffic, and no per-tensor host charge.
+    profile's measured op_overhead. On GPUs the foreach kernels take many tensors per launch, so the per-tensor
+    host charge is left out.
 
     Part of a plan's predicted step time (``plan_builder.predict``) and, per parameter at its local shard and
     ZeRO level, of the intra-op ILP's objective (``passes.intra_op_zero.price_optimizer_step``).
     """
+    traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
     if host_overlaps_kernels(cluster):
-        return numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
-    traffic = numel * itemsize * optimizer_passes_per_element(optimizer) / cluster.memory_bandwidth
-    return traffic + n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
-
-
-def optimizer_call_seconds(cluster) -> float:
-    """Host seconds of one op call of an optimizer step on CPU ranks: the profile's measured
-    ``optimizer_call_overhead`` (no_grad calls from torch's per-tensor loop), else ``op_overhead``."""
-    return getattr(cluster, "optimizer_call_overhead", 0.0) or getattr(cluster, "op_overhead", 0.0)
+        return traffic
+    return traffic + n_tensors * optimizer_host_calls(optimizer) * getattr(cluster, "op_overhead", 0.0)

@@ -5,7 +5,7 @@ host memory and the step runs there. A rank stepping N local parameter elements 
 the gradients out and the updated parameters back over its PCIe link, and steps on the host:
 
     t_step = 2 · N · s / pcie  +  N · 4 · OPTIMIZER_TRAFFIC / host_bw          (host figures: hardware.host)
-             + n_tensors · optimizer_host_calls(optimizer) · optimizer_call_seconds (CPU ranks only)
+             + n_tensors · optimizer_host_calls(optimizer) · op_overhead           (CPU ranks only)
 
 (the per-tensor host time as ``compute.optimizer_step_time`` charges it: the host copies are stepped by the
 same torch optimizer, one tensor at a time) in place of the device step; device memory loses the state and
@@ -30,12 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.cost_models.compute import (
-    OPTIMIZER_TRAFFIC,
-    host_overlaps_kernels,
-    optimizer_call_seconds,
-    optimizer_host_calls,
-)
+from autopar.cost_models.compute import OPTIMIZER_TRAFFIC, host_overlaps_kernels, optimizer_host_calls
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.hardware.host import host_of
 
@@ -47,7 +42,7 @@ def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster,
     seconds = 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
     if host_overlaps_kernels(cluster):
         return seconds
-    return seconds + n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
+    return seconds + n_tensors * optimizer_host_calls(optimizer) * getattr(cluster, "op_overhead", 0.0)
 
 
 def optimizer_offload_effect(numel: float, dtype: torch.dtype, optimizer: str, cluster) -> tuple[float, float]:

@@ -76,11 +76,6 @@ class Cluster:
       dropping per-op host calls saves. Plans for compiled modules are priced by ``compiled_view()``. 0
       (the default, presets, old cluster files) means "not measured": compiled modules are priced as eager
       ones. Left out of the JSON while 0, so clusters and plans without it stay byte-identical.
-    optimizer_call_overhead: seconds of host time per op call of an optimizer step on CPU ranks (torch's
-      per-tensor loop: no_grad calls with no autograd node, cheaper than ``op_overhead``'s), measured by the
-      profiler (``autopar.profiling.profiler_optimizer``); ``cost_models.compute.optimizer_step_time`` charges it
-      per tensor and call. 0 (the default, presets, GPUs, old cluster files): ``op_overhead`` is charged. Left
-      out of the JSON while 0, like ``compiled_time_scale``.
     """
 
     name: str
@@ -104,7 +99,6 @@ class Cluster:
     norm_act_bandwidth: float = 0.0
     attention_efficiency: float = 0.0
     compiled_time_scale: float = 0.0
-    optimizer_call_overhead: float = 0.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -133,7 +127,6 @@ class Cluster:
         _check_positive(self.name, "attention_efficiency", self.attention_efficiency, allow_zero=True)
         _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
         _check_positive(self.name, "compiled_time_scale", self.compiled_time_scale, allow_zero=True)
-        _check_positive(self.name, "optimizer_call_overhead", self.optimizer_call_overhead, allow_zero=True)
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
         for link_name in ("intra_node", "inter_node"):
@@ -216,9 +209,8 @@ class Cluster:
     # ---- JSON --------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        for field in ("compiled_time_scale", "optimizer_call_overhead"):
-            if not getattr(self, field):  # unmeasured: absent, as in files written before the field existed
-                del out[field]
+        if not self.compiled_time_scale:  # unmeasured: absent, as in files written before the field existed
+            del out["compiled_time_scale"]
         return out
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:

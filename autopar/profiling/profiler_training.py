@@ -49,8 +49,6 @@ Collectives are timed in seconds; every compute probe (items 2-4, 6-8) against t
    measures what inductor's fusion of pointwise chains and the dropped per-op host calls save on this
    machine; the cost model prices compiled modules with it (``Cluster.compiled_view``). Like item 4, GPUs
    record it in the source line but keep it unapplied (0). A rank whose compile fails makes every rank skip it.
-9. optimizer_call_overhead (CPU ranks): one AdamW step over many tiny tensors, per op call torch's per-tensor
-   loop makes (``autopar.profiling.profiler_optimizer``).
 """
 from __future__ import annotations
 
@@ -79,7 +77,6 @@ from autopar.profiling.probes import (
     slowest_rank,
     warm_up,
 )
-from autopar.profiling.profiler_optimizer import call_overhead, optimizer_step_call
 from autopar.profiling.profiler_pipeline import measure_pipeline, microbatch_overhead
 
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
@@ -227,8 +224,6 @@ def measure_rank(settings, probe, reference: SpeedReference) -> dict:
     out["norm_act"] = [relative(call, op) for call, op in zip(norm_act_calls(probe.kind, device), NORM_ACT_OPS)]
     if probe.kind == "cuda":
         out["attention"] = relative(attention_call(device))
-    if probe.kind != "cuda":  # item 9: GPUs step with foreach kernels, charged no host time per tensor
-        out["optimizer_step"] = relative(optimizer_step_call(device), "optimizer step")
     out["pipeline"] = measure_pipeline(settings, probe, reference)
     for m, timing in (out["pipeline"] or {}).pop("timings", {}).items():
         timings[f"pipeline M={m}"] = timing
@@ -242,7 +237,7 @@ def training_seconds(out: dict, level: float) -> dict:
     the seconds of one reference call at the profile's median speed), the pipeline's CPU too where it was
     timed against the reference."""
     out = dict(out, linears={name: [r * level for r in ratios] for name, ratios in out["linears"].items()})
-    for key in ("tiny_step", "probe_step", "probe_reference", "attention", "optimizer_step"):
+    for key in ("tiny_step", "probe_step", "probe_reference", "attention"):
         if out.get(key) is not None:
             out[key] *= level
     if out.get("norm_act"):
@@ -354,10 +349,6 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
     host, note = microbatch_overhead(out, per_rank)
     out = dataclasses.replace(out, microbatch_overhead=host)
     notes.append(note)
-    stepped = call_overhead([r["optimizer_step"] for r in per_rank if r.get("optimizer_step") is not None])
-    if stepped:
-        out = dataclasses.replace(out, optimizer_call_overhead=stepped)
-        notes.append(f"optimizer_call_overhead {stepped * 1e6:.2f} µs per op call of an AdamW step")
     notes.append(spread_note(per_rank))
     note = (f"in-mesh collective fits; op_overhead {overhead * 1e6:.1f} µs; "
             + ("; ".join(n for n in notes if n) or "no curve scaled"))
