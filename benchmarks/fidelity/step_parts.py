@@ -8,9 +8,9 @@ the reference mm (fp32 256³, 200 calls), then forward + backward, ``AdamW.step(
 once each, then the reference again; each part's figure is the median over cycles of its seconds / the
 mean of the two references around it. Predicted in the same units: the cost model's seconds for each part
 on ``--cluster`` (forward + backward of every op of the captured graph, replicated; the optimizer step
-by ``cost_models.compute.optimizer_step_time``, zero_grad's per-tensor call shown apart) over the
-reference's seconds at the profile's level (the speed the profile scaled every compute figure to, stated in
-its source line, times its factor ρ for a neighbour's training step: this process runs alone).
+by ``cost_models.compute.optimizer_step_time``) over the reference's seconds at the profile's level (the
+speed the profile scaled every compute figure to, stated in its source line, times its factor ρ for a
+neighbour's training step: this process runs alone).
 
 A part whose measured and predicted reference units agree is priced right at whatever speed the machine
 runs; a plan that still misses as profiled then missed because the profile sampled another speed (its
@@ -29,8 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from autopar.cost_models.compute import compute_time, optimizer_call_seconds, optimizer_step_time  # noqa: E402
-from autopar.cost_models.optimizer_calls import ZERO_GRAD_CALLS_PER_TENSOR  # noqa: E402
+from autopar.cost_models.compute import compute_time, optimizer_step_time  # noqa: E402
 from autopar.ir.ops import OpView, requires_grad_nodes  # noqa: E402
 from autopar.passes.capture import capture  # noqa: E402
 from autopar.placement import R  # noqa: E402
@@ -100,11 +99,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model, batch = make_gpt(CONFIG, batch_size=args.batch)
     params = list(model.parameters())
-    # the model prices step + zero_grad as one term; zero_grad's share is its per-tensor call
-    zero_grad = len(params) * ZERO_GRAD_CALLS_PER_TENSOR * optimizer_call_seconds(cluster)
-    stepped = optimizer_step_time(sum(p.numel() for p in params), len(params), 4, "adamw", cluster)
     predicted = {"forward + backward": predicted_forward_backward(model, batch, cluster),
-                 "optimizer step": stepped - zero_grad, "zero_grad": zero_grad}
+                 "optimizer step": optimizer_step_time(sum(p.numel() for p in params), len(params), 4, "adamw",
+                                                       cluster),
+                 "zero_grad": 0.0}
     load = os.getloadavg()
     ratios = measure(model, batch, args.cycles)
     print(f"# step_parts: GPT {dataclasses.asdict(CONFIG)}, batch {args.batch}, 1 thread, {args.cycles} cycles; "
