@@ -118,3 +118,98 @@ def _dies_in_a_worker(x, parent_pid):
     if os.getpid() != parent_pid and x in (2, 5):
         os.kill(os.getpid(), signal.SIGKILL)
     return x
+
+
+def _tiny_graph():
+    """x [4, 8] -> relu -> sum, with meta values (no capture): enough for signatures."""
+    import torch
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8, device="meta")
+    relu = graph.call_function(torch.ops.aten.relu.default, (x,))
+    relu.meta["val"] = torch.empty(4, 8, device="meta")
+    graph.output(relu)
+    return x, relu
+
+
+def test_cached_signatures_follow_the_values_they_describe():
+    import torch
+
+    from autopar.ir.ops import _signature, node_signature
+
+    x, relu = _tiny_graph()
+    first = node_signature(relu)
+    assert first == _signature(relu) and node_signature(relu) is first  # the second call is the cached string
+    x.meta["val"] = torch.empty(2, 8, device="meta")  # a pass relabels the input (rescale, precision)
+    assert node_signature(relu) == _signature(relu) != first
+    relu.args = (x, )  # rewired arguments (a new tuple) invalidate the entry too
+    assert node_signature(relu) == _signature(relu)
+    x.meta["val"] = torch.empty(4, 8, device="meta")
+    assert node_signature(relu) == first  # equal inputs again: the same signature as before
+
+
+def _choose(tables, sizes, devices, bounded: bool):
+    """The best (cost, B, stages) over candidate B: the plain search (ascending, strict improvement) or the
+    planner's (descending, each DP bounded by the best so far; ties go to the smaller B)."""
+    from autopar.passes.stage_dp import stage_dp
+
+    best = None
+    for B in sorted(tables, reverse=bounded):
+        table, hops = tables[B]
+        bound = best[0] if bounded and best is not None else np.inf
+        found = stage_dp(table, sizes, devices, B, bucket=0.01, hops=hops, bound=bound)
+        if found is not None and (best is None or (found.cost, B) < best[:2]):
+            best = (found.cost, B, found.stages)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_bounded_stage_dp_over_microbatches_returns_the_plain_choice(seed):
+    from test_stage_dp import random_table
+
+    rng = np.random.default_rng(seed)
+    layers, sizes, devices = int(rng.integers(3, 7)), [1, 2, 2, 4], 4
+    tables = {}
+    for B in (1, 2, 4, 8, 16):
+        scale = (16 / B) ** rng.uniform(0.7, 1.0)  # smaller microbatches: cheaper stages, more of them
+        table = random_table(rng, layers, sizes, max_f=min(layers, B), holes=0.4) * scale
+        tables[B] = (table, np.concatenate([[0.0], rng.uniform(0, 0.3, layers - 1)]))
+    plain, bounded = _choose(tables, sizes, devices, False), _choose(tables, sizes, devices, True)
+    assert plain is not None and bounded == plain  # same B, same stages, bit-identical cost
+
+
+def test_a_bound_below_every_plan_prunes_and_above_it_changes_nothing():
+    from test_stage_dp import random_table
+
+    from autopar.passes.stage_dp import stage_dp
+
+    table = random_table(np.random.default_rng(3), 5, [1, 2, 4], max_f=5, holes=0.2)
+    free = stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01)
+    assert stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01, bound=free.cost) == free  # a tie is still found
+    pruned = stage_dp(table, [1, 2, 4], 4, 8, bucket=0.01, bound=0.5 * free.cost)
+    assert pruned is None or pruned.cost > 0.5 * free.cost
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_solve_without_presolve_stays_within_the_gap(seed):
+    """The stage DP's pricing solves skip HiGHS's presolve (``ilp_highs.solve``); their answers stay within
+    the solver's relative gap of the brute-force optimum, memory row included. Negative control: the worst
+    choice is outside that gap."""
+    import itertools
+
+    from autopar.passes import ilp_highs
+    from autopar.passes.ilp import backend, evaluate, memory_of, min_memory, solve_ilp
+    from tests.test_ilp import brute, random_problem
+
+    if backend() != "highs":
+        pytest.skip("highspy not installed")
+    problem = random_problem(np.random.default_rng(seed), classes=7)
+    problem.budget = 0.5 * (min_memory(problem) + memory_of(problem, [0] * problem.n_classes))
+    want = brute(problem)
+    result = solve_ilp(problem, 30, presolve=False)
+    assert memory_of(problem, result.choice) <= problem.budget * (1 + 1e-9)
+    assert want <= result.objective <= want * (1 + ilp_highs.MIP_GAP) + 1e-12
+    worst = max(evaluate(problem, list(c)) for c in itertools.product(*[range(len(v)) for v in problem.cost]))
+    assert worst > want * (1 + ilp_highs.MIP_GAP)
