@@ -129,7 +129,7 @@ class EmptyTensors(Source):
 def _digest(t: torch.Tensor) -> str:
     if t.device.type == "meta":
         return "meta"
-    data = t.detach().contiguous().reshape(-1)
+    data = t.detach().cpu().contiguous().reshape(-1)  # a model handed over on a GPU: hash its host copy
     return hashlib.blake2b(data.view(torch.uint8).numpy() if data.numel() else b"", digest_size=16).hexdigest()
 
 
