@@ -234,3 +234,39 @@ def test_step_parts_refuses_a_profile_without_a_reference_level(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["--cluster", str(path), "--batch", "0"])
     assert "--batch must be at least 1" in capsys.readouterr().err
+
+
+def test_probe_in_process_pairs_each_benchmark_round_with_the_fresh_rounds_around_it():
+    from benchmarks.fidelity.probe_in_process import paired_ratios
+
+    # rank 0: the benchmark's rounds 0-2 (bare, built, built); the fresh launch's rounds 0-2 ran after each
+    bench = [[("bare", 30.0), ("built", 33.0), ("built", 36.0)]]
+    fresh = [[("fresh", 30.0), ("fresh", 30.0), ("fresh", 30.0)]]
+    assert paired_ratios(bench, fresh, "bare", 1) == [pytest.approx(1.0)]
+    assert paired_ratios(bench, fresh, "built", 1) == [pytest.approx(1.1), pytest.approx(1.2)]
+    # a machine that slows for everyone between rounds moves both sides of a pair: the pair stays at 1
+    slowing = [[("built", 30.0), ("built", 40.0)]]
+    assert paired_ratios(slowing, [[("fresh", 30.0), ("fresh", 50.0)]], "built", 1) == [
+        pytest.approx(1.0), pytest.approx(1.0)]
+    # negative control: set against the first fresh round alone, the second pair would read the slowdown
+    assert slowing[0][1][1] / 30.0 != pytest.approx(1.0)
+    assert paired_ratios(bench, fresh, "stepped", 1) == []
+
+
+def test_probe_in_process_refuses_bad_arguments(capsys):
+    from benchmarks.fidelity.probe_in_process import main
+
+    for argv in ([], ["--cluster", "x.json", "--rounds", "1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "--cluster is required and --rounds must be at least 2" in capsys.readouterr().err
+
+
+def test_probe_in_process_reads_this_process_threads_by_name():
+    import os
+
+    from benchmarks.fidelity.probe_in_process import _thread_cpu
+
+    threads = _thread_cpu()
+    assert os.getpid() in threads  # the main thread's id is the process id
+    assert all(isinstance(name, str) and seconds >= 0 for name, seconds in threads.values())
