@@ -270,3 +270,18 @@ def test_probe_in_process_reads_this_process_threads_by_name():
     threads = _thread_cpu()
     assert os.getpid() in threads  # the main thread's id is the process id
     assert all(isinstance(name, str) and seconds >= 0 for name, seconds in threads.values())
+
+
+def test_item_4s_reference_mm_is_the_curves_call_and_allocates_nothing():
+    import torch
+
+    from autopar.profiling.probe_step import REFERENCE_SIDE, reference_mm_call
+
+    a, b = (torch.randn(REFERENCE_SIDE, REFERENCE_SIDE) for _ in range(2))
+    call = reference_mm_call(a, b)
+    first, second = call(), call()  # both alive: an allocating call would need two buffers
+    assert first.data_ptr() == second.data_ptr()
+    assert torch.equal(second, a @ b)
+    # negative control: the allocating mm q used to time needs a new buffer per call
+    kept, again = torch.mm(a, b), torch.mm(a, b)
+    assert kept.data_ptr() != again.data_ptr()

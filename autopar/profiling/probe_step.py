@@ -65,6 +65,16 @@ class TinyBlock(nn.Module):
         return (x + self.fc(F.gelu(x))).sum()
 
 
+def reference_mm_call(a: torch.Tensor, b: torch.Tensor):
+    """Item 4's reference mm as the square-mm curve and ``probes.SpeedReference`` time it: ``torch.mm`` into
+    one output allocated here, once. q compares this call's seconds with the curve's, so both sides must be
+    the same call: an allocating ``torch.mm(a, b)`` adds the allocator's time per call (1-2 % at fp32 256³ on
+    one CPU thread) to q, which divides it out of compute_time_scale although the probe step's own
+    allocations are already in its measured time (profiles then priced compute that much too fast)."""
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    return lambda: torch.mm(a, b, out=out)
+
+
 def tiny_block_nodes() -> int:
     """call_function nodes of ``TinyBlock``'s captured graph: the op calls one forward makes."""
     from autopar.passes.capture import capture

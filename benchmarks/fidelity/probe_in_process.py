@@ -7,12 +7,14 @@ by round, through keys in a store this process holds (``Turns``): only one launc
 round k of each sees the same machine, so other jobs' load moves both sides of each pair alike. "fresh" only
 times the probe, as ``autopar profile``'s processes do; "benchmark" times it in the states the fidelity
 benchmark's own process passes through, one condition after another: before anything is built (bare); with
-every plan of ``fidelity_plans`` compiled, stepped twice and its peak memory read through torch.profiler
-(built); each round right after one step of every plan (stepped: the benchmark's own rounds); with the faults
-heartbeat stopped (no heartbeat); with every plan freed (freed). A round is a reference window, a probe window
-(``cost_model_fidelity._probe_step``'s call: forward + backward of ``TinyBlock`` at the CPU probe shape, every
-rank at once) and a reference window (fp32 mm 256³); its ratio is probe / mean of the two references, the
-figure whose drift between the profile and the benchmark is in question ("probe step over the reference mm").
+13 plain GPTs stepped once with AdamW (plain heap: the heap a training process grows, nothing of autopar's;
+freed afterwards); with every plan of ``fidelity_plans`` compiled, stepped twice and its peak memory read
+through torch.profiler (built); each round right after one step of every plan (stepped: the benchmark's own
+rounds); with the faults heartbeat stopped (no heartbeat); with every plan freed (freed). A round is a
+reference window, a probe window (``cost_model_fidelity._probe_step``'s call: forward + backward of
+``TinyBlock`` at the CPU probe shape, every rank at once) and a reference window (fp32 mm 256³); its ratio
+is probe / mean of the two references, the figure whose drift between the profile and the benchmark is in
+question ("probe step over the reference mm").
 
 Printed per condition: the benchmark's ratio over the fresh launch's in the rounds just before and after
 (median over pairs and ranks), by the clock and by the main thread's CPU time (``time.thread_time``: the
@@ -167,6 +169,21 @@ def _fresh_rank(rank: int, port: int) -> list:
     return prober.rows
 
 
+def _plain_models_stepped(count: int, batch) -> list:
+    """``count`` fidelity GPTs (plain torch, no autopar, no process group), each stepped once with AdamW at a
+    data-parallel rank's batch: a heap grown and freed as a training process grows it, with nothing else."""
+    from examples.gpt import GPT
+
+    kept = []
+    for _ in range(count):
+        gpt = GPT(CONFIG)
+        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-4)
+        gpt(*(t[:BATCH // dist.get_world_size()] for t in batch)).backward()
+        opt.step()
+        kept.append((gpt, opt))
+    return kept
+
+
 def _benchmark_rank(rank: int, plans: list[tuple[str, str]], n: int, port: int) -> list:
     turns = Turns(port, "benchmark")
     prober = Prober(turns)
@@ -174,6 +191,11 @@ def _benchmark_rank(rank: int, plans: list[tuple[str, str]], n: int, port: int) 
     for _ in range(n):
         prober.round("bare")
     model, batch = make_gpt(CONFIG, batch_size=BATCH)
+    heap = _plain_models_stepped(len(plans), batch)  # the heap a training process grows, without autopar
+    for _ in range(n):
+        prober.round("plain heap")
+    del heap
+    gc.collect()
     built = []
     for _, text in plans:
         plan = autopar.Plan.from_json(text)
