@@ -6,7 +6,8 @@ backward of ``TinyBlock(width)`` on ``tokens`` tokens (``probe_shape``: 192 wide
 2048 wide, 4096 tokens, bf16 on GPUs), all ranks at once, timed against the reference mm like every compute
 probe (``probes.SpeedReference``); the cost model prices the same captured graph (``probe_step_ops``: per
 op, roofline seconds r_i and host seconds o_i), and with q = the reference mm's seconds / those the
-square-mm curve as measured gives it (≈ 1: both at the profile's reference speed),
+square-mm curve as measured gives it (≈ 1: both at the profile's reference speed; the same call as the
+curve's, into a preallocated output: ``reference_mm_call``),
 
     measured = Σ_i combine(s · q · r_i, o_i)      (combine: + on CPU ranks, max on GPUs; ``with_host_time``)
 
