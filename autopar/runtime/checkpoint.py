@@ -142,10 +142,9 @@ def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
     files.verify(directory)
     metadata = files.read_metadata(directory)
     meta = _read_meta(directory)
-    full = {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype,
-                                                      device="cpu")
-            for key, m in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    stored = {key[len("model."):]: m for key, m in metadata.state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    full = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype, device="cpu") for key, m in stored.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         files.load_state({"model": full}, directory, no_dist=True)

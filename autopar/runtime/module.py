@@ -220,10 +220,8 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         else:
             whole = torch.empty(info.shape, dtype=info.dtype, device=devices.wire_device())
         if len(self.plan.device_stages) > 1:
-            import torch.distributed as dist
-
             whole = whole.to(devices.wire_device())
-            faults.guard("broadcast", None, dist.broadcast, whole, src=owner.ranks[0])
+            faults.guard("broadcast", None, torch.distributed.broadcast, whole, src=owner.ranks[0])
         return whole
 
     def _check_inputs(self, inputs) -> None:
