@@ -3,8 +3,8 @@ run), so a lent GPU's few minutes are never spent on a script that no longer run
 
 Every case must come back without an error row: parity within its tolerance, and its negative control (the
 reference at twice the learning rate) outside it, so the parity figure can fail; the two ranks sharing a device
-equal to one device (fp32, within 1e-5: a pipeline's microbatches reorder sums); each one-device plan priced and measured; the speed section's modes (plain and autopar,
-eager and compiled) timed with a positive MFU.
+equal to one device (fp32, within 1e-5: a pipeline's microbatches reorder sums); each one-device plan priced
+and measured; the speed section's modes (plain and autopar, eager and compiled) timed with a positive MFU.
 """
 import json
 import os
