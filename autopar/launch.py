@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 
 from autopar.errors import ClusterError, CommunicationError, LaunchError, UsageError
 from autopar.runtime import faults
+from autopar.runtime.devices import local_gpu_index
 
 _MAX_GRACE_S = 10.0
 _STARTUP_TIMEOUT_S = 600.0
@@ -226,6 +227,8 @@ def _init(rank: int, world: int, backend: str, timeout: float, store=None) -> No
     os.environ["AUTOPAR_TIMEOUT"] = str(timeout)  # autopar.compile's groups use the same timeout
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // world))
+    if backend == "nccl" and torch.cuda.is_available():  # one GPU per rank; NCCL's object collectives use it too
+        torch.cuda.set_device(local_gpu_index(rank))
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout),
                             store=store)
 

@@ -150,6 +150,16 @@ def test_every_module_imports():
     assert len(all_modules()) > 50  # the walk found the package, sub-packages included
 
 
+def test_every_package_on_disk_is_installed():
+    """A folder with an ``__init__.py`` that pyproject.toml does not list is left out of a non-editable install
+    (``pip install .``: the import fails there while an editable checkout works) and out of these checks."""
+    dirs = {"autopar": "autopar", "passes": "autopar.passes", "cost_models": "autopar.cost_models"}
+    on_disk = {dirs[init.parts[len(ROOT.parts)]] + "".join("." + p for p in init.parts[len(ROOT.parts) + 1:-1])
+               for top in dirs for init in (ROOT / top).rglob("__init__.py")}
+    assert on_disk - set(installed_packages()) == set(), "packages missing from pyproject.toml's packages"
+    assert {"autopar.moe", "autopar.passes.strategies"} <= on_disk  # the walk finds nested packages
+
+
 def test_top_level_reads_as_a_table_of_contents():
     """autopar/ holds the public API and the plan's data; everything else lives in a sub-package by concern."""
     top = [info.name for info in pkgutil.iter_modules([str(ROOT / "autopar")]) if not info.ispkg]

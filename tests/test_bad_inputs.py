@@ -31,10 +31,10 @@ def test_infeasible_pipeline_budget_names_a_budget_that_fits():
     with pytest.raises(InfeasibleError) as err:
         autopar.plan(model, autopar.Cluster.local(4, memory_per_device=100_000), batch)
     message = str(err.value)
-    assert "no pipeline" in message and "single-stage plan needs" in message
-    floor = float(message.rsplit("(", 1)[1].split(" bytes")[0])
-    plan = autopar.plan(model, autopar.Cluster.local(4, memory_per_device=floor * 1.001), batch)
-    assert plan.predicted["peak_memory"] <= floor * 1.001
+    assert "no pipeline" in message and "single-stage plan with every layer recomputed needs at least" in message
+    floor = float(message.rsplit("(", 1)[1].split(" bytes")[0])  # a lower bound: "a few percent above" fits
+    plan = autopar.plan(model, autopar.Cluster.local(4, memory_per_device=floor * 1.05), batch)
+    assert floor <= plan.predicted["peak_memory"] <= floor * 1.05
 
 
 def odd_mlp():

@@ -192,3 +192,22 @@ def test_auto_keeps_the_plan_without_offload_where_the_dp_offloaded_a_stage_for_
     assert _choose_among({**times, "per_stage": 40.5}, True)[0] == "none"
     # negative control: a DP that offloaded nothing already is the plan without offload, so none is not replanned
     assert _choose_among(times, per_stage_offloads=False) == ("per_stage", ["per_stage", "every"])
+
+
+def test_the_infeasible_hint_counts_the_levers_auto_may_take():
+    """Under recompute="auto" and offload="auto" the error's floor is the least plan with every layer recomputed
+    and the optimizer on the host, not the least without them (it quoted twice what a lent H200 needed for a
+    meta-built Llama-3-8B): a budget just over that floor fits; the floor without the levers is far above it."""
+    model, batch = _wide_gpt()
+    one = autopar.Cluster.preset("dgx-h100", gpus=1)
+    graph = capture(model, batch)
+    levers = memory_bounds(graph, one, PlanOptions(offload={"optimizer": True}, recompute="full"))[0]
+    without = memory_bounds(graph, one, PlanOptions(offload="none", recompute="none"))[0]
+    assert levers < 0.8 * without  # control: the two floors differ, so the message can quote the wrong one
+    with pytest.raises(autopar.errors.InfeasibleError) as error:
+        autopar.plan(model, one.with_memory(0.97 * levers), batch, recompute="auto", offload="auto")
+    text = str(error.value)
+    assert "with every layer recomputed and the optimizer state on the host needs at least" in text
+    assert f"({levers:.0f} bytes)" in text
+    plan = autopar.plan(model, one.with_memory(1.1 * levers), batch, recompute="auto", offload="auto")
+    assert plan.planner["offload"] == {"optimizer": [0]}

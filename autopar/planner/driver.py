@@ -26,7 +26,6 @@ from autopar.ir.buffer_writes import written_buffers
 from autopar.ir.graph import ModelGraph
 from autopar.ir.precision import apply_to_graph
 from autopar.ir.precision import resolve as resolve_precision
-from autopar.ir.units import fmt_bytes
 from autopar.passes.batch_dims import batch_dims, rescale, rescale_is_exact
 from autopar.passes.capture import capture
 from autopar.passes.chunk_reuse import ChunkBuilds, renamed
@@ -261,10 +260,8 @@ def _tried(rejected: list[str]) -> str:
 
 
 def _infeasible(e: InfeasibleError, graph, cluster: Cluster, options: PlanOptions, rejected: list[str]):
-    floor = memory_bounds(graph, cluster, options)[0]
     tried = _tried(rejected) if rejected else ""
-    return InfeasibleError(f"{e}.{tried} For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} "
-                           f"per device ({floor:.0f} bytes); a memory_per_device that large fits it."
+    return InfeasibleError(f"{e}.{tried}{floor_hint(graph, cluster, options)}"
                            + budget_unit_hint(cluster.memory_per_device))
 
 

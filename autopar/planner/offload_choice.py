@@ -53,18 +53,19 @@ def offloaded_stages(stages) -> dict:
 
 
 def choose_offload(plan_with: Callable[[PlanOptions, bool], Plan], options: PlanOptions) -> Plan:
-    """The fastest feasible candidate plan, ties to the earlier in ``PREFERENCE`` (the first error when none
-    fits); ``plan_with(options, per_stage)`` plans one. Stages searched: the DP's per-stage plan and every
-    stage offloaded, plus the plan without offload when the DP offloaded some stage (its per-stage prices can
+    """The fastest feasible candidate plan, ties to the earlier in ``PREFERENCE``; when none fits, the error of
+    the plan with every stage offloaded (its memory floor is the least, so its hint tells the user how far
+    off the budget is); ``plan_with(options, per_stage)`` plans one. Stages searched: the DP's per-stage plan
+    and every stage offloaded, plus the plan without offload when the DP offloaded some stage (its per-stage prices can
     rank an offloaded stage first where the exact solve prices it slower); otherwise none and every stage."""
-    plans = {}
-    errors = [_plan_into(plans, name, plan_with, options)
-              for name in (("per stage", "every stage") if searches_stages(options) else ("none", "every stage"))]
+    plans, errors = {}, {}
+    for name in ("per stage", "every stage") if searches_stages(options) else ("none", "every stage"):
+        errors[name] = _plan_into(plans, name, plan_with, options)
     if plans.get("per stage") is not None and "offload" in plans["per stage"].planner:
-        errors.append(_plan_into(plans, "none", plan_with, options))
+        errors["none"] = _plan_into(plans, "none", plan_with, options)
     feasible = [plans[name] for name in PREFERENCE if plans.get(name) is not None]
     if not feasible:
-        raise next(e for e in errors if e is not None)
+        raise errors.get("every stage") or next(e for e in errors.values() if e is not None)
     fastest = min(plan.predicted["step_time"] for plan in feasible)
     return next(plan for plan in feasible if plan.predicted["step_time"] <= fastest * (1 + 1e-9))
 

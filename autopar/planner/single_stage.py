@@ -10,6 +10,8 @@ with the driver's pipelined stages.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from autopar.errors import InfeasibleError, PlanError
 from autopar.hardware.cluster import Cluster
 from autopar.ir.graph import ModelGraph
@@ -77,13 +79,21 @@ def single_stage(graph, blocks, cluster: Cluster, options: PlanOptions, model_na
 
 def floor_hint(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> str:
     """' For scale: the most sharded single-stage plan needs ...', or '' when the user's pins are written
-    for their own stage meshes and are no sharding of the whole-cluster mesh (that plan does not exist)."""
+    for their own stage meshes and are no sharding of the whole-cluster mesh (that plan does not exist).
+    Under recompute="auto" that plan recomputes every layer (the planner may choose it), so the figure is
+    the least any single-stage plan under these options needs, not the least without recompute."""
+    relaxed = options.recompute == "auto"
     try:
-        floor = memory_bounds(graph, cluster, options)[0]
+        floor = memory_bounds(graph, cluster, dataclasses.replace(options, recompute="full") if relaxed
+                              else options)[0]
     except PlanError:
         return ""
-    return (f" For scale: the most sharded single-stage plan needs {fmt_bytes(floor)} per device "
-            f"({floor:.0f} bytes); a memory_per_device that large fits it.")
+    levers = [what for what, on in (("every layer recomputed", relaxed),
+                                     ("the optimizer state on the host", training_spec(graph, options).host_optimizer))
+              if on]
+    how = " with " + " and ".join(levers) if levers else ""
+    return (f" For scale: the most sharded single-stage plan{how} needs at least {fmt_bytes(floor)} per "
+            f"device ({floor:.0f} bytes); plan for a memory_per_device a few percent above it.")
 
 
 def uniform_recompute(recompute: dict[int, str], layers, k: int, i: int) -> bool:

@@ -22,7 +22,7 @@ from autopar.ir.precision import check_device
 from autopar.ir.precision import resolve as resolve_precision
 from autopar.ir.recompute import region_keys
 from autopar.placement import parse_spec
-from autopar.runtime import compiled, gradsync, groups, rng
+from autopar.runtime import compiled, devices, gradsync, groups, rng
 from autopar.runtime.codegen import fill_pending, generate_stage_module
 from autopar.runtime.interleaved import InterleavedRunner
 from autopar.runtime.local_data import LocalData, make_group
@@ -109,6 +109,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
         source = UserTensors(model_tensors(model, graph))
         source.agree_with_rank0(shards_needed(plan, graph, rank), set(unread))
     tensors = source
+    device = devices.rank_device(plan.cluster.get("device_type", "cpu"))
     meshes = stage_meshes(plan)
     shared, shared_groups = shared_parameters(plan, graph)
     base = groups.build_groups(meshes, timeout, shared_groups)
@@ -120,7 +121,7 @@ def build_parallel_module(model: torch.nn.Module, graph, plan, timeout: datetime
         coord = groups.coordinate(meshes[stage.index], rank)
         regions = region_keys(graph, plan.node_layers, stage.recompute) if stage.recompute else None
         gm = generate_stage_module(graph, stage, coord, base + stage.index, tensors, needs_grad, recompute=regions,
-                                   local_batch=local is not None)
+                                   local_batch=local is not None, device=device)
         rng.own_draws(gm, stage.mesh_shape, coord)  # dropout on a sharded value: a mask per shard
         if len(plan.stages) == 1 and plan.microbatches == 1:
             runner = SpmdRunner(gm, stage, base + stage.index)

@@ -142,9 +142,9 @@ def export_state_dict(path) -> "OrderedDict[str, torch.Tensor]":
     files.verify(directory)
     metadata = files.read_metadata(directory)
     meta = _read_meta(directory)
-    full = {key[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-            for key, m in metadata.state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    stored = {key[len("model."):]: m for key, m in metadata.state_dict_metadata.items()
+              if key.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    full = {key: torch.empty(tuple(m.size), dtype=m.properties.dtype, device="cpu") for key, m in stored.items()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         files.load_state({"model": full}, directory, no_dist=True)
@@ -212,7 +212,7 @@ def _as_dtensor(local: torch.Tensor, spec_text: str, stage, global_shape) -> DTe
     assert not any(p.is_partial() for p in placements), f"a stored tensor is never Partial ({spec_text})"
     # _init_backend=False: DCP reads only the mesh coordinate, so no process group is needed; creating
     # one would be a collective over the whole world, which ranks of other pipeline stages never join.
-    mesh = DeviceMesh(local.device.type, torch.tensor(stage.ranks).reshape(tuple(stage.mesh_shape)),
+    mesh = DeviceMesh(local.device.type, torch.tensor(stage.ranks, device="cpu").reshape(tuple(stage.mesh_shape)),
                       _init_backend=False)
     shape = torch.Size(global_shape)
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -30,7 +30,7 @@ import torch.nn.utils.clip_grad as torch_clip
 
 from autopar.errors import UsageError
 from autopar.placement import parse_spec
-from autopar.runtime import faults, groups
+from autopar.runtime import devices, faults, groups
 
 _ORIGINAL: dict = {}
 
@@ -80,7 +80,7 @@ def _owned_gradients(runner, plan):
 def global_norm(runner, plan, norm_type: float) -> torch.Tensor:
     """The norm of the whole model's gradient (a collective of every rank): see module docstring."""
     p = float(norm_type)
-    local = torch.zeros((), dtype=torch.float64)
+    local = torch.zeros((), dtype=torch.float64, device=devices.rank_device(getattr(runner, "device_type", "cpu")))
     for _, grad, counted in _owned_gradients(runner, plan):
         if grad is None or not counted or grad.numel() == 0:
             continue
@@ -89,6 +89,7 @@ def global_norm(runner, plan, norm_type: float) -> torch.Tensor:
         else:
             local = local + torch.linalg.vector_norm(grad.detach(), p, dtype=torch.float64) ** p
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    local = local.to(devices.wire_device())
     faults.guard("all_reduce", None, dist.all_reduce, local, op=op)
     total = local if math.isinf(p) else local ** (1.0 / p)
     scaler = getattr(runner, "scaler", None)

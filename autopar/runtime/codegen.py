@@ -57,8 +57,9 @@ def shard_input(x: torch.Tensor, pieces: tuple) -> torch.Tensor:
 
 class _Emitter:
     def __init__(self, graph, stage, coord, mesh_index: int, requires_grad: set[str], defer: bool,
-                 local_batch: bool = False):
+                 local_batch: bool = False, device: torch.device | str = "cpu"):
         self.graph, self.stage, self.coord, self.mesh_index = graph, stage, coord, mesh_index
+        self.device = torch.device(device)  # where this rank's shards live (``runtime.devices.rank_device``)
         self.local_batch = local_batch  # data="local": inputs arrive already split along dim 0
         self.mesh_shape = tuple(stage.mesh_shape)
         self.requires_grad = requires_grad
@@ -102,7 +103,8 @@ class _Emitter:
             return  # e.g. the unused placeholder of a tied weight; full_state_dict reads its alias
         # the value is filled after the gradient sync is set up (a ZeRO-3 parameter: only this rank's shard of
         # it, ``gradsync.Bucket``): until then the tensor's storage is allocated but never touched
-        local = torch.empty(local_shape(tuple(info.shape), spec, self.mesh_shape), dtype=tensors.dtype(info.fqn))
+        local = torch.empty(local_shape(tuple(info.shape), spec, self.mesh_shape), dtype=tensors.dtype(info.fqn),
+                            device=self.device)
         self.pending[node.name] = functools.partial(tensors.local, info.fqn, spec, self.mesh_shape, self.coord)
         if info.kind == "parameter":
             grad = tensors.requires_grad(info.fqn)
@@ -288,7 +290,8 @@ def _chunk_offset(spec: Spec, dim: int, size: int, mesh_shape, coord) -> int:
 
 def generate_stage_module(graph, stage, coord, mesh_index: int, tensors,
                           requires_grad: set[str], defer_param_sync: bool = True,
-                          recompute: dict[str, object] | None = None, local_batch: bool = False) -> fx.GraphModule:
+                          recompute: dict[str, object] | None = None, local_batch: bool = False,
+                          device: torch.device | str = "cpu") -> fx.GraphModule:
     """Emit the local-shard GraphModule of ``stage`` for the rank at ``coord`` (see module docstring).
 
     Signature: every user input (whole), then the values received from earlier stages, in
@@ -302,8 +305,8 @@ def generate_stage_module(graph, stage, coord, mesh_index: int, tensors,
     run of tagged nodes under ``torch.utils.checkpoint``.
 
     ``local_batch`` (data="local"): user inputs arrive as this rank's block of dim 0 (``local_data``), so
-    only their splits of other dims are taken here."""
-    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync, local_batch)
+    only their splits of other dims are taken here. ``device``: where the shards are allocated (the rank's)."""
+    em = _Emitter(graph, stage, coord, mesh_index, requires_grad, defer_param_sync, local_batch, device)
     owned = set(stage.shardings)
     for info in graph.placeholders:
         if info.kind == "input":

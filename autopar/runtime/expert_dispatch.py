@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.moe_op import capacity_keep, combine, dispatch_order, expert_rows, experts_math
-from autopar.runtime import faults, groups
+from autopar.runtime import devices, faults, groups
 
 
 def local_experts_op(x, index, weights, w_in, w_out, *, n_experts: int, first: int, activation: str, gated: bool,
@@ -50,12 +50,13 @@ def expert_all_to_all(x, index, weights, w_in, w_out, *, group: str, n_experts: 
     assert n_local * world == n_experts, f"{n_experts} experts do not split into {world} shards of {n_local}"
     keep = capacity_keep(index, n_experts, capacity_factor, group_size) if capacity_factor is not None else None
     order, counts = dispatch_order(index, keep, 0, n_experts)
-    received_counts = _exchange_counts(torch.tensor(counts, dtype=torch.int64).view(world, n_local), group)
-    sent_splits = torch.tensor(counts).view(world, n_local).sum(1).tolist()
+    counts = torch.tensor(counts, dtype=torch.int64, device="cpu").view(world, n_local)
+    received_counts = _exchange_counts(counts.to(devices.wire_device()), group).cpu()  # splits are host lists
+    sent_splits = counts.sum(1).tolist()
     received_splits = received_counts.sum(1).tolist()
     k = index.shape[1]
     received = AllToAll.apply(x[order // k], received_splits, sent_splits, group)
-    by_expert, restore = _regroup(received_counts)
+    by_expert, restore = (t.to(x.device) for t in _regroup(received_counts))
     done = expert_rows(received[by_expert], received_counts.sum(0).tolist(), w_in, w_out, activation, gated,
                        transposed)
     returned = AllToAll.apply(done[restore], sent_splits, received_splits, group)
@@ -71,10 +72,11 @@ def _regroup(received_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """(by_expert, restore): the permutation putting rows received by source (then local expert) in local
     expert order (stable: by source within an expert), and its inverse."""
     world, n_local = received_counts.shape
-    expert_of_row = torch.arange(n_local).repeat(world).repeat_interleave(received_counts.reshape(-1))
+    experts = torch.arange(n_local, device=received_counts.device)
+    expert_of_row = experts.repeat(world).repeat_interleave(received_counts.reshape(-1))
     by_expert = torch.sort(expert_of_row, stable=True).indices
     restore = torch.empty_like(by_expert)
-    restore[by_expert] = torch.arange(by_expert.numel())
+    restore[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
     return by_expert, restore
 
 

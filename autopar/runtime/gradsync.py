@@ -58,6 +58,7 @@ class Bucket:
         self.names, self.level, self.ways, self.axes = spec["names"], spec["level"], spec["ways"], spec["axes"]
         self.params = [getattr(gm, n) for n in self.names]
         self.numels = [p.numel() for p in self.params]  # a ZeRO-3 parameter at rest is a piece (``zero3``)
+        self.device = self.params[0].device  # the rank's device (``runtime.devices``): flat buffers live there
         self.numel = spec["numel"]
         self.key = _group_key(mesh_index, spec["axes"], mesh_shape)
         self.group = groups.get(self.key)
@@ -70,7 +71,7 @@ class Bucket:
         if self.level >= 1:
             self._flatten_params(gm.meta.get("pending_values", {}))
         if self.level <= 1:
-            self.grad_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
+            self.grad_flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.device)
             self._grads_as_views()
         self._grad_shard = None  # levels 2-3: allocated by the first step (``grad_shard``), not at build
         if self.shard is not None and self.level == 1:
@@ -82,7 +83,7 @@ class Bucket:
         allocates gradients in backward: building the module holds parameters only. Until then the shard's
         ``.grad`` is None, as any torch parameter's is before its first backward."""
         if self._grad_shard is None:
-            self._grad_shard = torch.zeros(self.shard_size, dtype=self.params[0].dtype)
+            self._grad_shard = torch.zeros(self.shard_size, dtype=self.params[0].dtype, device=self.device)
         return self._grad_shard
 
     def offsets(self):
@@ -94,7 +95,7 @@ class Bucket:
     def _flatten_params(self, pending: dict) -> None:
         if self.level == 3 and any(n in pending for n in self.names):
             return self._shard_pending(pending)
-        self.param_flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
+        self.param_flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.device)
         for p, a, b in self.offsets():
             self.param_flat[a:b].copy_(p.detach().reshape(-1))
             p.data = self.param_flat[a:b].view_as(p)
@@ -105,8 +106,8 @@ class Bucket:
         """Level 3 with values codegen left pending: only this rank's range of each is ever written (the flat
         buffer is allocated, never touched, and released by ``zero3.Unit``), one parameter's value at a time."""
         dtype = self.params[0].dtype
-        self.param_flat = torch.empty(self.padded, dtype=dtype)
-        shard = torch.zeros(self.shard_size, dtype=dtype)
+        self.param_flat = torch.empty(self.padded, dtype=dtype, device=self.device)
+        shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         for name, (p, a, b) in zip(self.names, self.offsets()):
             value = pending.pop(name, None)
             lo, hi = max(a, self.lo), min(b, self.hi)
@@ -165,7 +166,7 @@ class Bucket:
             self._grads_as_views()
             flat = self.grad_flat
         else:
-            flat = torch.zeros(self.padded, dtype=self.params[0].dtype)
+            flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.device)
             for p, a, b in self.offsets():
                 if p.grad is not None:
                     flat[a:b].copy_(p.grad.reshape(-1))
@@ -175,7 +176,7 @@ class Bucket:
             self.work = _start("all_reduce", self.key, dist.all_reduce, self.buffer, group=self.group)
             self.out = self.buffer
         else:
-            self.out = torch.empty(self.shard_size, dtype=reduce_dtype)
+            self.out = torch.empty(self.shard_size, dtype=reduce_dtype, device=self.device)
             self.work = _start("reduce_scatter", self.key, _REDUCE_SCATTER, self.out, self.buffer,
                                group=self.group)
 

@@ -148,7 +148,7 @@ class LocalData:
             if not isinstance(x, torch.Tensor) or x.dim() == 0:
                 continue
             flat = x.detach().reshape(per, -1).to(torch.float64)
-            weights = torch.arange(1, flat.shape[1] + 1, dtype=torch.float64)
+            weights = torch.arange(1, flat.shape[1] + 1, dtype=torch.float64, device=flat.device)
             for j, (plain, weighted) in enumerate(zip(flat.sum(1).tolist(), (flat * weights).sum(1).tolist())):
                 sums[i, k * per + j] = (plain, weighted)
         return sums

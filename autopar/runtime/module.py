@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from autopar.errors import InputError, UsageError
 from autopar.placement import parse_spec
-from autopar.runtime import clipping, faults, modes, plain_optim, rng
+from autopar.runtime import clipping, devices, faults, modes, plain_optim, rng
 from autopar.runtime.collectives import gather_full
 from autopar.runtime.input_checks import check_index_ranges, index_checks
 from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
@@ -218,11 +218,10 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         if local is not None and self.runner.holds(owner.index):
             whole = gather_full(local, parse_spec(spec), mesh_index).detach().clone()
         else:
-            whole = torch.empty(info.shape, dtype=info.dtype)
+            whole = torch.empty(info.shape, dtype=info.dtype, device=devices.wire_device())
         if len(self.plan.device_stages) > 1:
-            import torch.distributed as dist
-
-            dist.broadcast(whole, src=owner.ranks[0])
+            whole = whole.to(devices.wire_device())
+            faults.guard("broadcast", None, torch.distributed.broadcast, whole, src=owner.ranks[0])
         return whole
 
     def _check_inputs(self, inputs) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import UsageError
-from autopar.runtime import faults
+from autopar.runtime import devices, faults
 from autopar.runtime.offload import HostCopies
 
 
@@ -34,7 +34,7 @@ class LossScaler:
 
     def unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         """Divide ``grads`` by the scale in place; True when any rank found an inf/NaN (a collective)."""
-        found = torch.zeros(1)
+        found = torch.zeros(1, device=devices.wire_device())
         inv = 1.0 / self.scale
         for g in grads:
             g.mul_(inv)

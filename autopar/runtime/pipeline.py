@@ -26,7 +26,7 @@ import torch.distributed as dist
 from autopar.ir.schedule import BACKWARD, FORWARD, stage_order
 from autopar.placement import parse_spec
 from autopar.redistribute import redistribute_steps
-from autopar.runtime import faults, gradsync
+from autopar.runtime import devices, faults, gradsync
 from autopar.runtime.collectives import step_call
 from autopar.runtime.groups import group_key
 from autopar.runtime.spmd import StageModule
@@ -84,7 +84,7 @@ class PipelineRunner(StageModule):
     def _forward(self, inputs, mb: int, pending: list, loss_index):
         received, values = [], []
         for route in sorted(self.routes_in, key=lambda r: r.value):
-            t = recv_forward(route, mb, self.me, self.mailbox)
+            t = recv_forward(route, mb, self.me, self.mailbox, devices.rank_device(self.device_type))
             if route.value in self.grads_needed and torch.is_grad_enabled():
                 t.requires_grad_(True)
             received.append((route, t))
@@ -139,8 +139,9 @@ class PipelineRunner(StageModule):
         return grad
 
     def _broadcast_loss(self, losses: list) -> torch.Tensor:
-        value = torch.stack(losses).mean() if self.last else torch.zeros((), dtype=torch.float32)
-        value = value.to(torch.float32).clone()
+        wire = devices.wire_device()
+        value = torch.stack(losses).mean() if self.last else torch.zeros((), dtype=torch.float32, device=wire)
+        value = value.to(device=wire, dtype=torch.float32).clone()
         faults.guard("broadcast", None, dist.broadcast, value, src=self.plan.stages[-1].ranks[0])
         return value
 

@@ -80,7 +80,7 @@ class CheckpointTensors(InitTensors):
     def local(self, fqn, spec, mesh_shape, coord):
         if fqn in self.persistent:
             t = self.templates[fqn]
-            return torch.zeros(local_shape(tuple(t.shape), spec, tuple(mesh_shape)), dtype=t.dtype)
+            return torch.zeros(local_shape(tuple(t.shape), spec, tuple(mesh_shape)), dtype=t.dtype, device="cpu")
         return super().local(fqn, spec, mesh_shape, coord)
 
 
@@ -102,7 +102,7 @@ class FileTensors(InitTensors):
         t = self.templates[fqn]
         box, zero = shard_bounds(tuple(t.shape), spec, tuple(mesh_shape), tuple(coord))
         if zero:
-            return torch.zeros(local_shape(tuple(t.shape), spec, tuple(mesh_shape)), dtype=t.dtype)
+            return torch.zeros(local_shape(tuple(t.shape), spec, tuple(mesh_shape)), dtype=t.dtype, device="cpu")
         return self._read(fqn, box)
 
     def _read(self, fqn: str, box: tuple) -> torch.Tensor:

@@ -141,13 +141,13 @@ def _write_my_files(pm, final: Path, files: list, token: str, prefix: str) -> No
         for key, placeholder, stage, _ in chunk:
             if placeholder is None:
                 if me == writer:
-                    tensors[key[len(prefix):]] = pm._unused[key].detach().clone().contiguous()
+                    tensors[key[len(prefix):]] = pm._unused[key].detach().cpu().clone().contiguous()
                 continue
             if me not in stage.ranks:
                 continue
             whole = _gather_in_stage(pm, placeholder)
             if me == writer:
-                tensors[key[len(prefix):]] = whole.contiguous()
+                tensors[key[len(prefix):]] = whole.detach().cpu().contiguous()  # a file's values stay on the host
         if me == writer:
             path = final / _temporary(name, token)
             save_file(tensors, str(path), metadata={"format": "pt"})

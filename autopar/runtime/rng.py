@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.runtime import faults
+from autopar.runtime import devices, faults
 
 _MIX = 0x9E3779B97F4A7C15  # spreads shard indices over the seed space
 
@@ -45,7 +45,7 @@ class ModuleRng:
     @classmethod
     def agreed(cls, device_type: str = "cpu") -> "ModuleRng":
         """Seeded from rank 0's default generator, broadcast to every rank (a collective)."""
-        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
+        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device="cpu").to(devices.wire_device())
         faults.guard("broadcast", None, dist.broadcast, seed, src=0)
         return cls(int(seed.item()), device_type)
 
@@ -83,7 +83,7 @@ def _bytes(text: str) -> torch.Tensor:
 
 def dropout_own_draw(x: torch.Tensor, p: float, train: bool, shard: int) -> torch.Tensor:
     """``aten.dropout`` with a mask of this shard's own (see module docstring)."""
-    seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64))  # equal on every rank: the stream stays aligned
+    seed = int(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device="cpu"))  # equal on every rank: aligned
     forked = torch.random.fork_rng(devices=[x.device], device_type="cuda") if x.device.type == "cuda" else \
         torch.random.fork_rng(devices=[])
     with forked:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.placement import local_shape, local_slice
-from autopar.runtime import faults
+from autopar.runtime import devices, faults
 from autopar.runtime.initialize import ModuleInit
 
 
@@ -88,7 +88,7 @@ class UserTensors(Source):
         for i, name in enumerate(names):
             if all(d[i] == every[0][i] for d in every):
                 continue
-            value = self.templates[name].detach().clone()
+            value = self.templates[name].detach().clone().to(devices.wire_device())
             faults.guard("broadcast", "weights", dist.broadcast, value, src=0)
             for spec, mesh_shape, coord in needs.get(name, ()):
                 self.overrides[(name, tuple(spec), tuple(mesh_shape), tuple(coord))] = \
@@ -119,11 +119,11 @@ class InitTensors(Source):
 class EmptyTensors(Source):
     def full(self, fqn: str) -> torch.Tensor:
         t = self.templates[fqn]
-        return torch.zeros(t.shape, dtype=t.dtype)
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu")  # host values, copied into the rank's shards
 
     def local(self, fqn: str, spec, mesh_shape, coord) -> torch.Tensor:
         t = self.templates[fqn]
-        return torch.zeros(local_shape(tuple(t.shape), spec, tuple(mesh_shape)), dtype=t.dtype)
+        return torch.zeros(local_shape(tuple(t.shape), spec, tuple(mesh_shape)), dtype=t.dtype, device="cpu")
 
 
 def _digest(t: torch.Tensor) -> str:

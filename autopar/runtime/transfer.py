@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from autopar.ir.shard_boxes import backward_pieces, box, forward_pieces, relative, send_spec, wire_spec
 from autopar.placement import local_shape, parse_spec
-from autopar.runtime import faults
+from autopar.runtime import devices, faults
 from autopar.runtime.groups import coordinate
 
 FORWARD, BACKWARD = 0, 1
@@ -97,6 +97,7 @@ def _send(pieces, local, mine, route, tag, me, pending, mailbox) -> None:
         if p.receiver == me:
             mailbox[(tag, me)] = part.clone()
         else:
+            part = part.to(devices.wire_device())  # NCCL sends GPU memory, gloo CPU memory
             pending.append((dist.isend(part, p.receiver, tag=tag), part))
 
 
@@ -109,7 +110,8 @@ def _receive(pieces, route, tag, me, mailbox, what: str) -> list:
         if p.sender == me:
             posted.append((p, mailbox.pop((tag, me)), None))
             continue
-        buf = torch.empty([s.stop - s.start for s in p.region], dtype=_wire_dtype(route.dtype))
+        buf = torch.empty([s.stop - s.start for s in p.region], dtype=_wire_dtype(route.dtype),
+                          device=devices.wire_device())
         posted.append((p, buf, dist.irecv(buf, p.sender, tag=tag)))
     for _, _, work in posted:
         if work is not None:
@@ -122,20 +124,23 @@ def send_forward(local: torch.Tensor, route: Route, microbatch: int, me: int, pe
     _send(route.forward, local, route.src_box(me), route, route.tag(microbatch, FORWARD), me, pending, mailbox)
 
 
-def recv_forward(route: Route, microbatch: int, me: int, mailbox: dict) -> torch.Tensor:
-    """This rank's box of the value, in the receiving stage's spec (zeros on a Partial axis' coordinate ≠ 0)."""
-    out = torch.zeros(route.local_shape(), dtype=_wire_dtype(route.dtype))
+def recv_forward(route: Route, microbatch: int, me: int, mailbox: dict,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """This rank's box of the value on ``device`` (the rank's), in the receiving stage's spec (zeros on a
+    Partial axis' coordinate ≠ 0)."""
+    out = torch.zeros(route.local_shape(), dtype=_wire_dtype(route.dtype), device=device)
     mine = route.dst_box(me)
     tag = route.tag(microbatch, FORWARD)
     for p, buf in _receive(route.forward, route, tag, me, mailbox, "recv (forward)"):
-        out[relative(p.region, mine)] = buf
+        out[relative(p.region, mine)] = buf.to(out.device)
     return out.to(torch.bool) if route.dtype == torch.bool else out
 
 
 def send_backward(grad: torch.Tensor | None, route: Route, microbatch: int, me: int, pending: list,
                   mailbox: dict) -> None:
     """Return the gradient of this receiver's box to the senders, if this receiver is designated."""
-    g = grad if grad is not None else torch.zeros(route.local_shape(), dtype=route.dtype)
+    g = grad if grad is not None else torch.zeros(route.local_shape(), dtype=route.dtype,
+                                                  device=devices.wire_device())
     _send(route.backward, g, route.dst_box(me), route, route.tag(microbatch, BACKWARD), me, pending, mailbox)
 
 
@@ -144,4 +149,4 @@ def recv_backward(route: Route, microbatch: int, me: int, into: torch.Tensor, ma
     mine = route.src_box(me)
     tag = route.tag(microbatch, BACKWARD)
     for p, buf in _receive(route.backward, route, tag, me, mailbox, "recv (backward)"):
-        into[relative(p.region, mine)] += buf
+        into[relative(p.region, mine)] += buf.to(into.device)

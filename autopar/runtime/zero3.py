@@ -85,7 +85,7 @@ class Unit:
         self.bucket, self.registry, self.index = bucket, registry, index
         self.master = _Flat(bucket.param_flat)
         same = dtype is None or dtype == bucket.param_flat.dtype
-        self.flat = self.master if same else _Flat(torch.empty(bucket.padded, dtype=dtype))
+        self.flat = self.master if same else _Flat(torch.empty(bucket.padded, dtype=dtype, device=bucket.device))
         self.leaves = list(bucket.params) if same else self._compute_leaves()
         self.work = self.sent = None  # the all-gather in flight, and the tensor it sends
         self.dirty = False  # the master buffer may have been written outside a step (``materialize``)
