@@ -3,7 +3,7 @@ run), so a lent GPU's few minutes are never spent on a script that no longer run
 
 Every case must come back without an error row: parity within its tolerance, and its negative control (the
 reference at twice the learning rate) outside it, so the parity figure can fail; the two ranks sharing a device
-equal to one device (fp32, within 1e-5: a pipeline's microbatches reorder sums); each one-device plan priced
+equal to one device, planned and context parallel (fp32, within 1e-5: sums reorder); each one-device plan priced
 and measured; the speed section's modes (plain and autopar, eager and compiled) timed with a positive MFU.
 """
 import json
@@ -32,7 +32,9 @@ def test_gpu_check_dry_run(tmp_path):
     for row in results["parity"]:
         assert "error" not in row, row.get("error")
         assert row["passed"] and row["worst_rel"] <= row["tolerance"] < row["control_worst_rel"], row
-    assert "error" not in results["shared_gpu"] and results["shared_gpu"]["worst_rel"] <= 1e-5  # fp32: sums reorder
+    shared = results["shared_gpu"]
+    assert "error" not in shared and shared["worst_rel"] <= 1e-5  # fp32: a pipeline's microbatches reorder sums
+    assert shared["context_parallel"]["worst_rel"] <= 1e-5, shared["context_parallel"]
     measured = [row for row in results["plans"] if "measured_step_s" in row]
     assert measured and not [row for row in results["plans"] if "error" in row]
     assert all(row["predicted_step_s"] > 0 and row["measured_step_s"] > 0 for row in measured)

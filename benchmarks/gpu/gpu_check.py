@@ -11,7 +11,8 @@ Sections, each recorded even when an earlier one fails (results are rewritten to
    trained ``PARITY_STEPS`` AdamW steps beside the same model trained on the same device without autopar;
    the largest relative loss difference per step (fp32 with TF32 off; the bf16 policy against plain
    ``torch.autocast``). Negative control: the reference at 1.1x the learning rate must differ by more than
-   the tolerance. Then two gloo ranks sharing the one GPU (NCCL refuses two ranks on one device).
+   the tolerance. Then two gloo ranks sharing the one GPU (NCCL refuses two ranks on one device): the
+   planner's plan and context parallelism (the sequence split over the two ranks), each against one device.
 2. profile: ``autopar profile --device cuda`` (one rank): the matmul curve's best rate per dtype, the achieved
    memory bandwidth and usable memory, beside a direct 8192^3 bf16 matmul timed with CUDA events.
 3-5. plans: several one-GPU plans (GPT at three sizes, a Llama-style model; fp32 and bf16; recompute none and
@@ -152,18 +153,31 @@ def _parity_case(name: str, precision: str, cluster_dict: dict, device: str, tin
     return row
 
 
+# Context parallelism on the GPT example's 2 ranks: tokens and every attention split over the sequence (the
+# causal ring of ``runtime.context_parallel``), parameters replicated.
+CONTEXT_PARALLEL_PINS = {"idx": "RS(1)", "scaled_dot_product_attention*": "RS(2)", "p_*": "RR"}  # mesh 1 x 2
+
+
 def shared_gpu_rank(rank: int, cluster_dict: dict, device: str, tiny: bool) -> dict:
-    """Two gloo ranks on one device: data parallel GPT, loss vs the same model on the device alone."""
+    """Two gloo ranks on one device (NCCL refuses two ranks on one GPU): the GPT example trained by the
+    planner's data-parallel plan and by context parallelism, losses vs the same model on the device alone."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, batch = model_for("gpt", tiny, parity=True)
-    reference = copy.deepcopy(model).to(device)
-    batch = to_device(batch, device)
-    pm = autopar.compile(model.to(device), _device_cluster(cluster_dict, 2, "gloo"), batch, recompute="none",
-                         compile=False)
-    got = _autopar_losses(pm, batch)
-    want = _reference_losses(reference, batch, "fp32", device, LR)
-    return {"plan": pm.plan.summary(max_rows=0)[:600], "autopar": got, "reference": want,
-            "worst_rel": _worst_rel(got, want)}
+    out = {}
+    for name, options in (("planned", {}), ("context_parallel", {"stages": 1, "pin": CONTEXT_PARALLEL_PINS})):
+        model, batch = model_for("gpt", tiny, parity=True)
+        reference = copy.deepcopy(model).to(device)
+        batch = to_device(batch, device)
+        pm = autopar.compile(model.to(device), _device_cluster(cluster_dict, 2, "gloo"), batch, recompute="none",
+                             compile=False, **options)
+        got = _autopar_losses(pm, batch)
+        want = _reference_losses(reference, batch, "fp32", device, LR)
+        row = {"plan": pm.plan.summary(max_rows=0)[:600], "autopar": got, "reference": want,
+               "worst_rel": _worst_rel(got, want)}
+        if name == "planned":
+            out.update(row)
+        else:
+            out[name] = row
+    return out
 
 
 # ---- sections 3-5: plans, memory and step time ------------------------------------------------------

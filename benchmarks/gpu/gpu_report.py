@@ -45,8 +45,12 @@ def _shared(row) -> list[str]:
     failed = _failed(row, "## Two gloo ranks on one GPU")
     if failed is not None:
         return failed
-    return ["## Two gloo ranks on one GPU", "", f"worst rel. loss diff vs one device: {row['worst_rel']:.2e}",
-            f"losses {row['autopar']} vs {row['reference']}", ""]
+    out = ["## Two gloo ranks on one GPU", "", f"worst rel. loss diff vs one device: {row['worst_rel']:.2e}",
+           f"losses {row['autopar']} vs {row['reference']}", ""]
+    cp = row.get("context_parallel")
+    if cp is not None:
+        out += [f"context parallel (sequence split over the 2 ranks): worst rel. loss diff {cp['worst_rel']:.2e}", ""]
+    return out
 
 
 def _profile(row) -> list[str]:
