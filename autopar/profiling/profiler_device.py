@@ -16,6 +16,7 @@ import time
 import torch
 
 from autopar.errors import ClusterError
+from autopar.runtime.devices import local_gpu_index
 
 KINDS = ("auto", "cpu", "cuda")
 
@@ -42,10 +43,13 @@ class ProbeDevice:
         return "nccl" if self.kind == "cuda" else "gloo"
 
     def bind(self, rank: int) -> "ProbeDevice":
-        """This device for ``rank``: on GPUs, GPU ``rank``, made current."""
-        if self.kind == "cuda":
-            torch.cuda.set_device(rank)
-        return dataclasses.replace(self, index=rank)
+        """This device for ``rank``: on GPUs, the rank's GPU (``runtime.devices.local_gpu_index``, the one
+        ``autopar.launch`` made current), made current."""
+        if self.kind != "cuda":
+            return dataclasses.replace(self, index=rank)
+        index = local_gpu_index(rank)
+        torch.cuda.set_device(index)
+        return dataclasses.replace(self, index=index)
 
     @property
     def torch(self) -> torch.device:
