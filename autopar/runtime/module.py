@@ -227,11 +227,13 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
     def _check_inputs(self, inputs) -> None:
         if self._local_data is not None:
             return self._check_local_inputs(inputs)
-        device = self.plan.cluster.get("device_type", "cpu")
+        kind = self.plan.cluster.get("device_type", "cpu")
+        mine = devices.rank_device(kind)  # a GPU rank: its own GPU, not just any
+        want = str(mine) if mine.type == kind else kind
         for i, t in enumerate(inputs):
-            if isinstance(t, torch.Tensor) and t.device.type != device:
-                raise InputError(f"input {i} is on {t.device} but this cluster runs on {device}; move the "
-                                 f"batch there first (e.g. tensor.to({device!r}))")
+            if isinstance(t, torch.Tensor) and (t.device.type != kind or (kind == "cuda" and t.device != mine)):
+                raise InputError(f"input {i} is on {t.device} but this rank runs on {want}; move the batch "
+                                 f"there first (e.g. tensor.to({want!r}))")
         want = self.plan.input_signature
         got = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
                for t in inputs]
