@@ -1,4 +1,5 @@
-"""Range checks of index inputs, made on the global batch before it is sharded.
+"""Range checks of index inputs, made on the global batch before it is sharded (and ``wrong_device``: an input
+not on the device this rank computes on).
 
 A vocab-split embedding reads zero for a token id no rank owns, and the vocab-parallel cross-entropy
 counts a target no rank owns as a zero logit: an out-of-range id or target that one device rejects
@@ -26,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import IndexRangeError
+from autopar.runtime.devices import rank_device
 
 aten = torch.ops.aten
 _RANDOM = {aten.rand, aten.rand_like, aten.randn, aten.randn_like, aten.randint, aten.randint_like,
@@ -197,3 +199,15 @@ def _check_one(check: IndexCheck, index: torch.Tensor) -> None:
     raise IndexRangeError(f"index out of range: input {check.input_index} holds {kind} {bad}, but {check.what} "
                           f"accepts 0..{check.bound - 1}{allowed} (one device raises IndexError here too); "
                           f"fix the data or the vocabulary size")
+
+
+def wrong_device(device_type: str, inputs) -> str | None:
+    """Why an input is not where this rank computes (on a GPU plan: this rank's own GPU, not just any), or None."""
+    mine = rank_device(device_type)
+    want = str(mine) if mine.type == device_type else device_type
+    for i, t in enumerate(inputs):
+        elsewhere = isinstance(t, torch.Tensor) and t.device.type != device_type
+        if elsewhere or (isinstance(t, torch.Tensor) and device_type == "cuda" and t.device != mine):
+            return (f"input {i} is on {t.device} but this rank runs on {want}; move the batch there first "
+                    f"(e.g. tensor.to({want!r}))")
+    return None

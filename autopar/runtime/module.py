@@ -33,7 +33,7 @@ from autopar.errors import InputError, UsageError
 from autopar.placement import parse_spec
 from autopar.runtime import clipping, devices, faults, modes, plain_optim, rng
 from autopar.runtime.collectives import gather_full
-from autopar.runtime.input_checks import check_index_ranges, index_checks
+from autopar.runtime.input_checks import check_index_ranges, index_checks, wrong_device
 from autopar.runtime.module_guards import FixedPlacement, bind_inputs, check_autograd_on
 from autopar.runtime.throughput import StepClock, model_flops, step_stats
 
@@ -227,13 +227,9 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
     def _check_inputs(self, inputs) -> None:
         if self._local_data is not None:
             return self._check_local_inputs(inputs)
-        kind = self.plan.cluster.get("device_type", "cpu")
-        mine = devices.rank_device(kind)  # a GPU rank: its own GPU, not just any
-        want = str(mine) if mine.type == kind else kind
-        for i, t in enumerate(inputs):
-            if isinstance(t, torch.Tensor) and (t.device.type != kind or (kind == "cuda" and t.device != mine)):
-                raise InputError(f"input {i} is on {t.device} but this rank runs on {want}; move the batch "
-                                 f"there first (e.g. tensor.to({want!r}))")
+        wrong = wrong_device(self.plan.cluster.get("device_type", "cpu"), inputs)
+        if wrong:
+            raise InputError(wrong)
         want = self.plan.input_signature
         got = [(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else (None, type(t).__name__)
                for t in inputs]
@@ -253,10 +249,9 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         from autopar.errors import IndexRangeError
         from autopar.runtime.input_checks import check_local_index_ranges
 
-        device = self.plan.cluster.get("device_type", "cpu")
-        for i, t in enumerate(inputs):
-            if isinstance(t, torch.Tensor) and t.device.type != device:
-                return f"input {i} is on {t.device} but this cluster runs on {device}; move it there first"
+        wrong = wrong_device(self.plan.cluster.get("device_type", "cpu"), inputs)
+        if wrong:
+            return wrong
         try:
             check_local_index_ranges(self._index_checks, inputs)
         except IndexRangeError as e:
