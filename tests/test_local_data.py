@@ -100,7 +100,8 @@ def bad_shares(pm, batch) -> dict:
     bad_id[0, 0] = 10 ** 6
     mistakes = {"size": (idx[:-1], targets[:-1]) if rank == 3 else mine,
                 "peer": share(batch, (1, 2)) if rank == 0 else mine,
-                "index": (bad_id, targets) if rank == 2 else mine}
+                "index": (bad_id, targets) if rank == 2 else mine,
+                "device": tuple(t.to("meta") for t in mine) if rank == 1 else mine}
     out = {}
     for what, inputs in mistakes.items():
         try:
@@ -142,7 +143,8 @@ def test_data_shard_follows_the_plans_input_placement(runs):
 
 @pytest.mark.parametrize("mistake, kind, words", [("size", "InputError", "rank 3"),
                                                   ("peer", "InputError", "different rows"),
-                                                  ("index", "IndexRangeError", "out of range")])
+                                                  ("index", "IndexRangeError", "out of range"),
+                                                  ("device", "InputError", "0 of 2): input 0 is on meta")])
 def test_a_bad_share_on_one_rank_is_one_error_on_every_rank(runs, mistake, kind, words):
     seen = [r["2x2"]["errors"][mistake] for r in runs]
     assert all(s is not None for s in seen), seen
