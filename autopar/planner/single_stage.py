@@ -88,9 +88,9 @@ def floor_hint(graph: ModelGraph, cluster: Cluster, options: PlanOptions) -> str
                               else options)[0]
     except PlanError:
         return ""
-    levers = [what for what, on in (("every layer recomputed", relaxed),
-                                     ("the optimizer state on the host", training_spec(graph, options).host_optimizer))
-              if on]
+    levers = ["every layer recomputed"] if relaxed else []
+    if training_spec(graph, options).host_optimizer:
+        levers.append("the optimizer state on the host")
     how = " with " + " and ".join(levers) if levers else ""
     return (f" For scale: the most sharded single-stage plan{how} needs at least {fmt_bytes(floor)} per "
             f"device ({floor:.0f} bytes); plan for a memory_per_device a few percent above it.")

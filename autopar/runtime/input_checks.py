@@ -206,8 +206,7 @@ def wrong_device(device_type: str, inputs) -> str | None:
     mine = rank_device(device_type)
     want = str(mine) if mine.type == device_type else device_type
     for i, t in enumerate(inputs):
-        elsewhere = isinstance(t, torch.Tensor) and t.device.type != device_type
-        if elsewhere or (isinstance(t, torch.Tensor) and device_type == "cuda" and t.device != mine):
+        if isinstance(t, torch.Tensor) and (t.device.type != device_type or (t.is_cuda and t.device != mine)):
             return (f"input {i} is on {t.device} but this rank runs on {want}; move the batch there first "
                     f"(e.g. tensor.to({want!r}))")
     return None
