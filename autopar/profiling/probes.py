@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from autopar.hardware.cluster import CollectiveFit
 from autopar.profiling.profiler_device import ProbeDevice
+from autopar.runtime.flat_collectives import all_gather_flat, reduce_scatter_flat
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 MIN_BETA = 1e-15  # s/byte (1 PB/s): the floor of a fit whose times do not grow with m
@@ -185,8 +186,8 @@ def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device)
     elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
     full, part, source = (torch.zeros(n, device=device) for n in (elems, elems // g, elems))  # sums stay finite
     calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-             "all_gather": lambda: dist.all_gather_single(full, part, group=group),
-             "reduce_scatter": lambda: dist.reduce_scatter_single(part, full, group=group),
+             "all_gather": lambda: all_gather_flat(full, part, group=group),
+             "reduce_scatter": lambda: reduce_scatter_flat(part, full, group=group),
              "all_to_all": lambda: dist.all_to_all_single(full, source, group=group)}
     return calls[kind], elems * 4
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from autopar.profiling.probe_step import TinyBlock, probe_shape
 from autopar.profiling.probes import collective_call, fit_alpha_beta, slowest_rank, warm_up
+from autopar.runtime.flat_collectives import all_gather_flat, reduce_scatter_flat
 
 IN_STEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "zero_pair")
 IN_STEP_SUFFIX = "@step"
@@ -53,8 +54,8 @@ def zero_pair_call(nbytes: int, g: int, group, device: torch.device) -> tuple:
     flat, shard = torch.zeros(elems, device=device), torch.zeros(elems // g, device=device)
 
     def call():
-        dist.reduce_scatter_single(shard, flat, group=group)
-        dist.all_gather_single(flat, shard.clone(), group=group)
+        reduce_scatter_flat(shard, flat, group=group)
+        all_gather_flat(flat, shard.clone(), group=group)
     return call, elems * 4
 
 

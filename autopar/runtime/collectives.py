@@ -23,6 +23,7 @@ import torch.distributed as dist
 from autopar.redistribute import Step
 from autopar.runtime import faults, groups
 from autopar.runtime import traced_collectives as traced
+from autopar.runtime.flat_collectives import all_gather_flat, reduce_scatter_flat
 
 _tracing = torch.compiler.is_compiling
 
@@ -37,7 +38,7 @@ def _gather(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     n = groups.size(key)
     src = _comm_dtype(x).movedim(dim, 0).contiguous()
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    faults.guard("all_gather", key, dist.all_gather_single, out, src, group=groups.get(key))
+    faults.guard("all_gather", key, all_gather_flat, out, src, group=groups.get(key))
     return out.movedim(0, dim).to(x.dtype).contiguous()
 
 
@@ -59,7 +60,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     n = groups.size(key)
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-    faults.guard("reduce_scatter", key, dist.reduce_scatter_single, out, src, group=groups.get(key))
+    faults.guard("reduce_scatter", key, reduce_scatter_flat, out, src, group=groups.get(key))
     return out.movedim(0, dim).contiguous()
 
 

@@ -46,9 +46,7 @@ from autopar.ir.buckets import padded_numel, sync_buckets
 from autopar.placement import local_slice, parse_spec
 from autopar.runtime import faults, groups, zero3
 from autopar.runtime.collectives import gather_full
-
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+from autopar.runtime.flat_collectives import all_gather_flat, reduce_scatter_flat
 
 
 class Bucket:
@@ -177,7 +175,7 @@ class Bucket:
             self.out = self.buffer
         else:
             self.out = torch.empty(self.shard_size, dtype=reduce_dtype, device=self.device)
-            self.work = _start("reduce_scatter", self.key, _REDUCE_SCATTER, self.out, self.buffer,
+            self.work = _start("reduce_scatter", self.key, reduce_scatter_flat, self.out, self.buffer,
                                group=self.group)
 
     def complete(self, timeout) -> None:
@@ -195,7 +193,7 @@ class Bucket:
 
     def gather_params(self) -> None:
         """All-gather the updated shards into the flat parameter buffer (ZeRO ≥ 1)."""
-        faults.guard("all_gather", self.key, _ALL_GATHER, self.param_flat, self.shard.detach().clone(),
+        faults.guard("all_gather", self.key, all_gather_flat, self.param_flat, self.shard.detach().clone(),
                      group=self.group)
 
 

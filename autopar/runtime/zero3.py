@@ -58,9 +58,8 @@ import torch
 import torch.fx as fx
 
 from autopar.runtime import faults
+from autopar.runtime.flat_collectives import all_gather_flat
 from autopar.runtime.zero3_graph import insert_unit_calls
-
-_ALL_GATHER = getattr(torch.distributed, "all_gather_single", torch.distributed.all_gather_into_tensor)
 
 
 class _Flat:
@@ -122,7 +121,7 @@ class Unit:
         self.flat.allocate()
         self._point_params(whole=True)
         self.sent = self.bucket.shard.detach().to(self.flat.tensor.dtype)
-        self.work = faults.guard("all_gather", self.bucket.key, _ALL_GATHER, self.flat.tensor, self.sent,
+        self.work = faults.guard("all_gather", self.bucket.key, all_gather_flat, self.flat.tensor, self.sent,
                                  group=self.bucket.group, async_op=True)
         self.gathers += 1
         self.registry.by_storage[self.flat.tensor.untyped_storage().data_ptr()] = self
@@ -194,7 +193,7 @@ class Unit:
         elif not self.master.held:
             self.master.allocate()
             self.registry.note(self.master.nbytes)
-            faults.guard("all_gather", self.bucket.key, _ALL_GATHER, self.master.tensor, self.bucket.shard.detach(),
+            faults.guard("all_gather", self.bucket.key, all_gather_flat, self.master.tensor, self.bucket.shard.detach(),
                          group=self.bucket.group)
         self.dirty = self.dirty or writes
 
