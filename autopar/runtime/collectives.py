@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.redistribute import Step
-from autopar.runtime import faults, groups
+from autopar.runtime import devices, faults, groups
 from autopar.runtime import traced_collectives as traced
 from autopar.runtime.flat_collectives import all_gather_flat, reduce_scatter_flat
 
@@ -36,10 +36,10 @@ def _gather(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     if _tracing():
         return traced.gather(x, dim, key)
     n = groups.size(key)
-    src = _comm_dtype(x).movedim(dim, 0).contiguous()
+    src = devices.to_wire(_comm_dtype(x).movedim(dim, 0).contiguous())
     out = torch.empty((n * src.shape[0],) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     faults.guard("all_gather", key, all_gather_flat, out, src, group=groups.get(key))
-    return out.movedim(0, dim).to(x.dtype).contiguous()
+    return out.movedim(0, dim).to(device=x.device, dtype=x.dtype).contiguous()
 
 
 def _chunk(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
@@ -49,19 +49,19 @@ def _chunk(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
 def _all_reduce(x: torch.Tensor, key: str) -> torch.Tensor:
     if _tracing():
         return traced.all_reduce(x, key)
-    out = x.contiguous().clone()
+    out = devices.to_wire(x.contiguous(), copy=True)
     faults.guard("all_reduce", key, dist.all_reduce, out, group=groups.get(key))
-    return out
+    return out.to(x.device)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, key: str) -> torch.Tensor:
     if _tracing():
         return traced.reduce_scatter(x, dim, key)
     n = groups.size(key)
-    src = x.movedim(dim, 0).contiguous()
+    src = devices.to_wire(x.movedim(dim, 0).contiguous())
     out = torch.empty((src.shape[0] // n,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
     faults.guard("reduce_scatter", key, reduce_scatter_flat, out, src, group=groups.get(key))
-    return out.movedim(0, dim).contiguous()
+    return out.movedim(0, dim).to(x.device).contiguous()
 
 
 def _all_to_all(x: torch.Tensor, cat_dim: int, split_dim: int, key: str) -> torch.Tensor:
@@ -69,10 +69,10 @@ def _all_to_all(x: torch.Tensor, cat_dim: int, split_dim: int, key: str) -> torc
         return traced.all_to_all(x, cat_dim, split_dim, key)
     n = groups.size(key)
     src = _comm_dtype(x)
-    send = torch.stack(src.chunk(n, dim=split_dim)).contiguous()
+    send = devices.to_wire(torch.stack(src.chunk(n, dim=split_dim)).contiguous())
     recv = torch.empty_like(send)
     faults.guard("all_to_all", key, dist.all_to_all_single, recv, send, group=groups.get(key))
-    return torch.cat(recv.unbind(0), dim=cat_dim).to(x.dtype)
+    return torch.cat(recv.unbind(0), dim=cat_dim).to(device=x.device, dtype=x.dtype)
 
 
 class _AllGather(torch.autograd.Function):

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from autopar.runtime import faults, groups
+from autopar.runtime import devices, faults, groups
 
 
 def causal_context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: str,
@@ -76,11 +76,11 @@ class _MirrorSwap(torch.autograd.Function):
 
 def _exchange(x: torch.Tensor, peer: int, group: str) -> torch.Tensor:
     """Send ``x`` to ``peer`` and receive the peer's tensor of the same shape (both ranks call this)."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    sent = devices.to_wire(x.contiguous())
+    out = torch.empty_like(sent)
     pg = groups.get(group)
-    sends = faults.guard("send", group, dist.isend, x, peer, group=pg)
+    sends = faults.guard("send", group, dist.isend, sent, peer, group=pg)
     recvs = faults.guard("recv", group, dist.irecv, out, peer, group=pg)
     faults.guard("send", group, sends.wait)
     faults.guard("recv", group, recvs.wait)
-    return out
+    return out.to(x.device)

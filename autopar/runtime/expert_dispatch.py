@@ -90,10 +90,11 @@ def _exchange_counts(counts: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    faults.guard("all_to_all", group, dist.all_to_all_single, out, x.contiguous(), out_splits, in_splits,
+    sent = devices.to_wire(x.contiguous())
+    out = sent.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    faults.guard("all_to_all", group, dist.all_to_all_single, out, sent, out_splits, in_splits,
                  group=groups.get(group))
-    return out
+    return out.to(x.device)
 
 
 class AllToAll(torch.autograd.Function):
