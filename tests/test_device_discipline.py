@@ -5,6 +5,9 @@ use beside CUDA inputs, or a collective NCCL refuses ("No backend type associate
 Both reached a lent H200 through code that passed every CPU test, so the rule is checked on the source: a
 factory of ``torch`` in the runtime passes ``device=`` (``device="cpu"`` where a host tensor is meant).
 ``*_like`` and ``Tensor.new_*`` follow their source tensor and are not checked.
+
+Lent GPUs run an older torch (2.11) than the suite (2.13): names only the newer one has
+(``all_gather_single``, ``reduce_scatter_single``) are reached through ``runtime.flat_collectives`` alone.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from autopar.runtime import devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKED = ("autopar/runtime", "autopar/moe", "autopar/ir")
+NEWER_TORCH_ONLY = {"all_gather_single", "reduce_scatter_single"}
 FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "randint", "rand", "randn",
              "randperm", "empty_strided", "linspace", "eye"}
 
@@ -35,8 +39,14 @@ def factory_calls_without_device(source: str) -> list[tuple[int, str]]:
     return found
 
 
-def _runtime_sources():
-    for folder in CHECKED:
+def newer_torch_names(source: str) -> list[tuple[int, str]]:
+    """(line, name) of each attribute of ``NEWER_TORCH_ONLY`` read in ``source``."""
+    return [(node.lineno, node.attr) for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in NEWER_TORCH_ONLY]
+
+
+def _runtime_sources(folders=CHECKED):
+    for folder in folders:
         for name in sorted(os.listdir(os.path.join(ROOT, folder))):
             if name.endswith(".py"):
                 path = os.path.join(folder, name)
@@ -77,3 +87,21 @@ def test_local_gpu_index_reads_the_local_rank(monkeypatch, env, rank, expected):
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert devices.local_gpu_index(rank) == expected
+
+
+def test_collectives_only_newer_torch_has_go_through_one_alias():
+    found = [f"{path}:{line} {name}" for path, source in _runtime_sources(CHECKED + ("autopar/profiling",))
+             if not path.endswith("flat_collectives.py") for line, name in newer_torch_names(source)]
+    assert not found, "use runtime.flat_collectives (torch 2.11 lacks these): " + ", ".join(found)
+
+
+def test_the_newer_torch_check_finds_a_direct_call():  # negative control
+    source = "import torch.distributed as dist\ndist.all_gather_single(out, x)\ndist.all_to_all_single(o, x)\n"
+    assert newer_torch_names(source) == [(2, "all_gather_single")]
+
+
+def test_to_wire_is_a_no_op_where_the_tensor_already_is():
+    t = torch.ones(3)
+    assert devices.to_wire(t, backend="gloo") is t
+    copied = devices.to_wire(t, copy=True, backend="gloo")
+    assert copied is not t and torch.equal(copied, t)

@@ -33,14 +33,14 @@ def wire_device(backend: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def to_wire(t: torch.Tensor, copy: bool = False) -> torch.Tensor:
+def to_wire(t: torch.Tensor, copy: bool = False, backend: str | None = None) -> torch.Tensor:
     """``t`` on the wire device (a no-op when it is there already, unless ``copy``).
 
     gloo's point-to-point and most of its collectives read a GPU tensor's device pointer as host memory
     (``writev: Bad address``), so a GPU rank on gloo stages every message through host memory; callers move
     the result back with ``.to(original.device)``.
     """
-    return t.to(wire_device(), copy=copy)
+    return t.to(wire_device(backend), copy=copy)
 
 
 def local_gpu_index(rank: int) -> int:
