@@ -27,7 +27,8 @@ Attention is priced by the kernel the model really runs (``attention_kernel``): 
 ``aten._scaled_dot_product_{flash,efficient,cudnn}_attention`` node names its fused kernel, and the composite
 ``aten.scaled_dot_product_attention`` gets the one torch's dispatcher would pick on the cluster's devices
 (GPUs with bf16 tensor cores, sm80+: flash for fp16/bf16 without a mask and head dim <= 256 and divisible
-by 8; otherwise memory-efficient; CPU clusters keep the plain roofline, their rates being measured).
+by 8; otherwise memory-efficient; CPU clusters: torch's flash kernel for CPUs at the profiled
+``attention_efficiency``, the plain roofline where the cluster has none).
 
     fused (flash, efficient):  t = flops · causal / (F · rate[kernel]) vs bytes of q, k, v, out
                                rate = ATTENTION_RATE, or for flash the cluster's measured
@@ -197,12 +198,14 @@ def attention_rate(kernel: str, cluster) -> float:
 
 def attention_kernel(node: fx.Node, cluster) -> str | None:
     """"flash", "efficient" or "math" for an attention node on ``cluster`` (module docstring), None for any
-    other node and for the composite op on CPU clusters."""
+    other node and for the composite op on CPU clusters that measured no ``attention_efficiency``."""
     name = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
     if name in _FUSED_TARGETS:
         return _FUSED_TARGETS[name]
-    if name != "scaled_dot_product_attention" or getattr(cluster, "device_type", "cpu") != "cuda":
+    if name != "scaled_dot_product_attention":
         return None
+    if getattr(cluster, "device_type", "cpu") != "cuda":  # torch's CPU dispatch: its flash kernel, if measured
+        return "flash" if getattr(cluster, "attention_efficiency", 0.0) else None
     q = node.args[0].meta.get("val")
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     head_dim = q.shape[-1]

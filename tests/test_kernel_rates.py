@@ -1,7 +1,8 @@
 """Kernel kinds priced at the cluster's measured rate for them, on hand-computable cases with the ops each
 term must leave alone as negative controls, and the profiler's reading of its measurements: normalization,
 activation and softmax ops at ``Cluster.norm_act_bandwidth`` (``compute.memory_bound_bandwidth``), fused
-flash attention at ``Cluster.attention_efficiency`` of the matmul rate (``compute.attention_rate``)."""
+fused attention (flash on GPUs, torch's CPU kernel on profiled CPU clusters) at ``Cluster.attention_efficiency``
+of the matmul rate (``compute.attention_rate``)."""
 import dataclasses
 import types
 
@@ -119,13 +120,18 @@ def test_flash_attention_runs_at_the_measured_share_of_the_matmul_rate():
     assert same == pytest.approx(default)
 
 
-def test_attention_efficiency_leaves_cpu_attention_and_other_ops_alone():
-    """Negative controls: a CPU cluster prices composite attention by its plain roofline, and a LayerNorm is
+def test_cpu_attention_is_priced_by_its_measured_rate_and_other_ops_are_not():
+    """A CPU cluster that measured fused attention prices composite SDPA at that share of the fp32 curve, causal
+    FLOPs halved; negative controls: without the measurement it keeps the plain roofline, and a LayerNorm is
     no attention."""
     node = _attention_node()
     cpu = Cluster.local(1)
     assert attention_kernel(node, cpu) is None
-    assert _attention_time(node, dataclasses.replace(cpu, attention_efficiency=0.1)) == _attention_time(node, cpu)
+    measured = dataclasses.replace(cpu, attention_efficiency=0.25)
+    assert attention_kernel(node, measured) == "flash"
+    slower = dataclasses.replace(cpu, attention_efficiency=0.125)
+    ratio = (_attention_time(node, slower) - 2 * cpu.op_overhead) / (_attention_time(node, measured) - 2 * cpu.op_overhead)
+    assert ratio == pytest.approx(2.0, rel=1e-6)
     ln = _nodes()["layer_norm"]
     assert _time(ln, dataclasses.replace(_cluster(0.0), attention_efficiency=0.1)) == _time(ln, _cluster(0.0))
 
@@ -138,5 +144,16 @@ def test_profiler_reads_attention_efficiency_against_the_bf16_curve():
     ideal = 0.5 * (fwd + bwd) / rate  # causal: half the FLOPs, at the curve's rate
     per_rank = [{"attention": 2 * ideal}, {"attention": 3 * ideal}, {"attention": 2.5 * ideal}]
     assert attention_efficiency(cluster, per_rank) == pytest.approx(1 / 2.5)
-    assert attention_efficiency(cluster, [{"attention": None}]) == 0.0  # CPU ranks measure none
+    assert attention_efficiency(cluster, [{"attention": None}]) == 0.0  # not measured
     assert attention_efficiency(dataclasses.replace(cluster, matmul_curve={}), per_rank) == 0.0
+
+
+def test_profiler_reads_cpu_attention_less_its_two_op_calls():
+    fwd, bwd = attention_flops("cpu")
+    assert fwd == 4 * 4 * 4 * 256 * 256 * 64 and bwd == 2 * fwd
+    rate, overhead = 50e9, 20e-6
+    cluster = dataclasses.replace(Cluster.local(1), matmul_curve={"float32": [[1e3, rate], [1e12, rate]]})
+    ideal = 0.5 * (fwd + bwd) / rate
+    per_rank = [{"attention": 3 * ideal + 2 * overhead}]
+    assert attention_efficiency(cluster, per_rank, "cpu", overhead) == pytest.approx(1 / 3)
+    assert attention_efficiency(cluster, per_rank, "cpu") < 1 / 3  # control: the host time left in reads slower

@@ -63,9 +63,10 @@ class Cluster:
       (``autopar.profiling.profiler_training``, item 6).
     attention_efficiency: the rate fused (flash) attention achieves, forward + backward on its causal FLOPs,
       as a fraction of the matmul curve's rate at the same call size. 0 (the default, presets, old cluster
-      files): ``cost_models.compute.ATTENTION_RATE`` (FlashAttention-2's A100 figures); the profiler measures
-      it on GPUs (``autopar.profiling.profiler_training``, item 7): it differs by generation (FlashAttention-2 reaches
-      ~70 % of an A100's peak and ~35 % of an H100's).
+      files): ``cost_models.compute.ATTENTION_RATE`` (FlashAttention-2's A100 figures), and on CPU clusters the
+      plain roofline; the profiler measures it (``autopar.profiling.profiler_training``, item 7): it differs by
+      generation (FlashAttention-2 reaches ~70 % of an A100's peak and ~35 % of an H100's), and torch's CPU
+      kernel reaches 0.25-0.6 of the fp32 matmul rate on the development VM.
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training

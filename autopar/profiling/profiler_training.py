@@ -40,9 +40,10 @@ Collectives are timed in seconds; every compute probe (items 2-4, 6-8) against t
    (tokens × width: fp32 on CPUs, bf16 on GPUs, larger than the caches), bytes as ``cost_models.compute``
    counts them, 3 · (input + output) = 6 · |x|, over the seconds less the host time of their two op calls
    on CPU ranks (on GPUs launches overlap kernels); the median over the three ops of the median over ranks.
-7. attention_efficiency (GPUs): forward + backward of causal ``scaled_dot_product_attention`` (the flash
-   kernel) on ``ATTENTION_SHAPE`` in bf16; efficiency = the cost model's seconds at rate 1 (its FLOPs, halved
-   for the causal mask, at the bf16 curve's rate for the forward's call size) / the median seconds over ranks.
+7. attention_efficiency: forward + backward of causal ``scaled_dot_product_attention`` (the fused kernel:
+   flash on GPUs in bf16, torch's flash kernel for CPUs in fp32) at ``ATTENTION_SHAPES[kind]``; efficiency =
+   the cost model's seconds at rate 1 (its FLOPs, halved for the causal mask, at the curve's rate for the
+   forward's call size) / the median seconds over ranks, less two op calls' host time on CPU ranks.
 8. compiled_time_scale: item 4 again with the probe block under ``torch.compile`` (compiled once, untimed,
    then timed the same way between two reference mms), priced with no host time per op (a compiled graph
    runs fused kernels, not one call per op): s_c = (measured compiled) / (q_c · Σ r_i). Against item 4's s it
@@ -152,21 +153,27 @@ def norm_act_bandwidth(per_rank: list[dict], kind: str, overhead: float) -> floa
                              for i in range(len(measured[0]))) if measured else 0.0
 
 
-ATTENTION_SHAPE = (8, 16, 2048, 128)  # batch, heads, sequence, head dim: a GPT-1.3B microbatch's
+# Item 7's attention call per device kind: (batch, heads, sequence, head dim), dtype. GPUs: a GPT-1.3B
+# microbatch's, bf16 (the flash kernel). CPUs: a CPU-sized one, fp32 (torch's flash kernel for CPUs); its
+# rate moves with the shape (0.25-0.57 of the fp32 curve on the development VM from sequence 128 to 1024),
+# so the probe sits among the sequences CPU runs train at.
+ATTENTION_SHAPES = {"cuda": ((8, 16, 2048, 128), "bfloat16"), "cpu": ((4, 4, 256, 64), "float32")}
 
 
-def attention_call(device):
-    """Forward + backward of causal flash attention on ``ATTENTION_SHAPE`` (item 7), as a call."""
-    q, k, v, grad = (torch.randn(ATTENTION_SHAPE, device=device, dtype=torch.bfloat16, requires_grad=i < 3)
+def attention_call(device, kind: str = "cuda"):
+    """Forward + backward of causal fused attention at ``ATTENTION_SHAPES[kind]`` (item 7), as a call."""
+    shape, dtype = ATTENTION_SHAPES[kind]
+    q, k, v, grad = (torch.randn(shape, device=device, dtype=getattr(torch, dtype), requires_grad=i < 3)
                      for i in range(4))
     return lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
 
 
-def attention_flops() -> tuple[float, float]:
+def attention_flops(kind: str = "cuda") -> tuple[float, float]:
     """(forward, backward) FLOPs of ``attention_call`` as the cost model counts them (flop_counter on meta)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    q, k, v = (torch.empty(ATTENTION_SHAPE, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    shape, dtype = ATTENTION_SHAPES[kind]
+    q, k, v = (torch.empty(shape, device="meta", dtype=getattr(torch, dtype), requires_grad=True) for _ in "qkv")
     with FlopCounterMode(display=False) as counter:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         fwd = counter.get_total_flops()
@@ -174,15 +181,18 @@ def attention_flops() -> tuple[float, float]:
     return float(fwd), float(counter.get_total_flops() - fwd)
 
 
-def attention_efficiency(cluster: Cluster, per_rank: list[dict]) -> float:
-    """Item 7: the cost model's causal-attention seconds at rate 1 over the measured median; 0 when not
-    measured (CPU ranks, or no bf16 curve)."""
+def attention_efficiency(cluster: Cluster, per_rank: list[dict], kind: str = "cuda", overhead: float = 0.0) -> float:
+    """Item 7: the cost model's causal-attention seconds at rate 1 over the measured median, less the host
+    time of its two op calls on CPU ranks (the cost model charges those as op_overhead); 0 when not measured
+    or the kind's dtype has no curve."""
     measured = [r["attention"] for r in per_rank if r.get("attention")]
-    if not measured or "bfloat16" not in cluster.matmul_curve:
+    dtype = ATTENTION_SHAPES[kind][1]
+    if not measured or dtype not in cluster.matmul_curve:
         return 0.0
-    fwd, bwd = attention_flops()
-    ideal = 0.5 * (fwd + bwd) / cluster.matmul_flops("bfloat16", fwd)
-    return ideal / statistics.median(measured)
+    fwd, bwd = attention_flops(kind)
+    ideal = 0.5 * (fwd + bwd) / cluster.matmul_flops(dtype, fwd)
+    host = 0.0 if kind == "cuda" else 2 * overhead
+    return ideal / max(statistics.median(measured) - host, 1e-12)
 
 
 def measure_rank(settings, probe, reference: SpeedReference) -> dict:
@@ -223,8 +233,7 @@ def measure_rank(settings, probe, reference: SpeedReference) -> dict:
         dtype = getattr(torch, name)
         out["linears"][name] = [relative(_linear_step(s, dtype, probe.torch)) for s in training_shapes(probe)]
     out["norm_act"] = [relative(call, op) for call, op in zip(norm_act_calls(probe.kind, device), NORM_ACT_OPS)]
-    if probe.kind == "cuda":
-        out["attention"] = relative(attention_call(device))
+    out["attention"] = relative(attention_call(device, probe.kind))
     out["pipeline"] = measure_pipeline(settings, probe, reference)
     for m, timing in (out["pipeline"] or {}).pop("timings", {}).items():
         timings[f"pipeline M={m}"] = timing
@@ -331,9 +340,10 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
     norm_act = norm_act_bandwidth(per_rank, probe.kind, overhead)
     if norm_act:
         notes.append(f"norm/activation ops at {norm_act / 1e9:.1f} GB/s")
-    attention = attention_efficiency(dataclasses.replace(cluster, matmul_curve=curve, peak_flops=peak), per_rank)
+    attention = attention_efficiency(dataclasses.replace(cluster, matmul_curve=curve, peak_flops=peak), per_rank,
+                                     probe.kind, overhead)
     if attention:
-        notes.append(f"flash attention at {attention:.2f} of the matmul rate")
+        notes.append(f"fused attention at {attention:.2f} of the matmul rate")
     out = dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
                               op_overhead=overhead, matmul_curve=curve, peak_flops=peak, norm_act_bandwidth=norm_act,
                               attention_efficiency=attention)
