@@ -11,7 +11,9 @@ max(g/U + c, g + c/U), so compute hides all but
 
     exposed(g, c, U) = g/U + max(0, g·(U−1)/U − c·(U−1)/U) = max(g/U, g − c·(U−1)/U)
 
-(the first unit's gather precedes any compute; the others hide behind the units before them). The plan
+(the first unit's gather precedes any compute; the others hide behind the units before them). Where the
+cluster measured that compute hides only a share ω of a collective beside it (``Cluster.comm_overlap``, CPU
+ranks: gloo's threads share the cores), exposed_ω = exposed + (1 − ω)·(g − exposed). The plan
 (``plan_builder.charge_zero3``) prices each direction so: g = f3 · s/2 · r, with s the stage's gradient
 all-reduce seconds (``grad_sync``, at the parameters' bytes), f3 the level-3 share of its elements (an
 all-gather moves half a ring all-reduce) and r = gather itemsize / parameter itemsize (1/2 for fp32 weights
@@ -45,13 +47,15 @@ from autopar.ir.buckets import padded_numel, peak_gathered, prefetch_spans, unit
 from autopar.ir.recompute import region_keys
 
 
-def exposed_gather(gather: float, compute: float, units: int) -> float:
+def exposed_gather(gather: float, compute: float, units: int, overlap: float = 1.0) -> float:
     """Seconds of ``gather`` (one direction's all-gathers of ``units`` prefetched units) that ``compute``
-    beside them does not hide (module docstring)."""
+    beside them does not hide (module docstring); ``overlap`` (``Cluster.comm_overlap``): the share of the
+    hideable part that running beside compute really hides."""
     if gather <= 0:
         return 0.0
     u = max(int(units), 1)
-    return max(gather / u, gather - compute * (u - 1) / u)
+    exposed = max(gather / u, gather - compute * (u - 1) / u)
+    return exposed + (1.0 - overlap) * (gather - exposed)
 
 
 def group_exposed(gather, compute):

@@ -261,7 +261,7 @@ def _sabotage(kind):
 
 def _sabotage_gather():
     """ZeRO-3's negative control: every unit all-gather leaves the other ranks' shards zero."""
-    original = zero3._ALL_GATHER
+    original = zero3.all_gather_flat
 
     def own_shard_only(out, shard, group=None, async_op=False):
         out.zero_()
@@ -269,8 +269,8 @@ def _sabotage_gather():
         out[lo:lo + shard.numel()].copy_(shard)
         return _Done() if async_op else None
 
-    zero3._ALL_GATHER = own_shard_only
-    return lambda: setattr(zero3, "_ALL_GATHER", original)
+    zero3.all_gather_flat = own_shard_only
+    return lambda: setattr(zero3, "all_gather_flat", original)
 
 
 def _sabotage_prefetch():

@@ -67,6 +67,11 @@ class Cluster:
       plain roofline; the profiler measures it (``autopar.profiling.profiler_training``, item 7): it differs by
       generation (FlashAttention-2 reaches ~70 % of an A100's peak and ~35 % of an H100's), and torch's CPU
       kernel reaches 0.25-0.6 of the fp32 matmul rate on the development VM.
+    comm_overlap: the share of a collective's time that compute running beside it hides (gradient sync behind
+      backward, ZeRO-3's prefetched all-gathers behind the layers before them): 1 (the default, presets, old
+      cluster files) where collectives have their own engines (GPUs: NCCL kernels on their own stream); on CPU
+      ranks the profiler measures it (``autopar.profiling.profiler_in_step``), since gloo's threads then run on
+      the cores the ranks compute on (0.3 on 2 ranks of the 2-core development VM).
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
@@ -100,6 +105,7 @@ class Cluster:
     norm_act_bandwidth: float = 0.0
     attention_efficiency: float = 0.0
     compiled_time_scale: float = 0.0
+    comm_overlap: float = 1.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -128,6 +134,10 @@ class Cluster:
         _check_positive(self.name, "attention_efficiency", self.attention_efficiency, allow_zero=True)
         _check_positive(self.name, "compute_time_scale", self.compute_time_scale)
         _check_positive(self.name, "compiled_time_scale", self.compiled_time_scale, allow_zero=True)
+        if isinstance(self.comm_overlap, bool) or not isinstance(self.comm_overlap, (int, float)) \
+                or not 0.0 <= self.comm_overlap <= 1.0:
+            raise ClusterError(f"cluster {self.name!r}: comm_overlap must be a share between 0 and 1, got "
+                               f"{self.comm_overlap!r}{_FIX}")
         for dtype_name, value in self.peak_flops.items():
             _check_positive(self.name, f"peak_flops[{dtype_name!r}]", value)
         for link_name in ("intra_node", "inter_node"):
@@ -212,6 +222,8 @@ class Cluster:
         out = dataclasses.asdict(self)
         if not self.compiled_time_scale:  # unmeasured: absent, as in files written before the field existed
             del out["compiled_time_scale"]
+        if self.comm_overlap == 1.0:  # the default: absent, so files and plans of clusters without it stay as they were
+            del out["comm_overlap"]
         return out
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:

@@ -42,6 +42,7 @@ from autopar.placement import local_shape, parse_spec, spec_str
 from autopar.plan import Collective, NodeSharding, Plan, Stage
 from autopar.planner.sync_charges import (  # noqa: F401  (exposed_sync, charge_zero3: re-exported)
     charge_zero3,
+    charge_zero3_in_step,
     charge_zero_pair,
     exposed_sync,
     requires_grad_kept,
@@ -219,7 +220,8 @@ def predict(stages: list[Stage], microbatches: int, schedule: str, transfers: li
     sync = max(s.predicted["grad_sync"] for s in stages)
     exposed = max(exposed_sync(s.predicted["grad_sync"], s.predicted["backward"], s.predicted.get("sync_buckets", 1),
                                s.predicted.get("zero_gather_share", 0.0), s.predicted.get("zero3_share", 0.0),
-                               s.predicted.get("zero_pair_excess", 0.0))
+                               s.predicted.get("zero_pair_excess", 0.0) + s.predicted.get("zero3_scatter_excess", 0.0),
+                               s.predicted.get("comm_overlap", 1.0))
                   for s in stages)
     optimizer = max(s.predicted.get("optimizer", 0.0) for s in stages)
     busiest = max(microbatches * (f + b) for f, b in zip(device_f, device_b))
@@ -316,6 +318,9 @@ def assemble_plan(graph, cluster: Cluster, stages: list[Stage], options, model_n
         stage.predicted.update(predict_state(sharded, stage, options.bucket_bytes, options.optimizer,
                                              dict(layers.of_node) if layers is not None else None,
                                              resolve_precision(options.precision).compute_dtype))
+        if cluster.comm_overlap < 1.0:  # only where measured: other plans keep their keys
+            stage.predicted["comm_overlap"] = cluster.comm_overlap
+        charge_zero3_in_step(sharded, stage, cluster, options.bucket_bytes)
         charge_zero3(stage)
         charge_zero_pair(sharded, stage, cluster, options.bucket_bytes)
     charge_microbatch_overhead(stages, cluster, microbatches)

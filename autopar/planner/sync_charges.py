@@ -3,6 +3,9 @@ and how much of the sync the backward hides.
 
     exposed = max(s / K, s − b·(K − 1)/K) + g        (``exposed_sync``; K buckets, b the last backward)
 
+and, where compute hides only a share ω of a collective beside it (``Cluster.comm_overlap``, measured on CPU
+ranks; 1 elsewhere), (1 − ω) of the part the backward would hide added back.
+
 with g the ZeRO 1-2 all-gathers after the step (plus, on CPU profiles, the measured pair's excess) and ZeRO-3's
 gathers charged into forward and backward instead (``charge_zero3``). ``plan_builder`` calls these per stage.
 """
@@ -46,15 +49,18 @@ def charge_zero3(stage) -> None:
     gather dtype: g = f3 · s/2 · r per direction (s: the stage's gradient all-reduce seconds, ``grad_sync``;
     r: ``zero3_gather_scale``). Prefetched over U units (``zero3_units``), forward and backward each gain
     only what their compute c does not hide, ``cost_models.zero3.exposed_gather``:
-    max(g/U, g − c·(U − 1)/U) (``zero3_exposed``: both, per microbatch). Per step the level-3 gradients
+    max(g/U, g − c·(U − 1)/U), the hidden rest scaled by 1 − ω (``comm_overlap``) where the cluster measured ω
+    (``zero3_exposed``: both, per microbatch). Per step the level-3 gradients
     are reduce-scattered (f3 · s / 2, in ``exposed_sync``) and nothing is gathered after the optimizer step.
     Memory: the units held at once (``zero3_transient``) add to the stage's memory and peak."""
     p = stage.predicted
-    g3 = p.get("zero3_share", 0.0) * p.get("grad_sync", 0.0) / 2 * p.get("zero3_gather_scale", 1.0)
+    g3 = p.get("zero3_gather_measured", p.get("zero3_share", 0.0) * p.get("grad_sync", 0.0) / 2
+               * p.get("zero3_gather_scale", 1.0))
     p["zero3_gather"] = g3
     if g3 > 0:
         units = p.get("zero3_units", 1.0)
-        exposed = {key: exposed_gather(g3, p.get(key, 0.0), units) for key in ("forward", "backward")}
+        overlap = p.get("comm_overlap", 1.0)
+        exposed = {key: exposed_gather(g3, p.get(key, 0.0), units, overlap) for key in ("forward", "backward")}
         for key, seconds in exposed.items():
             p[key] = p.get(key, 0.0) + seconds
         p["zero3_exposed"] = sum(exposed.values())
@@ -78,8 +84,33 @@ def charge_zero_pair(graph, stage, cluster: Cluster, bucket_bytes: float) -> Non
         stage.predicted["zero_pair_excess"] = excess
 
 
+def charge_zero3_in_step(graph, stage, cluster: Cluster, bucket_bytes: float) -> None:
+    """Where the profile timed all-gathers and reduce-scatters right after a step's compute ("<kind>/<n>@step",
+    CPU profiles), price ZeRO-3's collectives from those fits, per level-3 bucket and axis, instead of as
+    halves of the gradient all-reduce: ``stage.predicted["zero3_gather_measured"]`` (one direction's
+    all-gathers, at the gather itemsize) for ``charge_zero3``, and ``["zero3_scatter_excess"]`` (what the
+    reduce-scatters cost beyond half the all-reduce ``exposed_sync`` prices them as). On 2 gloo ranks of the
+    2-core VM an in-step all-gather of 16 MiB took 0.8-0.9 of an all-reduce's time, not half. No keys, and so
+    no change, where no such fit exists (presets, GPU profiles)."""
+    links = axis_links(cluster, tuple(stage.mesh_shape), stage.submesh[1])
+    if not any(link.size > 1 and f"all_gather/{link.size}@step" in link.link.fits for link in links):
+        return
+    scale = stage.predicted.get("zero3_gather_scale", 1.0)
+    gather = scatter = 0.0
+    for b in stage_sync_buckets(graph, stage, bucket_bytes):
+        if b["level"] != 3:
+            continue
+        nbytes = 4.0 * padded_numel(b["numel"], b["ways"], b["level"])
+        for a in b["axes"]:
+            gather += links[a].time("all_gather", nbytes * scale)
+            scatter += max(0.0, links[a].time("reduce_scatter", nbytes) - links[a].time("all_reduce", nbytes) / 2)
+    if gather > 0:
+        stage.predicted["zero3_gather_measured"] = gather
+        stage.predicted["zero3_scatter_excess"] = scatter
+
+
 def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float, zero3_share: float = 0.0,
-                 pair_excess: float = 0.0) -> float:
+                 pair_excess: float = 0.0, overlap: float = 1.0) -> float:
     """Seconds of gradient sync the backward does not hide. Buckets of equal size become ready at
     b/K, 2b/K, ..., b (b: the last microbatch's backward, K buckets) and go out one after another, so the
     last finishes at max(b/K + s, b + s/K) (s: the sync's reduce part); what lies past b is exposed:
@@ -90,9 +121,10 @@ def exposed_sync(sync: float, backward: float, buckets: int, gather_share: float
     shards all-gathered after the step (the other half, g = f·sync/2), which nothing hides. At ZeRO 3 a
     share f3 is only reduce-scattered here (s loses f3·sync/2); its all-gathers are in forward and backward
     (``charge_zero3``). ``pair_excess``: what the measured pair costs beyond that all-reduce
-    (``charge_zero_pair``), exposed with the gathers it runs among."""
+    (``charge_zero_pair``), exposed with the gathers it runs among. ``overlap``: ``Cluster.comm_overlap``."""
     if sync <= 0:
         return 0.0
     gather = gather_share * sync / 2 + pair_excess
     s, k = sync - gather_share * sync / 2 - zero3_share * sync / 2, max(int(buckets), 1)
-    return max(s / k, s - backward * (k - 1) / k) + gather
+    reduce = max(s / k, s - backward * (k - 1) / k)
+    return reduce + (1.0 - overlap) * (s - reduce) + gather

@@ -181,14 +181,16 @@ class SpeedReference:
         return statistics.median(self.windows)
 
 
-def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device) -> tuple:
-    """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes."""
+def collective_call(kind: str, nbytes: int, g: int, group, device: torch.device, async_op: bool = False) -> tuple:
+    """(zero-argument call running one ``kind`` on ``group``, its per-device bytes m) for m ≈ nbytes; with
+    ``async_op`` the call returns the collective's work handle without waiting."""
     elems = max(g, nbytes // 4 // g * g)  # float32, divisible by g
     full, part, source = (torch.zeros(n, device=device) for n in (elems, elems // g, elems))  # sums stay finite
-    calls = {"all_reduce": lambda: dist.all_reduce(full, group=group),
-             "all_gather": lambda: all_gather_flat(full, part, group=group),
-             "reduce_scatter": lambda: reduce_scatter_flat(part, full, group=group),
-             "all_to_all": lambda: dist.all_to_all_single(full, source, group=group)}
+    kw = {"group": group, "async_op": async_op}
+    calls = {"all_reduce": lambda: dist.all_reduce(full, **kw),
+             "all_gather": lambda: all_gather_flat(full, part, **kw),
+             "reduce_scatter": lambda: reduce_scatter_flat(part, full, **kw),
+             "all_to_all": lambda: dist.all_to_all_single(full, source, **kw)}
     return calls[kind], elems * 4
 
 

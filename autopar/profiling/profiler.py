@@ -74,7 +74,7 @@ from autopar.profiling.probes import (
 )
 from autopar.profiling.profiler_device import KINDS as DEVICE_KINDS
 from autopar.profiling.profiler_device import ProbeDevice
-from autopar.profiling.profiler_in_step import measure_in_step, with_in_step_fits
+from autopar.profiling.profiler_in_step import measure_in_step, measure_overlap, with_in_step_fits
 from autopar.profiling.profiler_neighbour import measure_neighbour, neighbour_factor, neighbour_note
 from autopar.profiling.profiler_training import apply_training_measurements, measure_rank, training_seconds
 
@@ -192,6 +192,7 @@ def _profile_rank(rank: int, settings: ProfileSettings, progress: bool, probe: P
     mine["training"] = measure_rank(settings, probe, reference)
     bar.set_postfix_str("collectives after a compute burst")
     mine["in_step"] = measure_in_step(settings, probe, group_sizes(world))
+    mine["overlap"] = measure_overlap(settings, probe)
     bar.set_postfix_str("the reference beside a neighbour's training step")
     mine["neighbour"] = measure_neighbour(settings, probe, reference)
     bar.close()

@@ -18,6 +18,13 @@ On 2 gloo ranks of a 2-core VM (idle, 2026-11-27) dp's 13 MB gradient all-reduce
 price inside a training step and 1.76× even on the rank that waits least; ZeRO-2's reduce-scatter +
 all-gather 4.02× (``benchmarks/results/collective_share_idle_2026-11-27_0230.txt``).
 
+Overlap (``Cluster.comm_overlap``): the runtime issues the gradient sync's all-reduces and ZeRO-3's prefetched
+all-gathers asynchronously beside compute. For each of those two kinds at the largest in-step size, windows of
+[start it; burst; wait] alternate with the two above; with a = what it adds after the burst and b = what it
+adds started before it, compute hid the share ω = 1 − b/a, clipped to [0, 1]; the profile keeps the median over
+the kinds. On 2 gloo ranks of the 2-core VM, ω ≈ 0.3: gloo's threads copy and reduce on the cores the ranks
+compute on, so "hidden" sync mostly is not.
+
 Kinds: all_reduce, all_gather, reduce_scatter (the step's own collectives), and "zero_pair": the
 reduce-scatter of a flat gradient buffer of m bytes into the rank's shard and the all-gather of the shards back
 (``runtime.gradsync`` at ZeRO 1-2), m as ``all_reduce``'s (the full buffer). CPU ranks only: on GPUs the
@@ -39,6 +46,7 @@ from autopar.profiling.probes import collective_call, fit_alpha_beta, slowest_ra
 from autopar.runtime.flat_collectives import all_gather_flat, reduce_scatter_flat
 
 IN_STEP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "zero_pair")
+OVERLAP_KINDS = ("all_reduce", "all_gather")  # issued beside compute: the gradient sync, ZeRO-3's prefetch
 IN_STEP_SUFFIX = "@step"
 BURST_S = 0.04  # seconds of compute before each timed collective
 MAX_SIZES = 4  # the largest message sizes of the profile's ladder (a step's collectives: 0.25-16 MiB on CPUs)
@@ -91,20 +99,54 @@ def _window(calls, iterations: int) -> float:
     return time.perf_counter() - begin
 
 
+def _added(burst, variants, settings, probe) -> list[float]:
+    """Seconds each of ``variants`` (call sequences) adds over the burst alone, per iteration: the median over
+    windows of the slowest rank's window less its burst-alone window (they alternate), the same on every rank."""
+    dist.barrier()
+    slowest = slowest_rank(warm_up(lambda: _window(variants[0], 1), settings.warmup, probe), probe)
+    iterations = max(2, math.ceil(settings.probe_window_s / max(slowest, 1e-9)))
+    rows = [[] for _ in range(len(variants) + 1)]
+    for _ in range(settings.windows):
+        for row, calls in zip(rows, [(burst,)] + list(variants)):
+            dist.barrier()
+            row.append(_window(calls, iterations))
+    times = torch.tensor(rows, dtype=torch.float64, device=probe.torch)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return [statistics.median(float(p - a) / iterations for a, p in zip(times[0], row)) for row in times[1:]]
+
+
 def _point(burst, collective, settings, probe) -> float:
     """Seconds one collective adds after a burst (module docstring), the same on every rank."""
-    dist.barrier()
-    slowest = slowest_rank(warm_up(lambda: (burst(), collective()), settings.warmup, probe), probe)
-    iterations = max(2, math.ceil(settings.probe_window_s / max(slowest, 1e-9)))
-    alone, paired = [], []
-    for _ in range(settings.windows):
-        dist.barrier()
-        alone.append(_window((burst,), iterations))
-        dist.barrier()
-        paired.append(_window((burst, collective), iterations))
-    both = torch.tensor([alone, paired], dtype=torch.float64, device=probe.torch)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    return statistics.median(float(p - a) / iterations for a, p in zip(both[0], both[1]))
+    return _added(burst, [(burst, collective)], settings, probe)[0]
+
+
+def measure_overlap(settings, probe) -> dict[str, tuple[float, float]]:
+    """{kind: (seconds it adds after a burst, seconds it adds started before the burst and waited after)} for
+    ``OVERLAP_KINDS`` on the world group at the largest in-step size; {} on GPUs or with one rank."""
+    world = dist.get_world_size()
+    if probe.kind == "cuda" or world < 2:
+        return {}
+    burst, nbytes, out = _burst(settings, probe), max(in_step_sizes(settings.message_bytes)), {}
+    for kind in OVERLAP_KINDS:
+        call, _ = collective_call(kind, nbytes, world, None, probe.torch)
+        start, _ = collective_call(kind, nbytes, world, None, probe.torch, async_op=True)
+        out[kind] = tuple(_added(burst, [(burst, call), (_beside(start, burst),)], settings, probe))
+    return out
+
+
+def _beside(start, burst):
+    """One call: start the collective, run the burst, wait for the collective."""
+    def call():
+        work = start()
+        burst()
+        work.wait()
+    return call
+
+
+def comm_overlap(points: dict[str, tuple[float, float]]) -> float | None:
+    """ω of the module docstring from ``measure_overlap``'s points (None when none is usable)."""
+    shares = [min(1.0, max(0.0, 1.0 - beside / after)) for after, beside in points.values() if after > 0]
+    return statistics.median(shares) if shares else None
 
 
 def measure_in_step(settings, probe, group_sizes) -> dict[str, list[tuple[int, float]]]:
@@ -146,9 +188,15 @@ def in_step_fits(points: dict[str, list[tuple[int, float]]]) -> tuple[dict, str]
 
 
 def with_in_step_fits(cluster, per_rank: list[dict]):
-    """``cluster`` with the in-step fits added to its links (one machine: intra_node is inter_node), and a note
-    for its source line ("" when nothing was measured)."""
+    """``cluster`` with the in-step fits added to its links (one machine: intra_node is inter_node) and the
+    measured ``comm_overlap``, and a note for its source line ("" when nothing was measured)."""
     fits, note = in_step_fits(per_rank[0].get("in_step") or {})
+    points = per_rank[0].get("overlap") or {}
+    overlap = comm_overlap(points)
+    if overlap is not None:
+        cluster = dataclasses.replace(cluster, comm_overlap=overlap)
+        shown = ", ".join(f"{k} {b * 1e3:.1f} of {a * 1e3:.1f} ms" for k, (a, b) in points.items())
+        note += f"; compute hides {overlap:.2f} of a collective beside it (added beside / after a burst: {shown})"
     if not fits:
         return cluster, note
     link = dataclasses.replace(cluster.intra_node, fits={**cluster.intra_node.fits, **fits})

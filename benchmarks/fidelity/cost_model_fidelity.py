@@ -203,12 +203,18 @@ def _local_collectives():
 
     fakes = {"all_reduce": lambda t, *a, **k: Done(), "all_gather_single": gather, "all_gather_into_tensor": gather,
              "reduce_scatter_single": scatter, "reduce_scatter_tensor": scatter, "all_to_all_single": copy}
-    from autopar.runtime import gradsync, zero3
+    from autopar.runtime import collectives, gradsync, zero3
 
     # (module, name, fake): torch.distributed's functions, and the runtime's module-level references to them
+    # (``runtime.flat_collectives``' aliases, imported by name: every module holding one is listed, and a
+    # missing name is an error, so a renamed reference cannot silently escape the fakes)
     patches = [(dist, k, f) for k, f in fakes.items() if hasattr(dist, k)]
-    patches += [(m, k, f) for m, k, f in ((gradsync, "_REDUCE_SCATTER", scatter), (gradsync, "_ALL_GATHER", gather),
-                                          (zero3, "_ALL_GATHER", gather)) if hasattr(m, k)]
+    patches += [(gradsync, "reduce_scatter_flat", scatter), (gradsync, "all_gather_flat", gather),
+                (zero3, "all_gather_flat", gather), (collectives, "all_gather_flat", gather),
+                (collectives, "reduce_scatter_flat", scatter)]
+    missing = [f"{m.__name__}.{k}" for m, k, _ in patches if not hasattr(m, k)]
+    if missing:
+        raise AttributeError(f"the collective fakes name references the runtime no longer has: {missing}")
     saved = [(m, k, getattr(m, k)) for m, k, _ in patches]
     try:
         for m, k, f in patches:
