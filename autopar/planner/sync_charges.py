@@ -91,7 +91,9 @@ def charge_zero3_in_step(graph, stage, cluster: Cluster, bucket_bytes: float) ->
     all-gathers, at the gather itemsize) for ``charge_zero3``, and ``["zero3_scatter_excess"]`` (what the
     reduce-scatters cost beyond half the all-reduce ``exposed_sync`` prices them as). On 2 gloo ranks of the
     2-core VM an in-step all-gather of 16 MiB took 0.8-0.9 of an all-reduce's time, not half. No keys, and so
-    no change, where no such fit exists (presets, GPU profiles)."""
+    no change, where no such fit exists (presets, GPU profiles). The ILP's level-3 columns
+    (``passes.intra_op_zero``) still price the halves, so the level it picks on such a cluster was chosen at the
+    lower price; the plan states the measured one."""
     links = axis_links(cluster, tuple(stage.mesh_shape), stage.submesh[1])
     if not any(link.size > 1 and f"all_gather/{link.size}@step" in link.link.fits for link in links):
         return

@@ -29,7 +29,8 @@ at once, as in training (4 ranks on 2 cores each get about half a core, and the 
   ``autopar.profiling.profiler_pipeline``).
 * collectives as a step meets them (``autopar.profiling.profiler_in_step``, CPU ranks): each collective kind, and
   ZeRO's reduce-scatter + all-gather pair, timed right after a burst of compute on every rank; fits keyed
-  "<kind>/<g>@step", which the cost model prefers to the isolated ones.
+  "<kind>/<g>@step", which the cost model prefers to the isolated ones; and the share of an all-reduce or
+  all-gather that compute running beside it hides (``comm_overlap``).
 * the level as a training step meets it (``autopar.profiling.profiler_neighbour``, 2+ CPU ranks): every compute
   figure above is its ratio to the reference mm times the reference's level times ρ, the reference's speed
   beside a neighbour's training step over beside the reference.

@@ -196,7 +196,8 @@ def with_in_step_fits(cluster, per_rank: list[dict]):
     if overlap is not None:
         cluster = dataclasses.replace(cluster, comm_overlap=overlap)
         shown = ", ".join(f"{k} {b * 1e3:.1f} of {a * 1e3:.1f} ms" for k, (a, b) in points.items())
-        note += f"; compute hides {overlap:.2f} of a collective beside it (added beside / after a burst: {shown})"
+        note = "; ".join(filter(None, [note, f"compute hides {overlap:.2f} of a collective beside it (added "
+                                             f"beside / after a burst: {shown})"]))
     if not fits:
         return cluster, note
     link = dataclasses.replace(cluster.intra_node, fits={**cluster.intra_node.fits, **fits})
