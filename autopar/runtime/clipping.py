@@ -89,7 +89,7 @@ def global_norm(runner, plan, norm_type: float) -> torch.Tensor:
         else:
             local = local + torch.linalg.vector_norm(grad.detach(), p, dtype=torch.float64) ** p
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    local = local.to(devices.wire_device())
+    local = devices.to_wire(local)
     faults.guard("all_reduce", None, dist.all_reduce, local, op=op)
     total = local if math.isinf(p) else local ** (1.0 / p)
     scaler = getattr(runner, "scaler", None)

@@ -51,7 +51,7 @@ def expert_all_to_all(x, index, weights, w_in, w_out, *, group: str, n_experts: 
     keep = capacity_keep(index, n_experts, capacity_factor, group_size) if capacity_factor is not None else None
     order, counts = dispatch_order(index, keep, 0, n_experts)
     counts = torch.tensor(counts, dtype=torch.int64, device="cpu").view(world, n_local)
-    received_counts = _exchange_counts(counts.to(devices.wire_device()), group).cpu()  # splits are host lists
+    received_counts = _exchange_counts(devices.to_wire(counts), group).cpu()  # splits are host lists
     sent_splits = counts.sum(1).tolist()
     received_splits = received_counts.sum(1).tolist()
     k = index.shape[1]

@@ -220,7 +220,7 @@ class ParallelModule(FixedPlacement, torch.nn.Module):
         else:
             whole = torch.empty(info.shape, dtype=info.dtype, device=devices.wire_device())
         if len(self.plan.device_stages) > 1:
-            whole = whole.to(devices.wire_device())
+            whole = devices.to_wire(whole)
             faults.guard("broadcast", None, torch.distributed.broadcast, whole, src=owner.ranks[0])
         return whole
 

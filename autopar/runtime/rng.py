@@ -45,7 +45,7 @@ class ModuleRng:
     @classmethod
     def agreed(cls, device_type: str = "cpu") -> "ModuleRng":
         """Seeded from rank 0's default generator, broadcast to every rank (a collective)."""
-        seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device="cpu").to(devices.wire_device())
+        seed = devices.to_wire(torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device="cpu"))
         faults.guard("broadcast", None, dist.broadcast, seed, src=0)
         return cls(int(seed.item()), device_type)
 

@@ -88,7 +88,7 @@ class UserTensors(Source):
         for i, name in enumerate(names):
             if all(d[i] == every[0][i] for d in every):
                 continue
-            value = self.templates[name].detach().clone().to(devices.wire_device())
+            value = devices.to_wire(self.templates[name].detach().clone())
             faults.guard("broadcast", "weights", dist.broadcast, value, src=0)
             for spec, mesh_shape, coord in needs.get(name, ()):
                 self.overrides[(name, tuple(spec), tuple(mesh_shape), tuple(coord))] = \

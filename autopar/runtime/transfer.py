@@ -97,7 +97,7 @@ def _send(pieces, local, mine, route, tag, me, pending, mailbox) -> None:
         if p.receiver == me:
             mailbox[(tag, me)] = part.clone()
         else:
-            part = part.to(devices.wire_device())  # NCCL sends GPU memory, gloo CPU memory
+            part = devices.to_wire(part)  # NCCL sends GPU memory, gloo CPU memory
             pending.append((dist.isend(part, p.receiver, tag=tag), part))
 
 
