@@ -46,6 +46,7 @@ def test_overlap_scales_only_the_hidden_part():
 
 def test_profiler_reads_overlap_from_the_two_windows():
     assert comm_overlap({"all_reduce": (0.010, 0.007), "all_gather": (0.010, 0.009)}) == pytest.approx(0.2)
+    assert comm_overlap({"all_reduce": (0.030, 0.021), "all_gather": (0.010, 0.010)}) == pytest.approx(0.225)  # pooled
     assert comm_overlap({"all_reduce": (0.010, 0.012)}) == 0.0  # slower beside compute: clipped
     assert comm_overlap({"all_reduce": (0.0, 0.001)}) is None  # nothing measurable after the burst
     cluster, note = with_in_step_fits(autopar.Cluster.local(2), [{"overlap": {"all_reduce": (0.01, 0.008)}}])

@@ -20,10 +20,11 @@ all-gather 4.02× (``benchmarks/results/collective_share_idle_2026-11-27_0230.tx
 
 Overlap (``Cluster.comm_overlap``): the runtime issues the gradient sync's all-reduces and ZeRO-3's prefetched
 all-gathers asynchronously beside compute. For each of those two kinds at the largest in-step size, windows of
-[start it; burst; wait] alternate with the two above; with a = what it adds after the burst and b = what it
-adds started before it, compute hid the share ω = 1 − b/a, clipped to [0, 1]; the profile keeps the median over
-the kinds. On 2 gloo ranks of the 2-core VM, ω ≈ 0.3: gloo's threads copy and reduce on the cores the ranks
-compute on, so "hidden" sync mostly is not.
+[start it; burst; wait] alternate with the two above, three times as many windows as a point (both a and b
+are differences of noisy windows); with a = what it adds after the burst and b = what it adds started before
+it, summed over the two kinds, compute hid the share ω = 1 − Σb/Σa, clipped to [0, 1]. On 2 gloo ranks of the
+2-core VM, ω ≈ 0.2-0.3: gloo's threads copy and reduce on the cores the ranks compute on, so "hidden" sync
+mostly is not.
 
 Kinds: all_reduce, all_gather, reduce_scatter (the step's own collectives), and "zero_pair": the
 reduce-scatter of a flat gradient buffer of m bytes into the rank's shard and the all-gather of the shards back
@@ -99,14 +100,15 @@ def _window(calls, iterations: int) -> float:
     return time.perf_counter() - begin
 
 
-def _added(burst, variants, settings, probe) -> list[float]:
+def _added(burst, variants, settings, probe, windows: int | None = None) -> list[float]:
     """Seconds each of ``variants`` (call sequences) adds over the burst alone, per iteration: the median over
-    windows of the slowest rank's window less its burst-alone window (they alternate), the same on every rank."""
+    ``windows`` (default the settings') of the slowest rank's window less its burst-alone window (they
+    alternate), the same on every rank."""
     dist.barrier()
     slowest = slowest_rank(warm_up(lambda: _window(variants[0], 1), settings.warmup, probe), probe)
     iterations = max(2, math.ceil(settings.probe_window_s / max(slowest, 1e-9)))
     rows = [[] for _ in range(len(variants) + 1)]
-    for _ in range(settings.windows):
+    for _ in range(windows or settings.windows):
         for row, calls in zip(rows, [(burst,)] + list(variants)):
             dist.barrier()
             row.append(_window(calls, iterations))
@@ -127,10 +129,11 @@ def measure_overlap(settings, probe) -> dict[str, tuple[float, float]]:
     if probe.kind == "cuda" or world < 2:
         return {}
     burst, nbytes, out = _burst(settings, probe), max(in_step_sizes(settings.message_bytes)), {}
+    windows = min(settings.max_windows, 3 * settings.windows)
     for kind in OVERLAP_KINDS:
         call, _ = collective_call(kind, nbytes, world, None, probe.torch)
         start, _ = collective_call(kind, nbytes, world, None, probe.torch, async_op=True)
-        out[kind] = tuple(_added(burst, [(burst, call), (_beside(start, burst),)], settings, probe))
+        out[kind] = tuple(_added(burst, [(burst, call), (_beside(start, burst),)], settings, probe, windows))
     return out
 
 
@@ -144,9 +147,11 @@ def _beside(start, burst):
 
 
 def comm_overlap(points: dict[str, tuple[float, float]]) -> float | None:
-    """ω of the module docstring from ``measure_overlap``'s points (None when none is usable)."""
-    shares = [min(1.0, max(0.0, 1.0 - beside / after)) for after, beside in points.values() if after > 0]
-    return statistics.median(shares) if shares else None
+    """ω of the module docstring from ``measure_overlap``'s points (None when no kind added measurable time)."""
+    usable = [(after, beside) for after, beside in points.values() if after > 0]
+    if not usable:
+        return None
+    return min(1.0, max(0.0, 1.0 - sum(b for _, b in usable) / sum(a for a, _ in usable)))
 
 
 def measure_in_step(settings, probe, group_sizes) -> dict[str, list[tuple[int, float]]]:
