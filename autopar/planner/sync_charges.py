@@ -69,6 +69,15 @@ def charge_zero3(stage) -> None:
         p[key] = p.get(key, 0.0) + p.get("zero3_transient", 0.0)
 
 
+def _flat_bytes_by_axis(graph, stage, bucket_bytes: float, levels: tuple[int, ...]):
+    """(mesh axis, bytes of the fp32 flat buffer, padded) per axis of each of ``stage``'s sync buckets whose ZeRO
+    level is in ``levels``: what one ZeRO collective of that bucket moves on that axis."""
+    for b in stage_sync_buckets(graph, stage, bucket_bytes):
+        if b["level"] in levels:
+            nbytes = 4.0 * padded_numel(b["numel"], b["ways"], b["level"])
+            yield from ((a, nbytes) for a in b["axes"])
+
+
 def charge_zero_pair(graph, stage, cluster: Cluster, bucket_bytes: float) -> None:
     """Where the profile measured ZeRO's reduce-scatter + all-gather pair after a step's compute
     ("zero_pair/<n>@step", CPU profiles), add to ``stage.predicted["zero_pair_excess"]`` what the stage's
@@ -78,8 +87,8 @@ def charge_zero_pair(graph, stage, cluster: Cluster, bucket_bytes: float) -> Non
     links = axis_links(cluster, tuple(stage.mesh_shape), stage.submesh[1])
     if all(zero_pair_fit(link) is None for link in links):
         return
-    excess = sum(zero_pair_excess(links[a], 4.0 * padded_numel(b["numel"], b["ways"], b["level"]))
-                 for b in stage_sync_buckets(graph, stage, bucket_bytes) if b["level"] in (1, 2) for a in b["axes"])
+    pieces = _flat_bytes_by_axis(graph, stage, bucket_bytes, (1, 2))
+    excess = sum(zero_pair_excess(links[a], nbytes) for a, nbytes in pieces)
     if excess > 0:
         stage.predicted["zero_pair_excess"] = excess
 
@@ -99,13 +108,9 @@ def charge_zero3_in_step(graph, stage, cluster: Cluster, bucket_bytes: float) ->
         return
     scale = stage.predicted.get("zero3_gather_scale", 1.0)
     gather = scatter = 0.0
-    for b in stage_sync_buckets(graph, stage, bucket_bytes):
-        if b["level"] != 3:
-            continue
-        nbytes = 4.0 * padded_numel(b["numel"], b["ways"], b["level"])
-        for a in b["axes"]:
-            gather += links[a].time("all_gather", nbytes * scale)
-            scatter += max(0.0, links[a].time("reduce_scatter", nbytes) - links[a].time("all_reduce", nbytes) / 2)
+    for a, nbytes in _flat_bytes_by_axis(graph, stage, bucket_bytes, (3,)):
+        gather += links[a].time("all_gather", nbytes * scale)
+        scatter += max(0.0, links[a].time("reduce_scatter", nbytes) - links[a].time("all_reduce", nbytes) / 2)
     if gather > 0:
         stage.predicted["zero3_gather_measured"] = gather
         stage.predicted["zero3_scatter_excess"] = scatter
