@@ -327,18 +327,31 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     """Seconds of one ``optimizer.step()`` and ``zero_grad()`` over ``n_tensors`` local parameter tensors of
     ``numel`` elements:
 
-        t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / memory_bandwidth
-            + n_tensors · optimizer_host_calls(optimizer) · op_overhead       (CPU ranks only)
+        t = numel · itemsize · OPTIMIZER_TRAFFIC[optimizer] / optimizer_bandwidth(cluster)
+            + n_tensors · optimizer_host_calls(optimizer) · optimizer_call_seconds(cluster)   (CPU ranks only)
 
     On CPU ranks torch steps one tensor at a time, so each tensor pays the ATen calls of the optimizer's
-    per-tensor update (counted, ``cost_models.optimizer_calls``) and zero_grad's per-tensor host work, at the
-    profile's measured op_overhead. On GPUs the foreach kernels take many tensors per launch, so the per-tensor
-    host charge is left out.
+    per-tensor update (counted, ``cost_models.optimizer_calls``) and zero_grad's per-tensor host work; the
+    profile measures both the host time per such call and the rate of the per-element passes
+    (``autopar.profiling.profiler_optimizer``). On GPUs the foreach kernels take many tensors per launch, so
+    the per-tensor host charge is left out.
 
     Part of a plan's predicted step time (``plan_builder.predict``) and, per parameter at its local shard and
     ZeRO level, of the intra-op ILP's objective (``passes.intra_op_zero.price_optimizer_step``).
     """
-    traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
+    traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / optimizer_bandwidth(cluster)
     if host_overlaps_kernels(cluster):
         return traffic
-    return traffic + n_tensors * optimizer_host_calls(optimizer) * getattr(cluster, "op_overhead", 0.0)
+    return traffic + n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
+
+
+def optimizer_bandwidth(cluster) -> float:
+    """Bytes per second of an optimizer step's element passes as OPTIMIZER_TRAFFIC counts them: the profile's
+    measured ``Cluster.optimizer_bandwidth`` (CPU ranks), else the streaming ``memory_bandwidth``."""
+    return getattr(cluster, "optimizer_bandwidth", 0.0) or cluster.memory_bandwidth
+
+
+def optimizer_call_seconds(cluster) -> float:
+    """Host seconds per ATen call of an optimizer step: the profile's measured ``Cluster.optimizer_call_overhead``
+    (CPU ranks), else a graph op's ``op_overhead``."""
+    return getattr(cluster, "optimizer_call_overhead", 0.0) or getattr(cluster, "op_overhead", 0.0)

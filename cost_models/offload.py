@@ -5,7 +5,7 @@ host memory and the step runs there. A rank stepping N local parameter elements 
 the gradients out and the updated parameters back over its PCIe link, and steps on the host:
 
     t_step = 2 · N · s / pcie  +  N · 4 · OPTIMIZER_TRAFFIC / host_bw          (host figures: hardware.host)
-             + n_tensors · optimizer_host_calls(optimizer) · op_overhead           (CPU ranks only)
+             + n_tensors · optimizer_host_calls(optimizer) · optimizer_call_seconds (CPU ranks only)
 
 (the per-tensor host time as ``compute.optimizer_step_time`` charges it: the host copies are stepped by the
 same torch optimizer, one tensor at a time) in place of the device step; device memory loses the state and
@@ -17,7 +17,7 @@ itemsize s frees their state and master bytes on the device and adds the host st
 replaces (their memory traffic; the per-tensor host time is the same on both sides and cancels):
 
     freed = N · (state + master)                  (state: OPTIMIZER_STATE_BYTES; master: 4 for fp16/bf16)
-    added = max(0, t_step − N · s · OPTIMIZER_TRAFFIC / memory_bandwidth)      seconds per step
+    added = max(0, t_step − N · s · OPTIMIZER_TRAFFIC / optimizer_bandwidth)   seconds per step
 
 Activation offload (``torch.autograd.graph.save_on_cpu``: every tensor saved for backward is copied to host
 memory in forward and back in backward): with A bytes saved per microbatch and c seconds of compute,
@@ -30,7 +30,13 @@ from __future__ import annotations
 
 import torch
 
-from autopar.cost_models.compute import OPTIMIZER_TRAFFIC, host_overlaps_kernels, optimizer_host_calls
+from autopar.cost_models.compute import (
+    OPTIMIZER_TRAFFIC,
+    host_overlaps_kernels,
+    optimizer_bandwidth,
+    optimizer_call_seconds,
+    optimizer_host_calls,
+)
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.hardware.host import host_of
 
@@ -42,14 +48,14 @@ def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster,
     seconds = 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
     if host_overlaps_kernels(cluster):
         return seconds
-    return seconds + n_tensors * optimizer_host_calls(optimizer) * getattr(cluster, "op_overhead", 0.0)
+    return seconds + n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
 
 
 def optimizer_offload_effect(numel: float, dtype: torch.dtype, optimizer: str, cluster) -> tuple[float, float]:
     """(device bytes freed, seconds added per step) by stepping ``numel`` local elements on the host (docstring)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     master = 4 if dtype in (torch.float16, torch.bfloat16) else 0
-    device_step = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / cluster.memory_bandwidth
+    device_step = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / optimizer_bandwidth(cluster)
     added = max(0.0, host_optimizer_seconds(numel, itemsize, optimizer, cluster) - device_step)
     return numel * (OPTIMIZER_STATE_BYTES[optimizer] + master), added
 

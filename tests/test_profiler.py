@@ -308,3 +308,6 @@ def test_quick_profile_measures_training_conditions(quick_profile):
     # the per-op terms' spreads are recorded, the pipeline's host time among them
     assert "spread (IQR / median" in cluster.source and "op_overhead " in cluster.source.split("spread")[1]
     assert "pipeline M=8" in cluster.source and "before scaling to the reference's level" in cluster.source
+    # the optimizer step (profiler_optimizer): host time per call and the element passes' rate, both measured
+    assert 0 < cluster.optimizer_call_overhead < 1e-2 and cluster.optimizer_bandwidth > 0
+    assert "optimizer step:" in cluster.source and "optimizer calls" in cluster.source.split("spread")[1]

@@ -72,6 +72,12 @@ class Cluster:
       cluster files) where collectives have their own engines (GPUs: NCCL kernels on their own stream); on CPU
       ranks the profiler measures it (``autopar.profiling.profiler_in_step``), since gloo's threads then run on
       the cores the ranks compute on (0.3 on 2 ranks of the 2-core development VM).
+    optimizer_call_overhead, optimizer_bandwidth: an optimizer step on CPU ranks (torch steps one tensor at a
+      time with in-place ops outside autograd): host seconds per ATen call of the step, and the bytes per
+      second its per-element passes reach as ``cost_models.compute.OPTIMIZER_TRAFFIC`` counts them. 0 (the
+      default, presets, old cluster files, GPUs): ``op_overhead`` and ``memory_bandwidth``; the profiler
+      measures both on CPU ranks (``autopar.profiling.profiler_optimizer``: 3 µs a call where a graph op takes
+      12, and element passes at ~0.3 of the streaming bandwidth, on the development VM).
     compute_time_scale: end-to-end factor on every op's compute time (launch gaps, unfused epilogues and
       other kernel-level losses a per-op roofline misses), calibrated per preset against published runs
       (``benchmarks/calibration``); on a profiled CPU cluster, measured by the profiler on a probe training
@@ -106,6 +112,8 @@ class Cluster:
     attention_efficiency: float = 0.0
     compiled_time_scale: float = 0.0
     comm_overlap: float = 1.0
+    optimizer_call_overhead: float = 0.0
+    optimizer_bandwidth: float = 0.0
 
     def __post_init__(self):
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -129,6 +137,8 @@ class Cluster:
                                f"{{'float32': 1e12}}, got {self.peak_flops!r}{_FIX}")
         _check_positive(self.name, "op_overhead", self.op_overhead, allow_zero=True)
         _check_positive(self.name, "microbatch_overhead", self.microbatch_overhead, allow_zero=True)
+        for field in ("optimizer_call_overhead", "optimizer_bandwidth"):
+            _check_positive(self.name, field, getattr(self, field), allow_zero=True)
         _check_positive(self.name, "memory_capacity", self.memory_capacity, allow_zero=True)
         _check_positive(self.name, "norm_act_bandwidth", self.norm_act_bandwidth, allow_zero=True)
         _check_positive(self.name, "attention_efficiency", self.attention_efficiency, allow_zero=True)
@@ -224,6 +234,9 @@ class Cluster:
             del out["compiled_time_scale"]
         if self.comm_overlap == 1.0:  # the default: absent, so files and plans of clusters without it stay as they were
             del out["comm_overlap"]
+        for field in ("optimizer_call_overhead", "optimizer_bandwidth"):
+            if not out[field]:  # unmeasured: absent, as in files written before the fields existed
+                del out[field]
         return out
 
     def to_json(self, path: str | os.PathLike | None = None) -> str:

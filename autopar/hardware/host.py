@@ -45,7 +45,10 @@ DEFAULT_GPU_HOST = Host(pcie=25 * GB, host_bw=_dram(2, 8, 3200))  # a PCIe Gen4 
 
 
 def host_of(cluster) -> Host:
-    """The host figures of ``cluster``: its preset's, the memory bandwidth itself on CPU ranks, else a Gen4 server."""
+    """The host figures of ``cluster``: its preset's, else a Gen4 server; on CPU ranks the rank's own memory
+    (copies at the memory bandwidth, the optimizer's passes at the rate the device step gets: one memory, so
+    stepping "on the host" saves no time, whatever the profile measured)."""
     if getattr(cluster, "device_type", "cuda") == "cpu":
-        return Host(pcie=cluster.memory_bandwidth, host_bw=cluster.memory_bandwidth)
+        return Host(pcie=cluster.memory_bandwidth,
+                    host_bw=getattr(cluster, "optimizer_bandwidth", 0.0) or cluster.memory_bandwidth)
     return HOSTS.get(cluster.name, DEFAULT_GPU_HOST)

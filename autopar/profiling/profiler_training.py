@@ -4,7 +4,7 @@
               training_seconds(raw, reference.level()) -> seconds
     caller:   apply_training_measurements(cluster, per_rank, probe) -> Cluster
 
-Collectives are timed in seconds; every compute probe (items 2-4, 6-8) against the reference mm
+Collectives are timed in seconds; every compute probe (items 2-4, 6-9) against the reference mm
 (``probes.SpeedReference``), so all of them describe the machine at the profile's one reference speed.
 
 1. Collectives inside a mesh. The isolated probe times each collective with every group of one size busy at
@@ -50,6 +50,8 @@ Collectives are timed in seconds; every compute probe (items 2-4, 6-8) against t
    measures what inductor's fusion of pointwise chains and the dropped per-op host calls save on this
    machine; the cost model prices compiled modules with it (``Cluster.compiled_view``). Like item 4, GPUs
    record it in the source line but keep it unapplied (0). A rank whose compile fails makes every rank skip it.
+9. optimizer_call_overhead, optimizer_bandwidth: AdamW steps over tiny and over 4 MB tensors, CPU ranks
+   only (``autopar.profiling.profiler_optimizer``).
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ from autopar.profiling.probes import (
     slowest_rank,
     warm_up,
 )
+from autopar.profiling.profiler_optimizer import measure_optimizer, optimizer_figures, optimizer_note
 from autopar.profiling.profiler_pipeline import measure_pipeline, microbatch_overhead
 
 # (tokens, in features, out features) of the linears timed for item 3: a spread of transformer-like shapes.
@@ -234,6 +237,7 @@ def measure_rank(settings, probe, reference: SpeedReference) -> dict:
         out["linears"][name] = [relative(_linear_step(s, dtype, probe.torch)) for s in training_shapes(probe)]
     out["norm_act"] = [relative(call, op) for call, op in zip(norm_act_calls(probe.kind, device), NORM_ACT_OPS)]
     out["attention"] = relative(attention_call(device, probe.kind))
+    out["optimizer"] = measure_optimizer(relative, probe.kind)
     out["pipeline"] = measure_pipeline(settings, probe, reference)
     for m, timing in (out["pipeline"] or {}).pop("timings", {}).items():
         timings[f"pipeline M={m}"] = timing
@@ -250,8 +254,9 @@ def training_seconds(out: dict, level: float) -> dict:
     for key in ("tiny_step", "probe_step", "probe_reference", "attention"):
         if out.get(key) is not None:
             out[key] *= level
-    if out.get("norm_act"):
-        out["norm_act"] = [r * level for r in out["norm_act"]]
+    for key in ("norm_act", "optimizer"):
+        if out.get(key):
+            out[key] = [r * level for r in out[key]]
     if out.get("probe_compiled"):
         out["probe_compiled"] = tuple(r * level for r in out["probe_compiled"])
     pipeline = out.get("pipeline")
@@ -344,9 +349,12 @@ def apply_training_measurements(cluster: Cluster, per_rank: list[dict], probe) -
                                      probe.kind, overhead)
     if attention:
         notes.append(f"fused attention at {attention:.2f} of the matmul rate")
+    per_call, optimizer_rate = optimizer_figures(per_rank)
+    notes.append(optimizer_note(per_call, optimizer_rate))
     out = dataclasses.replace(cluster, intra_node=link, inter_node=link if cluster.nodes == 1 else cluster.inter_node,
                               op_overhead=overhead, matmul_curve=curve, peak_flops=peak, norm_act_bandwidth=norm_act,
-                              attention_efficiency=attention)
+                              attention_efficiency=attention, optimizer_call_overhead=per_call,
+                              optimizer_bandwidth=optimizer_rate)
     probes = [(r["probe_step"], r["probe_reference"]) for r in per_rank if r.get("probe_step") is not None]
     if probes:
         scale = end_to_end_factor(out, statistics.median(p for p, _ in probes),
