@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from autopar.runtime import module
+from autopar.runtime import optimizer_hooks
 
 
 def test_importing_autopar_leaves_torch_optimizers_untouched():
@@ -25,10 +25,10 @@ def _step(optimizer) -> list[str]:
 
 
 def test_the_hook_warns_once_about_an_optimizer_whose_parameters_have_no_gradient():
-    had_hook = bool(module._HOOK)
-    module.watch_optimizers()
-    module.watch_optimizers()  # idempotent: one hook per process
-    assert len(module._HOOK) == 2  # the step pre-hook and post-hook
+    had_hook = bool(optimizer_hooks._HOOK)
+    optimizer_hooks.watch_optimizers()
+    optimizer_hooks.watch_optimizers()  # idempotent: one hook per process
+    assert len(optimizer_hooks._HOOK) == 2  # the step pre-hook and post-hook
     try:
         stale = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
         assert len(_step(stale)) == 1, "the first step over parameters without gradients warns"
@@ -38,5 +38,5 @@ def test_the_hook_warns_once_about_an_optimizer_whose_parameters_have_no_gradien
         assert not _step(torch.optim.SGD([live], lr=0.1)), "negative control: a parameter with a gradient"
         assert not hasattr(stale, "_autopar_checked"), "nothing is set on the user's optimizer"
     finally:
-        while not had_hook and module._HOOK:
-            module._HOOK.pop().remove()
+        while not had_hook and optimizer_hooks._HOOK:
+            optimizer_hooks._HOOK.pop().remove()

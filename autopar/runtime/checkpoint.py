@@ -395,8 +395,6 @@ def _check_matches(path, metadata, state: dict) -> None:
 
 
 def _flatten(tree: dict, prefix: str):
+    """("<prefix>.<key>.<key>...", leaf) of a nested dict: the keys DCP's metadata names its entries by."""
     for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _flatten(value, f"{prefix}.{key}")
-        else:
-            yield f"{prefix}.{key}", value
+        yield from _flatten(value, f"{prefix}.{key}") if isinstance(value, dict) else [(f"{prefix}.{key}", value)]

@@ -3,7 +3,7 @@
 Invariant: an optimizer whose parameters are this rank's tensors of a ``ParallelModule`` steps exactly what
 ``runtime.gradsync`` leaves this rank to update, and every rank takes the same decision. Three things make a
 plan need more than stepping the local tensors, and each hangs off torch's global optimizer step hooks
-(registered once, when the first ParallelModule is built: ``module.watch_optimizers``):
+(registered once, when the first ParallelModule is built: ``optimizer_hooks.watch_optimizers``):
   * ZeRO >= 1: a rank steps only its shard of each gradient bucket, a flat slice no parameter is. On the
     optimizer's first step (or first checkpoint save/load, ``adopt``) each bucket's parameters in its
     param groups are replaced by the bucket's ``shard`` (state is empty then, so nothing is lost); after
