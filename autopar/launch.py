@@ -40,7 +40,6 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.utils._pytree as pytree
 
 from autopar.errors import ClusterError, CommunicationError, LaunchError, UsageError
 from autopar.runtime import faults
@@ -187,7 +186,7 @@ def _signature(fn) -> str:
 
 def _save_result(result, path: str, rank: int) -> None:
     """The rank's return value, for the parent; a module or anything unpicklable is a UsageError."""
-    if any(isinstance(leaf, torch.nn.Module) for leaf in pytree.tree_leaves(result)):
+    if any(isinstance(leaf, torch.nn.Module) for leaf in _leaves(result)):
         raise UsageError(f"launch: rank {rank}'s fn returned a {_module_in(result)}, which cannot leave its "
                          f"process (its tensors are this rank's shards, its process group ends with the rank); "
                          f"return plain data instead, e.g. pm.full_state_dict(), the losses, or None")
@@ -199,8 +198,19 @@ def _save_result(result, path: str, rank: int) -> None:
                          f"lists and dicts of them)") from None
 
 
+def _leaves(value, depth: int = 0):
+    """The values inside nested dicts, lists, tuples and sets (torch's pytree treats a set as a leaf)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set)) and depth <= 8:
+        for v in value:
+            yield from _leaves(v, depth + 1)
+    else:
+        yield value
+
+
 def _module_in(result) -> str:
-    return next(type(leaf).__name__ for leaf in pytree.tree_leaves(result) if isinstance(leaf, torch.nn.Module))
+    return next(type(leaf).__name__ for leaf in _leaves(result) if isinstance(leaf, torch.nn.Module))
 
 
 def _read_result(out_dir: str, rank: int):

@@ -42,3 +42,15 @@ def returns_a_module(rank: int) -> torch.nn.Module:
 def test_returning_a_module_from_launch_says_return_plain_data():
     with pytest.raises(UsageError, match=r"returned a Linear, which cannot leave its process.*full_state_dict\(\)"):
         autopar.launch(returns_a_module, 1, timeout=30)
+
+
+def test_a_module_nested_in_a_returned_container_is_refused(tmp_path):
+    """The check behind the launch test above, without processes: dicts, lists, tuples and sets are opened."""
+    from autopar.launch import _save_result
+
+    path = str(tmp_path / "result.pt")
+    for value in ({"a": [torch.nn.Linear(2, 2)]}, ({torch.nn.ReLU()},), [[[torch.nn.Linear(1, 1)]]]):
+        with pytest.raises(UsageError, match="cannot leave its process"):
+            _save_result(value, path, 0)
+    _save_result({"loss": [1.0, torch.ones(2)], "ranks": {0, 1}}, path, 0)  # plain data goes back
+    assert torch.load(path)["loss"][0] == 1.0
