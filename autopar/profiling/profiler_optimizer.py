@@ -20,8 +20,9 @@ thread) an AdamW call took 2.8-3.2 µs of host time where a graph op took 12-14 
 and its ~10 passes per element ran at 1.7-3.9 ns per fp32 element on tensors of 16 K-1 M elements, 2-4×
 the 7 DRAM passes that OPTIMIZER_TRAFFIC counts at the streaming bandwidth (0.97 ns). The two errors
 cancelled on a GPT of 3.3 M parameters in 65 tensors and not elsewhere: 64 tiny tensors were priced 5.7×
-their measured step, 2 tensors of 4 M elements 0.56× (one process; the new price: 1.9× and 1.0×). GPUs step with foreach or fused kernels
-beside which the host is hidden; they keep the streaming bandwidth (fields left 0).
+their measured step, 2 tensors of 4 M elements 0.56× (one process; the new price: 1.9× and 1.0×). GPUs
+step with foreach or fused kernels beside which the host is hidden; they keep the streaming bandwidth (fields
+left 0).
 """
 from __future__ import annotations
 
