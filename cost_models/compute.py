@@ -340,9 +340,15 @@ def optimizer_step_time(numel: float, n_tensors: int, itemsize: int, optimizer: 
     ZeRO level, of the intra-op ILP's objective (``passes.intra_op_zero.price_optimizer_step``).
     """
     traffic = numel * itemsize * OPTIMIZER_TRAFFIC[optimizer] / optimizer_bandwidth(cluster)
+    return traffic + optimizer_host_seconds(n_tensors, optimizer, cluster)
+
+
+def optimizer_host_seconds(n_tensors: int, optimizer: str, cluster) -> float:
+    """Host seconds of one step and zero_grad over ``n_tensors`` tensors stepped one at a time: their counted
+    calls at ``optimizer_call_seconds`` on CPU ranks; 0 on GPUs (foreach kernels, host hidden)."""
     if host_overlaps_kernels(cluster):
-        return traffic
-    return traffic + n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
+        return 0.0
+    return n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
 
 
 def optimizer_bandwidth(cluster) -> float:

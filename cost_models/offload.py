@@ -5,7 +5,7 @@ host memory and the step runs there. A rank stepping N local parameter elements 
 the gradients out and the updated parameters back over its PCIe link, and steps on the host:
 
     t_step = 2 · N · s / pcie  +  N · 4 · OPTIMIZER_TRAFFIC / host_bw          (host figures: hardware.host)
-             + n_tensors · optimizer_host_calls(optimizer) · optimizer_call_seconds (CPU ranks only)
+             + optimizer_host_seconds(n_tensors, optimizer)           (0 on GPUs)
 
 (the per-tensor host time as ``compute.optimizer_step_time`` charges it: the host copies are stepped by the
 same torch optimizer, one tensor at a time) in place of the device step; device memory loses the state and
@@ -30,13 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.cost_models.compute import (
-    OPTIMIZER_TRAFFIC,
-    host_overlaps_kernels,
-    optimizer_bandwidth,
-    optimizer_call_seconds,
-    optimizer_host_calls,
-)
+from autopar.cost_models.compute import OPTIMIZER_TRAFFIC, optimizer_bandwidth, optimizer_host_seconds
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.hardware.host import host_of
 
@@ -46,9 +40,7 @@ def host_optimizer_seconds(numel: float, itemsize: int, optimizer: str, cluster,
     docstring)."""
     host = host_of(cluster)
     seconds = 2 * numel * itemsize / host.pcie + numel * 4 * OPTIMIZER_TRAFFIC[optimizer] / host.host_bw
-    if host_overlaps_kernels(cluster):
-        return seconds
-    return seconds + n_tensors * optimizer_host_calls(optimizer) * optimizer_call_seconds(cluster)
+    return seconds + optimizer_host_seconds(n_tensors, optimizer, cluster)
 
 
 def optimizer_offload_effect(numel: float, dtype: torch.dtype, optimizer: str, cluster) -> tuple[float, float]:

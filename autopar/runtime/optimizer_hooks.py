@@ -18,7 +18,7 @@ from autopar.runtime import plain_optim
 
 # ---- a common mistake: an optimizer over the original model's parameters --------------------------------
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers whose first step was checked
-_HOOK: list = []  # the handle of the registered hook, once a ParallelModule exists
+_HOOK: list = []  # the handles of the two registered hooks, once a ParallelModule exists
 
 
 def watch_optimizers() -> None:
@@ -49,9 +49,9 @@ def _warn_if_no_parameter_has_a_gradient(optimizer: torch.optim.Optimizer) -> No
         return
     from autopar.runtime.optim import check_raw
 
-    check_raw(optimizer, [p for group in optimizer.param_groups for p in group["params"]])
-    _CHECKED.add(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    check_raw(optimizer, params)
+    _CHECKED.add(optimizer)
     if params and all(p.grad is None for p in params):
         warnings.warn(f"{type(optimizer).__name__}.step(): none of its {len(params)} parameters has a gradient, "
                       f"so nothing is updated. With autopar, build the optimizer from pm.parameters() (this "
